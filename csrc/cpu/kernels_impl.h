@@ -1,0 +1,75 @@
+// The CPU kernels, written once over a lane type L (ScalarLane, Avx2Lane, Avx512Lane) and compiled once
+// per ISA by kernels_{scalar,avx2,avx512}.cpp.
+//
+// Note [Internal linkage in ISA translation units]
+// The same source is compiled under different `#pragma GCC target`s. Any function with external linkage
+// (an inline function, a template instance) emitted by two of these TUs would be merged by the linker,
+// which may keep the AVX-512 copy and run it on a CPU without AVX-512. So everything here lives in an
+// anonymous namespace, the shared element math is `static`, and the ISA TUs include standard headers
+// (which instantiate inline functions) only before their target pragma.
+//
+// Note [OpenMP outside the ISA kernels]
+// GCC outlines `#pragma omp parallel` bodies into new functions that inherit the target of the function
+// that holds the pragma, not of its caller. The parallel loops therefore live in the default-ISA
+// dispatchers (reduce.cpp, ...), and each thread calls the ISA kernel on its slice [begin, end).
+#pragma once
+#include <cstdint>
+
+#include "../common/dtype.h"
+#include "../common/elementwise.h"
+#include "vec_scalar.h"
+
+namespace ncclavg {
+namespace cpu {
+namespace {
+
+// Storage tags: turn a run-time DType into a compile-time choice of load/store, outside inner loops.
+struct F32 {};
+struct F16 {};
+struct BF16 {};
+
+template <class L> typename L::V ld(F32, const void* p, int64_t i) { return L::load_f32(static_cast<const float*>(p) + i); }
+template <class L> typename L::V ld(F16, const void* p, int64_t i) { return L::load_f16(static_cast<const uint16_t*>(p) + i); }
+template <class L> typename L::V ld(BF16, const void* p, int64_t i) { return L::load_bf16(static_cast<const uint16_t*>(p) + i); }
+template <class L> void st(F32, void* p, int64_t i, typename L::V v) { L::store_f32(static_cast<float*>(p) + i, v); }
+template <class L> void st(F16, void* p, int64_t i, typename L::V v) { L::store_f16(static_cast<uint16_t*>(p) + i, v); }
+template <class L> void st(BF16, void* p, int64_t i, typename L::V v) { L::store_bf16(static_cast<uint16_t*>(p) + i, v); }
+
+// Calls f(tag) with the storage tag of `dtype`.
+template <class Fn>
+void with_storage(DType dtype, Fn&& f) {
+  switch (dtype) {
+    case DType::kFloat32: f(F32{}); break;
+    case DType::kFloat16: f(F16{}); break;
+    case DType::kBFloat16: f(BF16{}); break;
+  }
+}
+
+// One element step of the average: read lane `i` of every buffer, sum in fp32, write the mean back.
+template <class L, class T>
+void average_step(void* const* bufs, int n, float fn, int64_t i) {
+  typename L::V acc = ld<L>(T{}, bufs[0], i);
+  for (int k = 1; k < n; ++k) acc = acc + ld<L>(T{}, bufs[k], i);
+  const typename L::V mean = ew::mean_of_sum(acc, fn);
+  for (int k = 0; k < n; ++k) st<L>(T{}, bufs[k], i, mean);
+}
+
+template <class L>
+void average_range(void* const* bufs, int n, DType dtype, int64_t begin, int64_t end) {
+  with_storage(dtype, [&](auto tag) {
+    using T = decltype(tag);
+    const float fn = static_cast<float>(n);
+    int64_t i = begin;
+    for (; i + L::W <= end; i += L::W) average_step<L, T>(bufs, n, fn, i);
+    for (; i < end; ++i) average_step<ScalarLane, T>(bufs, n, fn, i);
+  });
+}
+
+}  // namespace
+}  // namespace cpu
+}  // namespace ncclavg
+
+// The table of one ISA, as a brace initializer. It must be a constant initializer: code run by a
+// static constructor of the AVX-512 TU would itself be AVX-512 code and crash at import elsewhere.
+#define NCCLAVG_KERNEL_TABLE(Lane, level) \
+  { level, &average_range<Lane> }

@@ -1,0 +1,45 @@
+// Run-time ISA dispatch for the CPU kernels.
+//
+// Note [Run-time ISA dispatch]
+// The package is built once and runs on any x86-64, so it is never compiled with -march=native. Each
+// kernel family is compiled three times, in kernels_scalar.cpp, kernels_avx2.cpp and
+// kernels_avx512.cpp, each with its own `#pragma GCC target`, and the three tables of function pointers
+// are chosen at first use from CPUID. NCCLAVG_SIMD=scalar|avx2|avx512 forces a level (tests compare every
+// level the machine supports against the scalar one); forcing a level the CPU lacks raises an error
+// instead of crashing with an illegal instruction.
+#pragma once
+#include <cstdint>
+#include <string>
+
+#include "../common/dtype.h"
+
+namespace ncclavg {
+namespace cpu {
+
+enum class SimdLevel : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
+
+const char* simd_level_name(SimdLevel l);
+SimdLevel simd_level_best_supported();
+bool simd_level_supported(SimdLevel l);
+
+// Kernel table: one entry per kernel family; all entries work on the element range [begin, end) so that
+// OpenMP threads (which live in the default-ISA dispatcher) each call the ISA kernel on their own slice.
+// See Note [OpenMP outside the ISA kernels].
+struct KernelTable {
+  SimdLevel level;
+  // Average n buffers of `dtype` in place over [begin, end): reads each once, writes the mean to each.
+  void (*average)(void* const* bufs, int n, DType dtype, int64_t begin, int64_t end);
+};
+
+extern const KernelTable kScalarKernels;
+extern const KernelTable kAvx2Kernels;
+extern const KernelTable kAvx512Kernels;
+
+// The table in use: NCCLAVG_SIMD if set (validated), else the best the CPU supports. Cached after the
+// first call; `reset_kernel_table_for_testing` rereads the environment.
+const KernelTable& kernels();
+void set_simd_level(const std::string& name);  // "auto" | "scalar" | "avx2" | "avx512"
+SimdLevel current_simd_level();
+
+}  // namespace cpu
+}  // namespace ncclavg

@@ -1,0 +1,28 @@
+// Lane type of the scalar path: one float. Also provides the scalar load/store used for the tails of
+// the SIMD paths. See Note [Internal linkage in ISA translation units].
+#pragma once
+#include <cstdint>
+
+#include "../common/elementwise.h"
+
+namespace ncclavg {
+namespace cpu {
+namespace {
+
+struct ScalarLane {
+  using V = float;
+  static constexpr int W = 1;
+  static V set1(float x) { return x; }
+  static V sqrt(V x) { return __builtin_sqrtf(x); }
+  static V load_f32(const float* p) { return *p; }
+  static void store_f32(float* p, V v) { *p = v; }
+  static V load_bf16(const uint16_t* p) { return ew::bf16_bits_to_float(*p); }
+  static void store_bf16(uint16_t* p, V v) { *p = ew::float_to_bf16_bits(v); }
+  // _Float16 conversions are correctly rounded (F16C when the TU's target has it, libgcc otherwise).
+  static V load_f16(const uint16_t* p) { return static_cast<float>(*reinterpret_cast<const _Float16*>(p)); }
+  static void store_f16(uint16_t* p, V v) { *reinterpret_cast<_Float16*>(p) = static_cast<_Float16>(v); }
+};
+
+}  // namespace
+}  // namespace cpu
+}  // namespace ncclavg

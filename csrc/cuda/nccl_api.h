@@ -1,0 +1,113 @@
+// The part of NCCL's C ABI that ncclavg uses, declared here so that no nccl.h is needed at build time.
+// NCCL is loaded with dlopen on first use (see Note [Finding NCCL] in nccl_api.cpp). NCCL's C ABI is
+// stable across 2.x; features that appeared later are resolved as optional and gated on the version.
+//
+// This file and nccl_api.cpp are plain C++ (no CUDA headers): they are compiled into every build, so
+// even a CPU-only build can say which NCCL it would use.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+extern "C" {
+typedef struct ncclComm* ncclComm_t;
+typedef struct {
+  char internal[128];
+} ncclUniqueId;
+typedef enum {
+  ncclSuccess = 0,
+  ncclUnhandledCudaError = 1,
+  ncclSystemError = 2,
+  ncclInternalError = 3,
+  ncclInvalidArgument = 4,
+  ncclInvalidUsage = 5,
+  ncclRemoteError = 6,
+  ncclInProgress = 7,
+} ncclResult_t;
+// Dynamically created reduction ops (PreMulSum) are further values of this enum.
+typedef enum { ncclSum = 0, ncclProd = 1, ncclMax = 2, ncclMin = 3, ncclAvg = 4 } ncclRedOp_t;
+typedef enum {
+  ncclInt8 = 0, ncclUint8 = 1, ncclInt32 = 2, ncclUint32 = 3, ncclInt64 = 4, ncclUint64 = 5,
+  ncclFloat16 = 6, ncclFloat32 = 7, ncclFloat64 = 8, ncclBfloat16 = 9,
+} ncclDataType_t;
+typedef enum { ncclScalarDevice = 0, ncclScalarHostImmediate = 1 } ncclScalarResidence_t;
+
+// ncclConfig_t as of NCCL 2.17 (first fields are stable; NCCL reads `size` and `version` to know how
+// much of the struct the caller filled in, so a newer NCCL accepts this older layout).
+typedef struct {
+  size_t size;
+  unsigned int magic;
+  unsigned int version;
+  int blocking;
+  int cgaClusterSize;
+  int minCTAs;
+  int maxCTAs;
+  const char* netName;
+  int splitShare;
+} ncclConfig_t;
+}
+
+namespace ncclavg {
+namespace nccl {
+
+constexpr int version_code(int major, int minor, int patch) {
+  // NCCL_VERSION() since 2.9: major*10000 + minor*100 + patch.
+  return major * 10000 + minor * 100 + patch;
+}
+
+// The loaded library's entry points. Optional ones are null when the loaded NCCL predates them.
+struct Api {
+  ncclResult_t (*GetVersion)(int*);
+  const char* (*GetErrorString)(ncclResult_t);
+  const char* (*GetLastError)(ncclComm_t);  // >= 2.13
+  ncclResult_t (*GetUniqueId)(ncclUniqueId*);
+  ncclResult_t (*CommInitAll)(ncclComm_t*, int, const int*);
+  ncclResult_t (*CommInitRank)(ncclComm_t*, int, ncclUniqueId, int);
+  ncclResult_t (*CommInitRankConfig)(ncclComm_t*, int, ncclUniqueId, int, ncclConfig_t*);  // >= 2.14
+  ncclResult_t (*CommDestroy)(ncclComm_t);
+  ncclResult_t (*CommAbort)(ncclComm_t);
+  ncclResult_t (*CommGetAsyncError)(ncclComm_t, ncclResult_t*);
+  ncclResult_t (*CommCount)(const ncclComm_t, int*);
+  ncclResult_t (*CommCuDevice)(const ncclComm_t, int*);
+  ncclResult_t (*CommUserRank)(const ncclComm_t, int*);
+  ncclResult_t (*AllReduce)(const void*, void*, size_t, ncclDataType_t, ncclRedOp_t, ncclComm_t, void*);
+  ncclResult_t (*ReduceScatter)(const void*, void*, size_t, ncclDataType_t, ncclRedOp_t, ncclComm_t, void*);
+  ncclResult_t (*AllGather)(const void*, void*, size_t, ncclDataType_t, ncclComm_t, void*);
+  ncclResult_t (*Broadcast)(const void*, void*, size_t, ncclDataType_t, int, ncclComm_t, void*);
+  ncclResult_t (*GroupStart)();
+  ncclResult_t (*GroupEnd)();
+  ncclResult_t (*RedOpCreatePreMulSum)(ncclRedOp_t*, void*, ncclDataType_t, ncclScalarResidence_t, ncclComm_t);  // >= 2.11
+  ncclResult_t (*RedOpDestroy)(ncclRedOp_t, ncclComm_t);  // >= 2.11
+};
+
+struct LoadInfo {
+  bool loaded = false;
+  std::string path;     // the file that was loaded
+  std::string source;   // "NCCLAVG_NCCL_LIBRARY", "already loaded", "wheel", "system loader path"
+  int version = 0;      // NCCL_VERSION code
+  std::string error;    // why nothing was loaded (every place tried), when !loaded
+};
+
+// Loads NCCL once (thread-safe) and returns what happened. `wheel_candidates` are library paths inside
+// the nvidia-nccl-cu13 / -cu12 wheels, found by the Python side; the first call's list is the one used.
+const LoadInfo& load(const std::vector<std::string>& wheel_candidates);
+const LoadInfo& load_info();  // what the first load() found; !loaded if load() was never called
+
+// The API table; throws NcclError with the install hint when NCCL could not be loaded.
+const Api& api();
+
+std::string version_string(int code);
+
+}  // namespace nccl
+}  // namespace ncclavg
+
+// Throws ncclavg::NcclError with NCCL's own words: ncclGetErrorString, and ncclGetLastError when the
+// loaded NCCL has it. `comm` may be null.
+#define NCCLAVG_NCCL_CHECK(expr, comm) ::ncclavg::nccl::check((expr), #expr, (comm), __FILE__, __LINE__)
+
+namespace ncclavg {
+namespace nccl {
+void check(ncclResult_t r, const char* what, ncclComm_t comm, const char* file, int line);
+}  // namespace nccl
+}  // namespace ncclavg

@@ -1,0 +1,11 @@
+"""ncclavg: fused all-reduce averaging of gradient buckets, CPU master weights, multi-tower training."""
+from ._version import __version__
+from ._ext import cuda_available, cuda_built
+from .errors import CommTimeoutError, CudaError, LayoutMismatchError, NcclError
+from .info import build_info
+from . import ops
+
+__all__ = [
+    "__version__", "build_info", "cuda_available", "cuda_built", "ops",
+    "NcclError", "CudaError", "CommTimeoutError", "LayoutMismatchError",
+]
