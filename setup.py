@@ -33,22 +33,36 @@ class BuildError(SystemExit):
 
 
 def find_cuda():
-    """Returns (cuda_home, nvcc) when a usable toolkit exists, else (None, reason)."""
-    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
-    if not home:
+    """Returns (cuda_home, nvcc) when a usable toolkit exists, else (None, reason).
+
+    Candidates in order: CUDA_HOME / CUDA_PATH, the toolkit of the nvcc on PATH (followed through
+    symlinks; `nvcc -v` reveals the real location when nvcc is a wrapper script), /usr/local/cuda."""
+    explicit = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    candidates = [explicit] if explicit else []
+    if not explicit:
         nvcc = shutil.which("nvcc")
         if nvcc:
-            home = str(Path(os.path.realpath(nvcc)).parent.parent)
-        elif Path("/usr/local/cuda").exists():
-            home = "/usr/local/cuda"
-    if not home:
-        return None, "no nvcc on PATH, CUDA_HOME unset and no /usr/local/cuda"
-    nvcc = Path(home) / "bin" / "nvcc"
-    if not nvcc.exists():
-        return None, f"{nvcc} does not exist"
-    if not (Path(home) / "include" / "cuda_runtime.h").exists():
-        return None, f"{home}/include/cuda_runtime.h does not exist"
-    return home, str(nvcc)
+            candidates.append(str(Path(os.path.realpath(nvcc)).parent.parent))
+            try:  # a wrapper script: ask nvcc where its toolkit is
+                out = subprocess.run([nvcc, "-v", "--version"], capture_output=True, text=True, timeout=30)
+                m = re.search(r"^#\$ TOP=(.+)$", out.stderr + out.stdout, re.M)
+                if m:
+                    candidates.append(str(Path(m.group(1).strip()).resolve()))
+            except (OSError, subprocess.SubprocessError):
+                pass
+        candidates.append("/usr/local/cuda")
+    reasons = []
+    for home in candidates:
+        nvcc = Path(home) / "bin" / "nvcc"
+        if not nvcc.exists():
+            reasons.append(f"{nvcc} does not exist")
+        elif not (Path(home) / "include" / "cuda_runtime.h").exists():
+            reasons.append(f"{home}/include/cuda_runtime.h does not exist")
+        else:
+            return home, str(nvcc)
+    if not candidates:
+        return None, "no nvcc on PATH, CUDA_HOME unset"
+    return None, "; ".join(reasons)
 
 
 def cuda_lib_dir(home):
