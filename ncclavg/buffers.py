@@ -135,7 +135,7 @@ def as_buffer(x: Any, name: str = "tensor") -> Buffer:
 
 def as_buffers(xs: Sequence[Any], name: str = "buffers") -> list[Buffer]:
     """Buffers for a non-empty list, each named `name[i]` in errors."""
-    if isinstance(xs, (str, bytes)) or not hasattr(xs, "__len__"):
+    if isinstance(xs, (str, bytes)) or not hasattr(xs, "__len__") or _kind(xs) != "unknown":
         raise TypeError(f"{name}: expected a list of tensors/arrays, got {type(xs).__name__}")
     if len(xs) == 0:
         raise ValueError(f"{name}: expected at least one tensor, got an empty list")

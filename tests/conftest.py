@@ -1,0 +1,34 @@
+"""Shared fixtures. Nothing here touches a GPU at import or collection time."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from ncclavg import _C
+
+
+def _has_cuda_device() -> bool:
+    try:
+        return bool(_C.core_info().get("device_count", 0))
+    except Exception:
+        return False
+
+
+def pytest_collection_modifyitems(config, items):
+    if _has_cuda_device():
+        return
+    reason = ("no CUDA device: " + str(_C.core_info().get("driver_error") or "CPU-only build")
+              if _C.core_info()["cuda"] else "no CUDA device: this build of ncclavg is CPU-only")
+    skip = pytest.mark.skip(reason=reason)
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(params=list(_C.simd_levels_supported()))
+def simd_level(request):
+    """Runs a test once per SIMD level this CPU supports, restoring the default afterwards."""
+    _C.set_simd_level(request.param)
+    yield request.param
+    _C.set_simd_level(os.environ.get("NCCLAVG_SIMD", "auto"))

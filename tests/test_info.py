@@ -1,0 +1,62 @@
+"""build_info() / `ncclavg info`: what a bug report pastes. Never needs a GPU or NCCL."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import ncclavg
+
+REQUIRED = {"version", "cuda", "cuda_archs", "cuda_runtime", "driver", "driver_error", "device_count",
+            "devices", "nccl", "simd_level", "simd_levels_supported", "openmp_threads", "torch", "cupy"}
+
+
+def _run(*args, env=None):
+    return subprocess.run([sys.executable, "-m", "ncclavg", *args], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, **(env or {})})
+
+
+def test_build_info_keys_and_types():
+    info = ncclavg.build_info()
+    assert REQUIRED <= set(info)
+    assert info["version"] == ncclavg.__version__ == info["core_version"]
+    assert isinstance(info["cuda"], bool)
+    assert info["simd_level"] in info["simd_levels_supported"]
+    assert "scalar" in info["simd_levels_supported"]
+    assert info["openmp_threads"] >= 1
+    assert set(info["nccl"]) >= {"loaded", "path", "version", "error"}
+    if info["cuda"]:
+        assert info["cuda_archs"] and info["cuda_runtime"]
+        if info["device_count"] == 0:
+            assert info["driver_error"], "no device must come with the runtime's reason"
+    else:
+        assert info["cuda_archs"] == [] and info["device_count"] == 0
+
+
+def test_cli_info_text_and_json():
+    r = _run("info")
+    assert r.returncode == 0, r.stderr
+    for label in ("ncclavg", "CUDA built", "CUDA driver", "devices", "NCCL", "SIMD", "OpenMP threads"):
+        assert label in r.stdout
+    r = _run("info", "--json")
+    assert r.returncode == 0, r.stderr
+    assert REQUIRED <= set(json.loads(r.stdout))
+
+
+def test_forced_simd_level_is_reported():
+    r = _run("info", "--json", env={"NCCLAVG_SIMD": "scalar"})
+    assert json.loads(r.stdout)["simd_level"] == "scalar"
+
+
+def test_bad_forced_simd_level_is_a_clear_error():
+    r = subprocess.run([sys.executable, "-c", "import ncclavg, torch; ncclavg.ops.average_([torch.ones(2), torch.ones(2)])"],
+                       capture_output=True, text=True, timeout=120, env={**os.environ, "NCCLAVG_SIMD": "mmx"})
+    assert r.returncode != 0 and "NCCLAVG_SIMD" in r.stderr
+
+
+def test_nccl_missing_is_reported_with_install_hint():
+    r = _run("info", "--json", env={"NCCLAVG_NCCL_LIBRARY": "/nonexistent/libnccl.so.2"})
+    assert r.returncode == 0, r.stderr
+    nccl = json.loads(r.stdout)["nccl"]
+    assert not nccl["loaded"] and "NCCLAVG_NCCL_LIBRARY" in nccl["error"]
