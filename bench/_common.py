@@ -1,0 +1,86 @@
+"""Shared helpers of the CPU benchmarks: timing, machine description, JSON output."""
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+from typing import Callable
+
+# Run from a source checkout built in place (`python setup.py build_ext --inplace`), use that copy;
+# otherwise the installed package. A checkout without a built core must not shadow an installed one.
+_ROOT = Path(__file__).resolve().parent.parent
+if list((_ROOT / "ncclavg").glob("_C*.so")):
+    import sys as _sys
+
+    _sys.path.insert(0, str(_ROOT))
+
+
+def median_seconds(fn: Callable[[], object], reps: int = 9, warmup: int = 2) -> float:
+    """Median wall time of fn() over `reps` runs after `warmup` runs."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def machine() -> dict:
+    import torch
+
+    import ncclavg
+
+    info = ncclavg.build_info()
+    return {
+        "cpu": cpu_model(),
+        "cores": os.cpu_count(),
+        "threads_used": torch.get_num_threads(),
+        "simd_level": info["simd_level"],
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "ncclavg": ncclavg.__version__,
+        "date": _dt.date.today().isoformat(),
+    }
+
+
+def copy_bandwidth_gbps(nbytes: int, reps: int = 9) -> float:
+    """torch copy_ of an nbytes buffer into another: (read + write) bytes per second, in GB/s."""
+    import torch
+
+    src = torch.ones(nbytes // 4)
+    dst = torch.empty_like(src)
+    t = median_seconds(lambda: dst.copy_(src), reps=reps)
+    return 2 * nbytes / t / 1e9
+
+
+def write_json(path: str | None, payload: dict) -> None:
+    if not path:
+        return
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(payload, indent=2) + "\n")
+    print(f"wrote {path}")
+
+
+def same_threads_everywhere() -> int:
+    """Pins torch's intra-op pool and OpenMP (used by the core) to the same thread count."""
+    import torch
+
+    n = int(os.environ.get("OMP_NUM_THREADS", os.cpu_count() or 1))
+    torch.set_num_threads(n)
+    return n
