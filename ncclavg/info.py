@@ -65,7 +65,9 @@ def format_info(info: dict) -> str:
     if nccl["loaded"]:
         nccl_line = f"{nccl['version']} from {nccl['path']} ({nccl['source']})"
     else:
-        nccl_line = "not found: " + nccl["error"].splitlines()[0]
+        # First line: what to install; then one indented line per place that was tried.
+        nccl_line = "not found: " + "\n                ".join(
+            line.strip() for line in nccl["error"].splitlines() if line.strip())
     simd = info["simd_level"]
     if simd != info["simd_best_supported"]:
         simd += f" (forced; best supported {info['simd_best_supported']})"

@@ -112,7 +112,7 @@ void do_load(const std::vector<std::string>& wheel_candidates) {
   g_info.error =
       "NCCL was not found. Install it with `pip install nvidia-nccl-cu13` (CUDA 13) or "
       "`pip install nvidia-nccl-cu12` (CUDA 12), i.e. `pip install ncclavg[cu13]`, or point "
-      "NCCLAVG_NCCL_LIBRARY at a libnccl.so.2. Tried:" + tried.str();
+      "NCCLAVG_NCCL_LIBRARY at a libnccl.so.2.\nTried:" + tried.str();
 }
 
 }  // namespace
