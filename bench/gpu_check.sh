@@ -149,6 +149,8 @@ if ((DRY)); then
   step wheel 60 dry_wheel
 else
   echo "gpu_check.sh: $ROOT -> $OUT_DIR (budget ${BUDGET}s)"
+  timeout 20 nvidia-smi --query-gpu=index,name,driver_version,memory.total,compute_cap --format=csv \
+    || echo "nvidia-smi: not available"
   step env 30 env_report
   step build 240 env NCCLAVG_CUDA=1 NCCLAVG_CUDA_ARCHS="$ARCHS" "$PY" setup.py build_ext --inplace \
     --build-temp "$ROOT/build/gpu_check/temp"
