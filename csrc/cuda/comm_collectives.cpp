@@ -24,6 +24,8 @@ namespace nccl {
 //   predivide, older NCCL, all-reduce         -> divide kernel on the input, then ncclSum
 //   fp32 or power-of-two size, NCCL >= 2.10   -> ncclAvg
 //   otherwise                                 -> ncclSum, then the divide kernel on the output
+// (For fp16, any 1/n pre-multiply, ncclAvg's included, also sends inputs below n * 2^-24 into the
+// subnormal range; op="sum" plus a later scale avoids that when it matters.)
 // "predivide" trades accuracy for range: fp16 sums of large gradients over many ranks can overflow
 // 65504 before the division, pre-scaled inputs cannot. The divide kernel (scale_kernel.cu) runs on the
 // comm stream right after the collective, inside the same ordering, and divides in fp32 with one
