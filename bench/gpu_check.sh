@@ -121,8 +121,8 @@ run_sanitizer() {
   cs=$(sanitizer_cmd)
   [[ -x $cs ]] || { echo "compute-sanitizer not found (looked on PATH and $cs)"; return 1; }
   "$cs" --tool memcheck --error-exitcode 3 "$PY" -m pytest -q -p no:cacheprovider \
-    "tests/test_gpu_average.py::test_average_exact_inputs_bit_for_bit" \
-    "tests/test_gpu_pack.py::test_many_tensors_exact_round_trip"
+    "tests/test_gpu_average.py::test_average_exact_inputs_bit_for_bit[float32]" \
+    "tests/test_gpu_pack.py::test_many_tensors_exact_round_trip[float32]"
 }
 dry_sanitizer() {
   local cs
@@ -143,17 +143,21 @@ if ((DRY)); then
   step build 400 dry_build
   step import 60 dry_import
   step tests_list 120 "$PY" -m pytest -m gpu --collect-only -q -p no:cacheprovider tests
-  step tests 240 "$PY" -m pytest -m gpu -q -rs -p no:cacheprovider tests
+  step tests 240 "$PY" -m pytest -m gpu -q -rs -p no:cacheprovider --continue-on-collection-errors tests
   step sanitizer 30 dry_sanitizer
   step bench 120 "$PY" bench/gpu_bench.py --dry-run --out "$OUT_DIR/gpu_bench.json"
   step wheel 60 dry_wheel
 else
   echo "gpu_check.sh: $ROOT -> $OUT_DIR (budget ${BUDGET}s)"
+  timeout 20 nvidia-smi --query-gpu=index,name,driver_version,memory.total,compute_cap --format=csv \
+    || echo "nvidia-smi: not available"
   step env 30 env_report
   step build 240 env NCCLAVG_CUDA=1 NCCLAVG_CUDA_ARCHS="$ARCHS" "$PY" setup.py build_ext --inplace \
     --build-temp "$ROOT/build/gpu_check/temp"
   step info 60 "$PY" -m ncclavg info
-  step tests 270 "$PY" -m pytest -m gpu -q -rs -p no:cacheprovider --junitxml="$OUT_DIR/pytest-gpu.xml" tests
+  # A test module of another area that cannot be imported here must not stop the GPU tests.
+  step tests 270 "$PY" -m pytest -m gpu -q -rs -p no:cacheprovider --continue-on-collection-errors \
+    --junitxml="$OUT_DIR/pytest-gpu.xml" tests
   step bench 150 "$PY" bench/gpu_bench.py --out "$OUT_DIR/gpu_bench.json"
   step sanitizer 90 run_sanitizer
   step wheel 120 env NCCLAVG_CUDA=1 NCCLAVG_CUDA_ARCHS="$ARCHS" "$PY" -m pip wheel --no-build-isolation \

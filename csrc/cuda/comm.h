@@ -34,8 +34,9 @@ struct CollectivePlan;  // what one collective sends where, with which reduction
 
 class NcclComm {
  public:
-  // One process, several devices (duplicates rejected). Uses non-blocking ncclCommInitRankConfig in one
-  // group when the loaded NCCL has it (>= 2.14), else ncclCommInitAll (blocking, no init timeout).
+  // One process, several devices (duplicates rejected). Non-blocking ncclCommInitRankConfig per device
+  // in one group when the loaded NCCL has it (>= 2.14), else ncclCommInitRank per device in one group
+  // (what ncclCommInitAll does inside; blocking, so no init timeout there).
   static std::unique_ptr<NcclComm> init_all(const std::vector<int>& devices, double timeout_s);
   // One rank of a multi-process communicator; `unique_id` is the 128 bytes of rank 0's nccl_unique_id().
   static std::unique_ptr<NcclComm> init_rank(const std::string& unique_id, int nranks, int rank, int device,

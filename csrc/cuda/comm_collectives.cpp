@@ -15,7 +15,7 @@ namespace nccl {
 // every rank's input multiplied by 1/n ROUNDED TO THE ELEMENT TYPE before the sum. For fp32, or for
 // any n that is a power of two, that scalar is exact (or off by at most 2^-24 relative) and ncclAvg is
 // the best choice: no extra pass over memory. But a bfloat16 1/3 is 0.333984 (+0.2%) and an fp16 1/3
-// is off by 0.01%: every mean over 3, 5, 6, 7 ... ranks would carry that bias. So:
+// is 0.333252 (-0.02%): every mean over 3, 5, 6, 7 ... ranks would carry that bias. So:
 //   op="sum"                                  -> ncclSum
 //   size == 1                                 -> ncclSum (the mean of one rank is the input)
 //   predivide, NCCL >= 2.11                   -> PreMulSum(1/size) (explicit op, created once per
@@ -24,6 +24,9 @@ namespace nccl {
 //   predivide, older NCCL, all-reduce         -> divide kernel on the input, then ncclSum
 //   fp32 or power-of-two size, NCCL >= 2.10   -> ncclAvg
 //   otherwise                                 -> ncclSum, then the divide kernel on the output
+// (For fp16, any 1/n pre-multiply, ncclAvg's included, also moves inputs below n * 2^-14 into the
+// subnormal range, where they lose bits, and rounds those below n * 2^-25 to zero; op="sum" plus a
+// later scale avoids that when it matters.)
 // "predivide" trades accuracy for range: fp16 sums of large gradients over many ranks can overflow
 // 65504 before the division, pre-scaled inputs cannot. The divide kernel (scale_kernel.cu) runs on the
 // comm stream right after the collective, inside the same ordering, and divides in fp32 with one
