@@ -4,8 +4,10 @@ from ._ext import cuda_available, cuda_built
 from .errors import CommTimeoutError, CudaError, LayoutMismatchError, NcclError
 from .info import build_info
 from . import ops
+from .bucketing import Bucket, BucketPlan, ParamSlot
 
 __all__ = [
     "__version__", "build_info", "cuda_available", "cuda_built", "ops",
     "NcclError", "CudaError", "CommTimeoutError", "LayoutMismatchError",
+    "Bucket", "BucketPlan", "ParamSlot",
 ]
