@@ -180,6 +180,14 @@ class TensorLoader:
         self.epoch += 1
         self.batch = 0
 
+    def batches(self, epoch: int | None = None) -> Iterator[tuple[torch.Tensor, ...]]:
+        """All batches of one epoch (default: the current one) WITHOUT moving the position: for
+        evaluation passes over a loader that is also being trained on."""
+        order = self._order(self.epoch if epoch is None else int(epoch))
+        for i in range(len(self)):
+            lo, hi = i * self.batch_size, min((i + 1) * self.batch_size, self.num_samples)
+            yield tuple(t[lo:hi] if order is None else t.index_select(0, order[lo:hi]) for t in self.tensors)
+
     def set_position(self, epoch: int, batch: int = 0) -> None:
         if not isinstance(epoch, int) or epoch < 0:
             raise ValueError(f"epoch: must be a non-negative integer, got {epoch!r}")
