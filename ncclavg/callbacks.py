@@ -4,6 +4,7 @@ loss/accuracy plot. A callback may set `trainer.stop_training = True` to end `fi
 from __future__ import annotations
 
 import os
+import sys
 from typing import Any, Sequence
 
 from .checkpoint import CheckpointManager
@@ -116,3 +117,22 @@ class PlotCallback(Callback):
     def on_fit_end(self, trainer: Any, history: Sequence[dict]) -> None:
         if history:
             plot_history(history, self.path, self.title)
+
+
+class EpochPrinter(Callback):
+    """One line per epoch (loss, accuracy, test accuracy, samples/s) on `stream` (default stdout)."""
+
+    def __init__(self, stream: Any = None):
+        self.stream = stream
+
+    def on_epoch_end(self, trainer: Any, record: dict) -> None:
+        parts = [f"epoch {record['epoch']}/{trainer.target_epochs}"]
+        if record.get("loss") is not None:
+            parts.append(f"loss {record['loss']:.4f}")
+        if record.get("accuracy") is not None:
+            parts.append(f"acc {record['accuracy']:.3f}")
+        if record.get("val_accuracy") is not None:
+            parts.append(f"test_acc {record['val_accuracy']:.3f}")
+        if record.get("samples_per_s"):
+            parts.append(f"{record['samples_per_s']:.0f} samples/s")
+        print("  ".join(parts), file=self.stream if self.stream is not None else sys.stdout, flush=True)
