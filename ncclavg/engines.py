@@ -20,6 +20,7 @@ depend on the bucket plan, the number of towers or the engine.
 """
 from __future__ import annotations
 
+import copy
 import math
 from typing import Any, Sequence
 
@@ -162,7 +163,9 @@ class DeviceMasterEngine:
                 for p, src in zip(ps, state["params"]):
                     p.copy_(src)
         for o in self.optimizers:
-            o.load_state_dict(state["optimizer"])
+            # A deep copy per tower: load_state_dict keeps tensors that already have the right dtype and
+            # device as they are, so towers would otherwise share (and triple-update) one moment buffer.
+            o.load_state_dict(copy.deepcopy(state["optimizer"]))
 
     def close(self) -> None:
         close = getattr(self.averager, "close", None)
