@@ -5,9 +5,11 @@ from .errors import CommTimeoutError, CudaError, LayoutMismatchError, NcclError
 from .info import build_info
 from . import ops
 from .bucketing import Bucket, BucketPlan, ParamSlot
+from .comm import Communicator, Work
+from .averager import GradientAverager
 
 __all__ = [
     "__version__", "build_info", "cuda_available", "cuda_built", "ops",
     "NcclError", "CudaError", "CommTimeoutError", "LayoutMismatchError",
-    "Bucket", "BucketPlan", "ParamSlot",
+    "Bucket", "BucketPlan", "ParamSlot", "Communicator", "Work", "GradientAverager",
 ]
