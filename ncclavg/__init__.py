@@ -9,7 +9,18 @@ from .comm import Communicator, Work
 from .averager import GradientAverager
 
 __all__ = [
-    "__version__", "build_info", "cuda_available", "cuda_built", "ops",
+    "__version__", "build_info", "cuda_available", "cuda_built", "ops", "optim", "MasterWeights",
     "NcclError", "CudaError", "CommTimeoutError", "LayoutMismatchError",
     "Bucket", "BucketPlan", "ParamSlot", "Communicator", "Work", "GradientAverager",
 ]
+
+
+def __getattr__(name):
+    # torch-based parts load on first use, so that `import ncclavg` works without torch installed.
+    if name == "optim":
+        from . import optim
+        return optim
+    if name == "MasterWeights":
+        from .master import MasterWeights
+        return MasterWeights
+    raise AttributeError(f"module 'ncclavg' has no attribute {name!r}")
