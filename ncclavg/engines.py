@@ -189,7 +189,7 @@ class CpuMasterEngine:
 
     def __init__(self, tower_params: Sequence[Sequence[torch.Tensor]], names: Sequence[str],
                  devices: Sequence[torch.device], opt: OptimConfig, bucket_cap_mb: float,
-                 first_bucket_mb: float):
+                 first_bucket_mb: float, skip_nonfinite: bool = False):
         from .master import MasterWeights
 
         self.devices = list(devices)
@@ -211,19 +211,24 @@ class CpuMasterEngine:
                     p.grad = self.plan.slot_view(gf[s.bucket], s.index)
             self.param_flats.append(pf)
             self.grad_flats.append(gf)
-        self.master = MasterWeights(self.tower_params[0], plan=self.plan, **opt.master_kwargs())
+        # skip_nonfinite: the fp16 policy (Note [Dynamic loss scale]); without a loss scale a non-finite
+        # gradient propagates as in torch.optim, and the step is one pass over memory instead of two.
+        self.master = MasterWeights(self.tower_params[0], plan=self.plan, pin=False,
+                                    skip_nonfinite=skip_nonfinite, **opt.master_kwargs())
 
     def zero_grad(self) -> None:
         for gf in self.grad_flats:
             for flat in gf:
                 flat.zero_()
-        # A user's optimizer.zero_grad(set_to_none=True) or model.zero_grad() would detach the views;
-        # re-point them so the next backward still lands in the buckets.
+        # model.zero_grad() (set_to_none=True) between steps would detach the .grad views and the next
+        # backward would allocate fresh tensors the fused step never reads. Checking the first slot of each
+        # tower is O(towers) and catches that; then every view is re-pointed.
+        first = self.plan.slots[0]
         for t, ps in enumerate(self.tower_params):
-            for s in self.plan.slots:
-                g = ps[s.index].grad
-                if g is None or g.data_ptr() != self.grad_flats[t][s.bucket].data_ptr() + \
-                        s.offset * self.grad_flats[t][s.bucket].element_size():
+            g = ps[first.index].grad
+            flat = self.grad_flats[t][first.bucket]
+            if g is None or g.data_ptr() != flat.data_ptr() + first.offset * flat.element_size():
+                for s in self.plan.slots:
                     ps[s.index].grad = self.plan.slot_view(self.grad_flats[t][s.bucket], s.index)
 
     def before_compute(self, tower_streams: Any) -> None:
@@ -234,27 +239,29 @@ class CpuMasterEngine:
 
     def step(self, lr: float, loss_scale: float | None, max_grad_norm: float | None,
              times: StepTimes) -> dict:
-        self.master.set_lr(lr)
+        self.master.hp["lr"] = lr
         with times.phase("optimizer"):
-            info = self.master.step(self.grad_flats, grad_scale=loss_scale, max_grad_norm=max_grad_norm)
-        if not info.get("skipped", False):
+            # One pass: average the N towers' buckets, update master + state, write tower 0's weights.
+            info = self.master.step(self.grad_flats, grad_scale=loss_scale, max_grad_norm=max_grad_norm,
+                                    out=self.param_flats[0])
+        if not info["skipped"]:
             with times.phase("broadcast"):
-                self._copy_out()
-        return {"skipped": bool(info.get("skipped", False)), "grad_norm": info.get("grad_norm")}
+                self._copy_out(first=1)
+        return {"skipped": bool(info["skipped"]), "grad_norm": info.get("grad_norm")}
 
-    def _copy_out(self) -> None:
-        for pf in self.param_flats:
-            self.master.copy_out(dtype=pf[0].dtype if pf else torch.float32, out=pf)
+    def _copy_out(self, first: int = 0) -> None:
+        for pf in self.param_flats[first:]:
+            self.master.copy_out(out=pf)
 
     def master_params(self) -> list[torch.Tensor]:
         return [v.detach().clone() for v in self.master.param_views()]
 
     def master_state(self) -> dict:
-        return self.master.portable_state_dict()
+        return self.master.state_dict()  # already in the portable form, see Note [Portable master state]
 
     def load_master_state(self, state: dict) -> None:
         check_master_state(state, self.plan)
-        self.master.load_portable_state_dict(state)
+        self.master.load_state_dict(state)
         self._copy_out()
 
     def close(self) -> None:

@@ -148,7 +148,7 @@ class TowerTrainer:
                                       first_bucket_mb, overlap=overlap)
         if self.devices[0].type == "cpu":
             return CpuMasterEngine(self.tower_params, self.names, self.devices, opt, bucket_cap_mb,
-                                   first_bucket_mb)
+                                   first_bucket_mb, skip_nonfinite=self.amp == "fp16")
         from .offload import GpuOffloadEngine  # see Note [Pipelined CPU master] there
 
         return GpuOffloadEngine(self.tower_params, self.names, self.devices, opt, bucket_cap_mb,
