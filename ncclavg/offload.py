@@ -15,7 +15,8 @@ the CPU updates bucket b, the GPUs reduce and copy out bucket b+1 and all-gather
 moves 1/T of the gradients and of the weights over PCIe, not all of them.
 Clipping and the fp16 inf/NaN check need every bucket's gradient norm before the first update; with
 either on, the norm of the reduced shards is summed on the GPUs first (one small sync), then the
-pipeline runs with the decided clip factor. See Note [Two passes, no partial updates] in csrc/cpu/optim.h.
+pipeline runs with that global norm (the fused step derives the clip factor from it). See Note [Two
+passes, no partial updates] in csrc/cpu/optim.h.
 
 THIS PATH HAS NOT RUN ON A GPU YET (see bench/results/gpu_status.md). It relies on these properties of
 Communicator.nccl: a collective is ordered after the work already enqueued on each device's current
@@ -82,7 +83,10 @@ class GpuOffloadEngine:
         pin = torch.cuda.is_available()
         self.host_grads = [torch.zeros(n, dtype=b.dtype, pin_memory=pin) for n, b in zip(self.padded, self.plan.buckets)]
         self.host_params = [torch.zeros(n, dtype=b.dtype, pin_memory=pin) for n, b in zip(self.padded, self.plan.buckets)]
-        self.master = MasterWeights(self.tower_params[0], plan=self.plan, **opt.master_kwargs())
+        # Finiteness and the clip factor are decided on the GPUs (_clip_and_check) before the pipeline
+        # starts, so the fused step runs its single pass (skip_nonfinite=False, grad_norm given).
+        self.master = MasterWeights(self.tower_params[0], plan=self.plan, skip_nonfinite=False,
+                                    **opt.master_kwargs())
         self.copy_streams = [torch.cuda.Stream(device=d) for d in self.devices]
         self._todo: queue.Queue = queue.Queue()
         self._staged: queue.Queue = queue.Queue()
@@ -108,8 +112,8 @@ class GpuOffloadEngine:
     def _shard_of(self, full: torch.Tensor, b: int, t: int) -> torch.Tensor:
         return full.narrow(0, t * self.shard[b], self.shard[b])
 
-    def _clip_and_check(self, loss_scale: float | None, max_grad_norm: float | None) -> tuple[bool, float, float | None]:
-        """(skip, clip factor, grad norm) from the reduced shards: the shards partition every bucket, so
+    def _clip_and_check(self, loss_scale: float | None, max_grad_norm: float | None) -> tuple[bool, float | None]:
+        """(skip, grad norm) from the reduced shards: the shards partition every bucket, so
         the sum of their squares over towers and buckets is the squared norm of the mean gradient."""
         parts = []
         for t, dev in enumerate(self.devices):
@@ -119,10 +123,7 @@ class GpuOffloadEngine:
         norm = math.sqrt(float(sum(parts)))
         if loss_scale is not None:
             norm /= loss_scale
-        if not math.isfinite(norm):
-            return True, 1.0, norm
-        coef = 1.0 if max_grad_norm is None else min(1.0, max_grad_norm / (norm + 1e-6))
-        return False, coef, norm
+        return not math.isfinite(norm), norm
 
     def step(self, lr: float, loss_scale: float | None, max_grad_norm: float | None,
              times: StepTimes) -> dict:
@@ -131,12 +132,12 @@ class GpuOffloadEngine:
             for b in range(nb):
                 self.comm.reduce_scatter_avg([gf[b] for gf in self.grad_flats],
                                              [gs[b] for gs in self.grad_shards])
-        skip, coef, norm = False, 1.0, None
+        skip, norm = False, None
         if loss_scale is not None or max_grad_norm is not None:
-            skip, coef, norm = self._clip_and_check(loss_scale, max_grad_norm)
+            skip, norm = self._clip_and_check(loss_scale, max_grad_norm)
             if skip:
                 return {"skipped": True, "grad_norm": norm}
-        self.master.set_lr(lr)
+        self.master.hp["lr"] = lr
         with times.phase("offload"):
             for b in range(nb):
                 events = []
@@ -148,7 +149,7 @@ class GpuOffloadEngine:
                         ev = torch.cuda.Event()
                         ev.record(cs)
                     events.append(ev)
-                self._todo.put((b, events, loss_scale, coef))
+                self._todo.put((b, events, loss_scale, max_grad_norm, norm))
         with times.phase("broadcast"):
             for _ in range(nb):
                 try:
@@ -172,14 +173,16 @@ class GpuOffloadEngine:
             if item is None:
                 return
             try:
-                b, events, loss_scale, coef = item
+                b, events, loss_scale, max_grad_norm, norm = item
                 for ev in events:
                     ev.synchronize()
                 t0 = time.perf_counter()
                 numel = self.plan.buckets[b].numel
-                self.master.step([[self.host_grads[b][:numel]]], bucket=b, grad_scale=loss_scale,
-                                 clip_coef=coef)
-                self.master.copy_out(dtype=self.host_params[b].dtype, bucket=b, out=self.host_params[b][:numel])
+                # The shards were averaged by the reduce-scatter: one "tower" for the fused step, which
+                # also writes the new weights (param dtype) into the pinned staging buffer.
+                self.master.step([self.host_grads[b][:numel]], bucket=b, grad_scale=loss_scale,
+                                 max_grad_norm=max_grad_norm, grad_norm=norm,
+                                 out=self.host_params[b][:numel])
                 opt_s = time.perf_counter() - t0
                 h2d = []
                 for t, dev in enumerate(self.devices):
@@ -198,11 +201,11 @@ class GpuOffloadEngine:
         return [v.detach().clone() for v in self.master.param_views()]
 
     def master_state(self) -> dict:
-        return self.master.portable_state_dict()
+        return self.master.state_dict()
 
     def load_master_state(self, state: dict) -> None:
         check_master_state(state, self.plan)
-        self.master.load_portable_state_dict(state)
+        self.master.load_state_dict(state)
         for b in range(len(self.plan.buckets)):
             numel = self.plan.buckets[b].numel
             self.master.copy_out(dtype=self.host_params[b].dtype, bucket=b, out=self.host_params[b][:numel])

@@ -127,7 +127,13 @@ class TowerTrainer:
         self.engine = self._make_engine(opt, bucket_cap_mb, first_bucket_mb, overlap)
         self.plan = self.engine.plan
         self.runner = TowerRunner(len(devs), concurrent=concurrent)
-        self.streams = ([torch.cuda.Stream(device=d) for d in devs] if devs[0].type == "cuda" else None)
+        # Note [Tower streams]: each GPU tower works on its device's CURRENT stream, from its own thread.
+        # Towers on different GPUs thus run concurrently, and every collective (launched by the averager's
+        # backward hooks from whichever tower thread completes a bucket, or by the engines from the main
+        # thread) is ordered after the towers' work: the NCCL communicator waits for each device's current
+        # stream, which is thread-independent unless a caller switches streams. Private per-tower streams
+        # would break that (a hook running in tower 1's thread sees the default stream of tower 0's device).
+        self.streams = None
         self.scaler = DynamicLossScale(init_scale=init_loss_scale) if amp == "fp16" else None
         self.signature = model_signature(self.towers[0])
 
@@ -179,12 +185,9 @@ class TowerTrainer:
 
     # ------------------------------------------------------------------ one step
     def _device_ctx(self, t: int) -> Any:
-        if self.streams is None:
+        if self.devices[t].type != "cuda":
             return contextlib.nullcontext()
-        stack = contextlib.ExitStack()
-        stack.enter_context(torch.cuda.device(self.devices[t]))
-        stack.enter_context(torch.cuda.stream(self.streams[t]))
-        return stack
+        return torch.cuda.device(self.devices[t])  # See Note [Tower streams]
 
     def _slice_to(self, t: int, tensors: Sequence[torch.Tensor], lo: int, hi: int) -> list[torch.Tensor]:
         dev = self.devices[t]
