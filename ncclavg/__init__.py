@@ -9,7 +9,7 @@ from .comm import Communicator, Work
 from .averager import GradientAverager
 
 __all__ = [
-    "__version__", "build_info", "cuda_available", "cuda_built", "ops", "optim", "MasterWeights",
+    "__version__", "build_info", "cuda_available", "cuda_built", "ops", "optim", "MasterWeights", "TowerTrainer",
     "NcclError", "CudaError", "CommTimeoutError", "LayoutMismatchError",
     "Bucket", "BucketPlan", "ParamSlot", "Communicator", "Work", "GradientAverager",
 ]
@@ -23,4 +23,7 @@ def __getattr__(name):
     if name == "MasterWeights":
         from .master import MasterWeights
         return MasterWeights
+    if name == "TowerTrainer":
+        from .trainer import TowerTrainer
+        return TowerTrainer
     raise AttributeError(f"module 'ncclavg' has no attribute {name!r}")
