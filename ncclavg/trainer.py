@@ -81,7 +81,10 @@ class TowerTrainer:
             raise ValueError(f"momentum: must be < 1, got {momentum}")
         if nesterov and (optimizer != "sgd" or momentum == 0.0):
             raise ValueError("nesterov: needs optimizer='sgd' with momentum > 0")
-        betas = tuple(float(b) for b in betas)
+        try:
+            betas = tuple(float(b) for b in betas)
+        except (TypeError, ValueError):
+            raise ValueError(f"betas: need two numbers in [0, 1), got {betas!r}") from None
         if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
             raise ValueError(f"betas: need two numbers in [0, 1), got {betas!r}")
         eps = _number(eps, "eps", strict=True)
@@ -104,6 +107,9 @@ class TowerTrainer:
             if not cuda_built():
                 raise ValueError(f"devices: {devs[0]} needs ncclavg built with CUDA (NCCLAVG_CUDA=1); this "
                                  "build is CPU only")
+
+        init_loss_scale = _number(init_loss_scale, "init_loss_scale", strict=True)
+        scaler = DynamicLossScale(init_scale=init_loss_scale) if amp == "fp16" else None
 
         self.devices = devs
         self.loss_fn = loss_fn if loss_fn is not None else nn.functional.cross_entropy
@@ -134,7 +140,7 @@ class TowerTrainer:
         # stream, which is thread-independent unless a caller switches streams. Private per-tower streams
         # would break that (a hook running in tower 1's thread sees the default stream of tower 0's device).
         self.streams = None
-        self.scaler = DynamicLossScale(init_scale=init_loss_scale) if amp == "fp16" else None
+        self.scaler = scaler
         self.signature = model_signature(self.towers[0])
 
         self.step = 0            # optimizer steps taken (one per batch, skipped fp16 steps included)
