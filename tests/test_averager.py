@@ -10,6 +10,15 @@ from ncclavg import Communicator, GradientAverager, LayoutMismatchError
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
+@pytest.fixture(autouse=True)
+def one_torch_thread():
+    """The models are tiny: torch's intra-op pool only adds barrier waits (badly so on a loaded machine)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def random_shapes(n, gen):
     """n parameter shapes incl. size-0 and size-1 tensors."""
     shapes = []
