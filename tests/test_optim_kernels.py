@@ -1,6 +1,9 @@
 """The fused optimizer core (_C.adam_step / sgd_step / grad_stats / cast_copy) against a float32 replay of
 its arithmetic (bit for bit), a float64 reference, torch, and every SIMD level against the scalar one."""
 import math
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -170,6 +173,40 @@ def test_simd_levels_equal_scalar(level, dtype, towers):
         for x, y in zip(group_a, group_b):
             assert bits_equal(x, y)
     assert a[-1] == b[-1]  # norms and clip factors identical (Note [Norm reduction ...])
+
+
+_ENV_SCRIPT = """
+import hashlib, importlib.util, sys
+import numpy as np
+# the extension alone (the package __init__ would import torch: seconds per process)
+spec = importlib.util.spec_from_file_location("ncclavg._C", sys.argv[1])
+_C = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(_C)
+B = lambda a: _C.Buffer(a.ctypes.data, a.size, {np.float32: 0, np.float16: 1}[a.dtype.type], -1, False)
+rng = np.random.default_rng(0)
+n = 4099
+p = rng.standard_normal(n).astype(np.float32)
+m, v = np.zeros(n, np.float32), np.zeros(n, np.float32)
+gs = [rng.standard_normal(n).astype(np.float16) for _ in range(3)]
+for s in range(1, 4):
+    _C.adam_step([B(p)], [[B(g)] for g in gs], [B(m)], [B(v)], [], [float(s)], [], lr=1e-2, beta1=0.9,
+                 beta2=0.999, eps=1e-8, weight_decay=0.1, max_grad_norm=1.0)
+print(_C.simd_level(), hashlib.sha256(p.tobytes() + m.tobytes() + v.tobytes()).hexdigest())
+"""
+
+
+def test_env_var_forces_the_level():
+    """NCCLAVG_SIMD picks the optimizer kernels' level too, and every level computes the same bits."""
+    digests = set()
+    for level in simd_levels():
+        env = {**os.environ, "NCCLAVG_SIMD": level}
+        r = subprocess.run([sys.executable, "-c", _ENV_SCRIPT, _C.__file__], env=env, capture_output=True, text=True,
+                           timeout=120)
+        assert r.returncode == 0, r.stderr
+        got_level, digest = r.stdout.split()
+        assert got_level == level
+        digests.add(digest)
+    assert len(digests) == 1
 
 
 def test_norm_independent_of_thread_count():
