@@ -7,23 +7,12 @@ from . import ops
 from .bucketing import Bucket, BucketPlan, ParamSlot
 from .comm import Communicator, Work
 from .averager import GradientAverager
+from . import optim
+from .master import MasterWeights
+from .trainer import TowerTrainer
 
 __all__ = [
     "__version__", "build_info", "cuda_available", "cuda_built", "ops", "optim", "MasterWeights", "TowerTrainer",
     "NcclError", "CudaError", "CommTimeoutError", "LayoutMismatchError",
     "Bucket", "BucketPlan", "ParamSlot", "Communicator", "Work", "GradientAverager",
 ]
-
-
-def __getattr__(name):
-    # torch-based parts load on first use, so that `import ncclavg` works without torch installed.
-    if name == "optim":
-        from . import optim
-        return optim
-    if name == "MasterWeights":
-        from .master import MasterWeights
-        return MasterWeights
-    if name == "TowerTrainer":
-        from .trainer import TowerTrainer
-        return TowerTrainer
-    raise AttributeError(f"module 'ncclavg' has no attribute {name!r}")
