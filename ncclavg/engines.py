@@ -39,6 +39,18 @@ class OptimConfig:
         self.momentum, self.nesterov, self.betas, self.eps = momentum, nesterov, tuple(betas), eps
 
     def torch_optimizer(self, params: Sequence[torch.Tensor]) -> torch.optim.Optimizer:
+        """The optimizer of one tower for master="device": ncclavg's fused CPU optimizers (torch.optim
+        subclasses with torch's state format) for fp32 CPU parameters, torch.optim otherwise."""
+        params = list(params)
+        if all(p.device.type == "cpu" and p.dtype == torch.float32 for p in params):
+            from .optim import CPUAdamW, CPUSGD
+
+            # skip_nonfinite=False: the engine decides skips itself (fp16), as with torch.optim.
+            if self.name in ("adamw", "adam"):
+                return CPUAdamW(params, lr=self.lr, betas=self.betas, eps=self.eps,
+                                weight_decay=self.weight_decay, adamw=self.name == "adamw", skip_nonfinite=False)
+            return CPUSGD(params, lr=self.lr, momentum=self.momentum, dampening=0.0,
+                          weight_decay=self.weight_decay, nesterov=self.nesterov, skip_nonfinite=False)
         if self.name == "adamw":
             return torch.optim.AdamW(params, lr=self.lr, betas=self.betas, eps=self.eps,
                                      weight_decay=self.weight_decay)
@@ -79,7 +91,7 @@ def _bucket_sumsq(flats: Sequence[torch.Tensor]) -> torch.Tensor:
 
 
 class DeviceMasterEngine:
-    """master="device": GradientAverager + one torch optimizer per tower (identical updates)."""
+    """master="device": GradientAverager + one optimizer per tower (identical updates)."""
     kind = "device"
 
     def __init__(self, tower_params: Sequence[Sequence[torch.Tensor]], names: Sequence[str],
