@@ -46,8 +46,10 @@ def _number(value: Any, name: str, *, minimum: float = 0.0, strict: bool = False
     return float(value)
 
 
-def _accuracy_counts(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
+def _accuracy_counts(out: Any, y: Any) -> torch.Tensor | None:
     """Correct predictions for class-index targets and [N, C] logits; None for other tasks."""
+    if not isinstance(out, torch.Tensor) or not isinstance(y, torch.Tensor):
+        return None
     if out.dim() == 2 and y.dim() == 1 and not y.is_floating_point() and out.shape[0] == y.shape[0]:
         return (out.argmax(dim=1) == y).sum()
     return None
@@ -278,9 +280,34 @@ class TowerTrainer:
                 loss = self.loss_fn(out, y)
             return float(loss.float()) * (hi - lo), _accuracy_counts(out, y), hi - lo
 
+    @torch.no_grad()
+    def sync_buffers(self) -> None:
+        """Make every tower's buffers equal: floating-point ones (batch-norm running statistics) become
+        the mean over the towers, the others (counters) tower 0's.
+
+        Note [Lazy buffer sync]
+        Each tower updates its running statistics from its own slice of the batch. They are only read in
+        eval mode, so they are synchronised when they are read (evaluate, state_dict), not every step.
+        Running statistics are exponential moving averages, linear in the per-batch statistics, so the
+        mean of the towers' averages equals the average of the per-step means: syncing lazily gives the
+        result of syncing every step without the per-step cost.
+        """
+        if self.num_towers == 1:
+            return
+        named = [dict(t.named_buffers()) for t in self.towers]
+        for name, b0 in named[0].items():
+            if b0.is_floating_point():
+                total = b0.to(torch.float64)
+                for other in named[1:]:
+                    total = total + other[name].to(b0.device, torch.float64)
+                b0.copy_(total / self.num_towers)
+            for other in named[1:]:
+                other[name].copy_(b0)
+
     def evaluate(self, loader: Iterable) -> dict:
         """Mean loss and accuracy over `loader` (batches split across the towers, no gradients).
         A TensorLoader's training position is left untouched."""
+        self.sync_buffers()  # See Note [Lazy buffer sync]
         batches = loader.batches() if hasattr(loader, "batches") else loader
         was_training = [t.training for t in self.towers]
         for tower in self.towers:
@@ -391,6 +418,7 @@ class TowerTrainer:
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict:
+        self.sync_buffers()  # See Note [Lazy buffer sync]
         loader = self._loader
         data = loader.state_dict() if loader is not None and hasattr(loader, "state_dict") else self._data_state
         return {"kind": CHECKPOINT_KIND, "format": CHECKPOINT_FORMAT, "signature": self.signature,

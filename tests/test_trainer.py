@@ -188,3 +188,45 @@ def test_sequential_towers_give_the_same_result(digits):
                 tr.train_step(batch)
             out.append(tr.master_params())
     assert all(torch.equal(a, b) for a, b in zip(*out))
+
+
+def test_batchnorm_running_stats_are_the_tower_mean():
+    """Running statistics are synced on read to the mean over towers (see Note [Lazy buffer sync])."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.ReLU(), nn.Linear(6, 3))
+    x, y = torch.randn(40, 4) * 3 + 1, torch.randint(0, 3, (40,))
+    with TowerTrainer(model, devices=["cpu"] * 2, optimizer="sgd", lr=1e-3) as tr:
+        tr.train_step((x, y))
+        # Each tower saw its half: the synced running mean is the mean of the two towers' EMAs.
+        bn = [t[1] for t in tr.towers]
+        want_mean = (bn[0].running_mean + bn[1].running_mean) / 2
+        assert not torch.allclose(bn[0].running_mean, bn[1].running_mean)
+        tr.sync_buffers()
+        for b in bn:
+            assert torch.allclose(b.running_mean, want_mean, atol=1e-7)
+            assert int(b.num_batches_tracked) == 1
+        ev = tr.evaluate([(x, y)])
+        assert ev["samples"] == 40 and 0.0 <= ev["accuracy"] <= 1.0
+
+
+def test_regression_multiple_inputs_and_tuple_outputs():
+    class TwoInputs(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(3, 1), nn.Linear(2, 1)
+
+        def forward(self, u, v):
+            return self.a(u) + self.b(v), {"aux": u.sum()}
+
+    def loss_fn(out, target):
+        return nn.functional.mse_loss(out[0].squeeze(1), target)
+
+    g = torch.Generator().manual_seed(1)
+    u, v = torch.randn(30, 3, generator=g), torch.randn(30, 2, generator=g)
+    target = u @ torch.tensor([1.0, -2.0, 0.5]) + v @ torch.tensor([0.3, 0.7])
+    with TowerTrainer(TwoInputs(), devices=["cpu"] * 3, optimizer="sgd", lr=0.1, momentum=0.0,
+                      loss_fn=loss_fn) as tr:
+        hist = tr.fit(TensorLoader(u, v, target, batch_size=10, seed=0), epochs=30)
+        ev = tr.evaluate(TensorLoader(u, v, target, batch_size=30, shuffle=False))
+    assert hist[-1]["accuracy"] is None and ev["accuracy"] is None
+    assert hist[-1]["loss"] < 0.01 * hist[0]["loss"] and ev["loss"] < 1e-2
