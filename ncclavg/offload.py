@@ -81,8 +81,9 @@ class GpuOffloadEngine:
             self.param_shards.append([torch.empty(n, dtype=b.dtype, device=dev)
                                       for n, b in zip(self.shard, self.plan.buckets)])
         pin = torch.cuda.is_available()
-        self.host_grads = [torch.zeros(n, dtype=b.dtype, pin_memory=pin) for n, b in zip(self.padded, self.plan.buckets)]
-        self.host_params = [torch.zeros(n, dtype=b.dtype, pin_memory=pin) for n, b in zip(self.padded, self.plan.buckets)]
+        sizes = list(zip(self.padded, self.plan.buckets))
+        self.host_grads = [torch.zeros(n, dtype=b.dtype, pin_memory=pin) for n, b in sizes]
+        self.host_params = [torch.zeros(n, dtype=b.dtype, pin_memory=pin) for n, b in sizes]
         # Finiteness and the clip factor are decided on the GPUs (_clip_and_check) before the pipeline
         # starts, so the fused step runs its single pass (skip_nonfinite=False, grad_norm given).
         self.master = MasterWeights(self.tower_params[0], plan=self.plan, skip_nonfinite=False,

@@ -121,8 +121,9 @@ def unpack_batch(batch: Any) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
     if isinstance(batch, dict):
         raise TypeError("batch: expected a tuple/list (inputs..., target) of tensors, got a dict")
     if isinstance(batch, torch.Tensor) or not isinstance(batch, (list, tuple)) or len(batch) < 2:
+        length = f" of length {len(batch)}" if isinstance(batch, (list, tuple)) else ""
         raise TypeError("batch: expected a tuple/list (inputs..., target) of at least two tensors, got "
-                        f"{type(batch).__name__}" + (f" of length {len(batch)}" if isinstance(batch, (list, tuple)) else ""))
+                        f"{type(batch).__name__}{length}")
     for i, t in enumerate(batch):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"batch[{i}]: expected a torch.Tensor, got {type(t).__name__}")

@@ -36,7 +36,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     t = p.add_argument_group("training")
     t.add_argument("--model", choices=("cnn", "mlp"), help="model (default cnn)")
     t.add_argument("--epochs", type=int, help=f"total epochs (default {DEFAULTS['epochs']})")
-    t.add_argument("--batch-size", type=int, help=f"global batch size, split across towers (default {DEFAULTS['batch_size']})")
+    t.add_argument("--batch-size", type=int,
+                   help=f"global batch size, split across towers (default {DEFAULTS['batch_size']})")
     t.add_argument("--optimizer", choices=("adamw", "adam", "sgd"), help="optimizer (default adamw)")
     t.add_argument("--lr", type=float, help="peak learning rate (default 3e-3 for adam(w), 0.05 for sgd)")
     t.add_argument("--lr-schedule", choices=("constant", "exponential", "cosine"),
@@ -189,7 +190,8 @@ def _run(args: argparse.Namespace) -> int:
                                 keep=_value(args, "keep")) if args.checkpoint_dir else None)
     if saver:
         callbacks.append(saver)
-    plot = PlotCallback(args.plot, title=f"ncclavg train: {split.name}, {trainer.num_towers} towers") if args.plot else None
+    title = f"ncclavg train: {split.name}, {trainer.num_towers} towers"
+    plot = PlotCallback(args.plot, title=title) if args.plot else None
     if plot:
         callbacks.append(plot)
 

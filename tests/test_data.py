@@ -120,7 +120,8 @@ def test_schedules_values_and_round_trip():
 def test_make_schedule_and_errors():
     assert schedules.make_schedule(None, 0.2)(100) == 0.2
     assert schedules.make_schedule("exp", 1.0, steps_per_epoch=4)(4) == 0.9
-    assert schedules.make_schedule({"kind": "exponential", "decay_steps": 2, "decay_rate": 0.1}, 1.0)(2) == pytest.approx(0.1)
+    spec = {"kind": "exponential", "decay_steps": 2, "decay_rate": 0.1}
+    assert schedules.make_schedule(spec, 1.0)(2) == pytest.approx(0.1)
     assert isinstance(schedules.make_schedule("cosine", 1.0, total_steps=100), schedules.CosineWarmup)
     with pytest.raises(ValueError, match="lr_schedule"):
         schedules.make_schedule("cosine", 1.0)
