@@ -379,8 +379,8 @@ class TowerTrainer:
                 for cb in callbacks:
                     cb.on_epoch_start(self, epoch)
                 completed = True
-                for batch in loader:
-                    record = self.train_step(batch, _allow_idle_towers=True)
+                for batch, allow_idle in self._epoch_batches(loader, nominal):
+                    record = self.train_step(batch, _allow_idle_towers=allow_idle)
                     fit_samples += record["samples"]
                     fit_train_s += record["step_s"]
                     for cb in callbacks:
@@ -402,6 +402,23 @@ class TowerTrainer:
             for cb in callbacks:
                 cb.on_fit_end(self, self.history)
         return self.history
+
+    def _epoch_batches(self, loader: Iterable, nominal: Any) -> Iterable[tuple[Any, bool]]:
+        """(batch, may it leave towers idle). Only the trailing remainder of an epoch may be smaller than
+        the number of towers: with a loader that states its batch size (checked >= towers in fit) that
+        is any short batch; for other iterables, a last batch that follows a full one (one-batch
+        lookahead), so that a loader yielding too small batches fails before its first step."""
+        if isinstance(nominal, int):
+            for batch in loader:
+                yield batch, True
+            return
+        it = iter(loader)
+        sentinel = object()
+        current, seen = next(it, sentinel), 0
+        while current is not sentinel:
+            upcoming = next(it, sentinel)
+            yield current, upcoming is sentinel and seen > 0
+            current, seen = upcoming, seen + 1
 
     def _epoch_record(self, eval_loader: Iterable | None) -> dict:
         acc, self._epoch_acc = self._epoch_acc, self._new_epoch_acc()

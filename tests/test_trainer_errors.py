@@ -134,3 +134,16 @@ def test_loss_fn_must_return_a_scalar():
                       loss_fn=lambda out, y: nn.functional.cross_entropy(out, y, reduction="none")) as tr:
         with pytest.raises(ValueError, match="loss_fn: must return a scalar"):
             tr.train_step((torch.zeros(4, 3), torch.zeros(4, dtype=torch.long)))
+
+
+def test_plain_iterable_with_small_batches_fails_before_any_step():
+    model = nn.Linear(3, 2)
+    x, y = torch.randn(12, 3), torch.randint(0, 2, (12,))
+    with TowerTrainer(model, devices=["cpu"] * 4) as tr:
+        snap = _snapshot(model)
+        with pytest.raises(ValueError, match="batch: has 2 samples, fewer than the 4 towers"):
+            tr.fit([(x[i:i + 2], y[i:i + 2]) for i in range(0, 12, 2)], epochs=1)
+        assert tr.step == 0 and _unchanged(model, snap)
+        # A short trailing remainder after full batches is fine (towers without a sample contribute 0).
+        tr.fit([(x[:5], y[:5]), (x[5:10], y[5:10]), (x[10:], y[10:])], epochs=1)
+        assert tr.step == 3
