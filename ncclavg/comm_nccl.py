@@ -114,7 +114,8 @@ class NcclCommunicator(Communicator):
         # rank 0 draws the unique id; everyone else reads it from the default store (bounded by the
         # store's own timeout, which init_process_group set).
         store = dist.distributed_c10d._get_default_store()
-        key = f"ncclavg/nccl_uid/{next(_UID_SEQ)}"
+        members = "world" if group is None else ",".join(map(str, dist.get_process_group_ranks(group)))
+        key = f"ncclavg/nccl_uid/{members}/{next(_UID_SEQ)}"
         if rank == 0:
             uid = bytes(_C.nccl_unique_id())
             store.set(key, uid)

@@ -288,7 +288,7 @@ def test_bad_input_raises_and_changes_nothing():
         (lambda: [tower(), [torch.ones(4, 3), shared[1]]], ValueError, r"towers\[1\]\[0\]: must be a leaf"),
         (lambda: [tower(), "abc"], TypeError, r"towers\[1\]"),
         (lambda: [tower(), [1, 2]], TypeError, r"towers\[1\]\[0\]"),
-        (lambda: [tower(dtype=torch.float64), tower(dtype=torch.float64)], TypeError, r"float64"),
+        (lambda: [tower(dtype=torch.float64), tower(dtype=torch.float64)], TypeError, r"towers\[0\]\[0\]: dtype .*float64"),
     ]
     for make, exc, match in cases:
         towers = make()
