@@ -63,6 +63,7 @@ import torch  # noqa: E402
 sys.path.insert(0, str(ROOT))
 import ncclavg  # noqa: E402
 from ncclavg import MasterWeights  # noqa: E402
+from ncclavg.buffers import as_buffer  # noqa: E402
 from ncclavg.optim import CPUAdamW  # noqa: E402
 
 torch.set_num_threads(args.threads)
@@ -99,11 +100,18 @@ def interleaved(contenders: dict, reps: int, warmup: int) -> dict:
 
 
 def copy_seconds(nbytes_moved: int, reps: int) -> float:
-    """Median time of torch copy_ moving `nbytes_moved` bytes (half read, half written)."""
+    """Time of the fastest plain copy moving `nbytes_moved` bytes (half read, half written): the best median
+    of torch copy_, numpy copyto and ncclavg's own fp32 cast_copy, so the reference is this machine's copy
+    speed and not one library's."""
+    import numpy as np
+
     n = max(1, nbytes_moved // 8)
     src = torch.ones(n, dtype=torch.float32)
     dst = torch.empty_like(src)
-    return interleaved({"copy": lambda: dst.copy_(src)}, reps, 2)["copy"]
+    bs, bd = as_buffer(src), as_buffer(dst)
+    med = interleaved({"torch": lambda: dst.copy_(src), "numpy": lambda: np.copyto(dst.numpy(), src.numpy()),
+                       "ncclavg": lambda: ncclavg._C.cast_copy([bs], [bd])}, reps, 2)
+    return min(med.values())
 
 
 def shapes_for(total: int) -> list:
@@ -252,6 +260,7 @@ def main() -> int:
         "bytes_convention": "bytes read + bytes written per step, each stream once; copy_gbps: torch copy_ "
                             "of fp32 moving the same bytes (half read, half written), same threads, same run",
         "argv": sys.argv[1:],
+        "loadavg_start": list(os.getloadavg()),
     }
     rows = []
     t_start = time.time()
@@ -259,9 +268,10 @@ def main() -> int:
         rows += case_adamw(size, ds_cls)
         rows += case_avg_step_cast(size)
     header["wall_s"] = round(time.time() - t_start, 1)
+    header["loadavg_end"] = list(os.getloadavg())
 
     print(f"# ncclavg bench/optim.py  {header['cpu']}  threads={args.threads}  torch {torch.__version__}  "
-          f"simd={header['simd_level']}  {ds_note}")
+          f"simd={header['simd_level']}  {ds_note}  load {header['loadavg_start'][0]:.1f}")
     print(f"{'case':<78} {'ncclavg ms':>10} {'torch ms':>9} {'x torch':>8} {'GB/s':>7} {'of copy':>8}")
     for r in rows:
         extra = ""
