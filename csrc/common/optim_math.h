@@ -23,9 +23,9 @@
 // Note [Exact tower mean]
 // N tower gradients are averaged in double: each lane is widened, summed, divided by N and rounded to
 // float once. The sum of a few float/bf16/f16 values in double is exact unless their exponents span more
-// than ~29 binades, so the result is the float64 mean rounded to float32: the same gradient a reference
-// gets from `torch.stack(grads).double().mean(0).float()`. With one tower this is the identity, and the
-// kernels skip the widening.
+// than about 27 binades (53 - 24 bits, less log2 N), so the result is the float64 mean rounded to float32:
+// the gradient a reference gets from `torch.stack(grads).double().mean(0).float()`. With one tower this
+// is the identity, and the kernels skip the widening.
 #pragma once
 #include <cstdint>
 

@@ -22,6 +22,12 @@ namespace {
 
 #define NCCLAVG_OPT_INLINE inline __attribute__((always_inline))
 
+// Note [Local copies of the kernel arguments]
+// The lane types store through may_alias vector types (the intrinsics' definition), so after each store
+// GCC must assume any memory changed, including slice and coefficient structs reached by reference: it
+// would reload every pointer and scalar on every iteration. The loops therefore take them by value
+// (locals whose address never escapes), and those stay in registers.
+
 // Storage tag for "no copy-out".
 struct NoOut {};
 
@@ -124,7 +130,7 @@ NCCLAVG_OPT_INLINE void store_out(const OutSlice& o, int64_t i, typename L::V p)
 // ---- squared norm of the effective gradient. See Note [Norm reduction independent of the SIMD level].
 
 template <class L, class T, bool Multi>
-double grad_sumsq_impl(const GradSlice& g, const om::GradCoef& gc, int64_t begin, int64_t end) {
+double grad_sumsq_impl(const GradSlice g, const om::GradCoef gc, int64_t begin, int64_t end) {
   constexpr int K = 16 / L::W;
   static_assert(K * L::W == 16, "lane width must divide 16");
   using WO = WideOps<L>;
@@ -179,18 +185,22 @@ NCCLAVG_OPT_INLINE void adam_elem(const AdamSlice& s, const GradSlice& g, const 
   store_out<L, O>(o, i, p);
 }
 
+// By-value parameters: see Note [Local copies of the kernel arguments].
+template <class L, class T, class O, bool Multi>
+void adam_loop(const AdamSlice s, const GradSlice g, const OutSlice o, const om::AdamCoef c, const om::GradCoef gc,
+              int64_t begin, int64_t end) {
+  const MeanCoef mc(g.n);
+  int64_t i = begin;
+  for (; i + L::W <= end; i += L::W) adam_elem<L, T, O, Multi>(s, g, mc, o, c, gc, i);
+  for (; i < end; ++i) adam_elem<ScalarLane, T, O, Multi>(s, g, mc, o, c, gc, i);
+}
+
 template <class L>
 void adam_range(const AdamSlice& s, const GradSlice& g, const OutSlice& o, const om::AdamCoef& c,
                 const om::GradCoef& gc, int64_t begin, int64_t end) {
   with_grad(g, [&](auto tag, auto multi) {
     with_out(o, [&](auto otag) {
-      using T = decltype(tag);
-      using O = decltype(otag);
-      constexpr bool Multi = decltype(multi)::value;
-      const MeanCoef mc(g.n);
-      int64_t i = begin;
-      for (; i + L::W <= end; i += L::W) adam_elem<L, T, O, Multi>(s, g, mc, o, c, gc, i);
-      for (; i < end; ++i) adam_elem<ScalarLane, T, O, Multi>(s, g, mc, o, c, gc, i);
+      adam_loop<L, decltype(tag), decltype(otag), decltype(multi)::value>(s, g, o, c, gc, begin, end);
     });
   });
 }
@@ -210,18 +220,22 @@ NCCLAVG_OPT_INLINE void sgd_elem(const SgdSlice& s, const GradSlice& g, const Me
   store_out<L, O>(o, i, p);
 }
 
+// By-value parameters: see Note [Local copies of the kernel arguments].
+template <class L, class T, class O, bool Multi>
+void sgd_loop(const SgdSlice s, const GradSlice g, const OutSlice o, const om::SgdCoef c, const om::GradCoef gc,
+             int64_t begin, int64_t end) {
+  const MeanCoef mc(g.n);
+  int64_t i = begin;
+  for (; i + L::W <= end; i += L::W) sgd_elem<L, T, O, Multi>(s, g, mc, o, c, gc, i);
+  for (; i < end; ++i) sgd_elem<ScalarLane, T, O, Multi>(s, g, mc, o, c, gc, i);
+}
+
 template <class L>
 void sgd_range(const SgdSlice& s, const GradSlice& g, const OutSlice& o, const om::SgdCoef& c,
                const om::GradCoef& gc, int64_t begin, int64_t end) {
   with_grad(g, [&](auto tag, auto multi) {
     with_out(o, [&](auto otag) {
-      using T = decltype(tag);
-      using O = decltype(otag);
-      constexpr bool Multi = decltype(multi)::value;
-      const MeanCoef mc(g.n);
-      int64_t i = begin;
-      for (; i + L::W <= end; i += L::W) sgd_elem<L, T, O, Multi>(s, g, mc, o, c, gc, i);
-      for (; i < end; ++i) sgd_elem<ScalarLane, T, O, Multi>(s, g, mc, o, c, gc, i);
+      sgd_loop<L, decltype(tag), decltype(otag), decltype(multi)::value>(s, g, o, c, gc, begin, end);
     });
   });
 }
