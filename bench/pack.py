@@ -126,7 +126,7 @@ def resnet50_shapes() -> list:
 class NullLocalCommunicator(LocalCommunicator):
     """The local communicator's checks and bookkeeping, with a reduction that does nothing."""
 
-    def all_reduce_avg_async(self, tensors, defer_scale=False):
+    def all_reduce_avg_async(self, tensors, defer_scale=False, **kwargs):
         self._check_group(tensors, "tensors")
         return _CompletedWork()
 

@@ -2,6 +2,7 @@
 from ._version import __version__
 from ._ext import cuda_available, cuda_built
 from .errors import CommTimeoutError, CudaError, LayoutMismatchError, NcclError
+from .errors import CollectiveMismatchError, CommError
 from .info import build_info
 from . import ops
 from .bucketing import Bucket, BucketPlan, ParamSlot
@@ -13,6 +14,6 @@ from .trainer import TowerTrainer
 
 __all__ = [
     "__version__", "build_info", "cuda_available", "cuda_built", "ops", "optim", "MasterWeights", "TowerTrainer",
-    "NcclError", "CudaError", "CommTimeoutError", "LayoutMismatchError",
+    "NcclError", "CudaError", "CommTimeoutError", "LayoutMismatchError", "CommError", "CollectiveMismatchError",
     "Bucket", "BucketPlan", "ParamSlot", "Communicator", "Work", "GradientAverager",
 ]

@@ -29,6 +29,7 @@ always agree on which parameters have a gradient. This is logged once per parame
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import threading
 import time
@@ -89,6 +90,7 @@ class GradientAverager:
         self._ntowers = len(params)
         self._nb = len(plan.buckets)
         self._slot_bucket = [s.bucket for s in plan.slots]
+        self._bucket_fp = [_bucket_fingerprint(plan, b) for b in range(self._nb)]
         # Per bucket: slots whose .grad can be a view, and slots cast through pack/unpack (grad_dtype).
         self._view_slots = [[s.index for s in b.slots if s.dtype == b.dtype] for b in plan.buckets]
         self._cast_slots = [[s.index for s in b.slots if s.dtype != b.dtype] for b in plan.buckets]
@@ -263,8 +265,10 @@ class GradientAverager:
         while self._next < end:
             b = self._next
             fixups = [self._prepare_bucket(t, b) for t in range(self._ntowers)]
+            # tag: timeouts and failures name the bucket; debug_key: see Note [Collective sequence check].
             work = self.comm.all_reduce_avg_async([self._storage[t][b] for t in range(self._ntowers)],
-                                                  defer_scale=True)
+                                                  defer_scale=True, tag=f"bucket {b}",
+                                                  debug_key=(self.stats["steps"], b, self._bucket_fp[b]))
             self._works[b] = (work, time.perf_counter(), fixups)
             self._next = b + 1
 
@@ -334,6 +338,15 @@ class GradientAverager:
                     if p.grad is not None:  # keep gradients accumulated before the averager existed
                         v.copy_(p.grad)
                     p.grad = v
+
+
+def _bucket_fingerprint(plan: BucketPlan, b: int) -> int:
+    """63-bit hash of one bucket's layout (dtype, size, slots), for the debug-mode sequence check."""
+    bucket = plan.buckets[b]
+    h = hashlib.blake2b(digest_size=8)
+    h.update(f"{plan.fingerprint}:{b}:{bucket.dtype}:{bucket.numel}:".encode())
+    h.update(";".join(f"{s.index}:{s.offset}:{s.numel}" for s in bucket.slots).encode())
+    return int.from_bytes(h.digest(), "little") >> 1
 
 
 def _dense(g: torch.Tensor) -> torch.Tensor:

@@ -8,12 +8,23 @@
   (comm_nccl.py).
 
 Every wait is bounded: `timeout` seconds (default NCCLAVG_TIMEOUT, else 600); a wait that runs out raises
-`ncclavg.CommTimeoutError`.
+`ncclavg.CommTimeoutError` naming the operation, its tag (e.g. "bucket 3"), the bytes and the rank. See
+Note [A failed communicator stays failed]. NCCLAVG_DEBUG=1 checks that every rank runs the same
+collectives in the same order (comm_debug.py, Note [Collective sequence check]).
+
+Note [A failed communicator stays failed]
+After a collective timed out or failed on one rank, the ranks no longer agree on which collective
+comes next: the peers may still be inside the one this rank gave up on, or may never reach it. Any
+later collective could pair up with the wrong one on the other side and hang or average unrelated
+data. So the first failure is recorded (`comm.failure`) and every later call raises CommError naming
+it; the NCCL core does the same after ncclCommAbort. Recovery is a new communicator (in practice, a
+restart of every rank from the last checkpoint).
 """
 from __future__ import annotations
 
 import datetime
 import os
+import pickle
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -22,10 +33,10 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from . import ops
+from . import comm_debug, ops
 from ._ext import _C
 from .buffers import as_buffers
-from .errors import CommTimeoutError
+from .errors import CollectiveMismatchError, CommError, CommTimeoutError
 
 DEFAULT_TIMEOUT_S = 600.0
 
@@ -85,18 +96,24 @@ class _CompletedWork(Work):
 class _FutureWork(Work):
     """A job running on the communicator's worker thread."""
 
-    def __init__(self, future: Future, default_timeout_s: float, what: str, divisor: float = 1.0):
+    def __init__(self, comm: "Communicator", future: Future, what: str, divisor: float = 1.0):
+        self._comm = comm
         self._future = future
-        self._timeout = default_timeout_s
         self._what = what
         self.divisor = divisor
 
     def wait(self, timeout: Optional[float] = None) -> None:
-        t = _check_timeout(timeout) if timeout is not None else self._timeout
+        t = _check_timeout(timeout) if timeout is not None else self._comm.timeout
         try:
             self.elapsed = self._future.result(timeout=t)
         except FutureTimeout:
-            raise CommTimeoutError(f"{self._what} did not complete within {t:g} s") from None
+            msg = f"{self._what} did not complete within {t:g} s"
+            self._comm._fail(msg)
+            raise CommTimeoutError(msg + "; the communicator is unusable now") from None
+        except Exception as e:
+            msg = f"{self._what} failed: {type(e).__name__}: {e}"
+            self._comm._fail(msg)
+            raise CommError(msg) from e
 
     def done(self) -> bool:
         return self._future.done()
@@ -105,10 +122,10 @@ class _FutureWork(Work):
 class _DistWork(Work):
     """A torch.distributed async op, plus the in-place scale to run once it has completed."""
 
-    def __init__(self, work: Any, default_timeout_s: float, what: str, finalize: Optional[Callable] = None,
+    def __init__(self, comm: "Communicator", work: Any, what: str, finalize: Optional[Callable] = None,
                  divisor: float = 1.0):
+        self._comm = comm
         self._work = work
-        self._timeout = default_timeout_s
         self._what = what
         self._finalize = finalize
         self._t0 = time.perf_counter()
@@ -120,8 +137,8 @@ class _DistWork(Work):
         with self._lock:
             if self._finished:
                 return
-            t = _check_timeout(timeout) if timeout is not None else self._timeout
-            _wait_dist(self._work, t, self._what)
+            t = _check_timeout(timeout) if timeout is not None else self._comm.timeout
+            _wait_dist(self._comm, self._work, t, self._what)
             if self._finalize is not None:
                 self._finalize()
             self.elapsed = time.perf_counter() - self._t0
@@ -131,13 +148,39 @@ class _DistWork(Work):
         return self._finished or bool(self._work.is_completed())
 
 
-def _wait_dist(work: Any, timeout: float, what: str) -> None:
+def _is_timeout(e: BaseException) -> bool:
+    text = str(e).lower()
+    return "timed out" in text or "timeout" in text
+
+
+def _wait_dist(comm: "Communicator", work: Any, timeout: float, what: str) -> None:
+    """Bounded wait for a torch.distributed work; every failure marks `comm` unusable. See Note [A failed
+    communicator stays failed]."""
     try:
         work.wait(timeout=datetime.timedelta(seconds=timeout))
     except RuntimeError as e:
-        if "timed out" in str(e).lower() or "timeout" in str(e).lower():
-            raise CommTimeoutError(f"{what} did not complete within {timeout:g} s: {e}") from None
-        raise
+        if _is_timeout(e):
+            msg = f"{what} did not complete within {timeout:g} s"
+            comm._fail(msg)
+            raise CommTimeoutError(f"{msg}; the communicator is unusable now (torch.distributed: {e})") from None
+        msg = f"{what} failed: {e}"
+        comm._fail(msg)
+        raise CommError(msg + "; the communicator is unusable now (did a peer process die?)") from e
+
+
+def _issue_dist(comm: "Communicator", what: str, fn: Callable, *args: Any, **kwargs: Any) -> Any:
+    """Starts a torch.distributed async op; a failure to even start it (a peer's connection already
+    closed) marks `comm` unusable like a failed wait."""
+    try:
+        return fn(*args, **kwargs)
+    except RuntimeError as e:
+        msg = f"{what} could not start: {e}"
+        comm._fail(msg)
+        raise (CommTimeoutError if _is_timeout(e) else CommError)(msg + "; the communicator is unusable now") from e
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
 
 
 class Communicator:
@@ -161,6 +204,11 @@ class Communicator:
             raise TypeError("Communicator: use Communicator.local(n), Communicator.nccl(devices) or "
                             "Communicator.from_torch_distributed()")
         self._closed = False
+        self._failure: Optional[str] = None
+        self._state_lock = threading.Lock()
+        # See Note [Collective sequence check] in comm_debug.py; settable after construction.
+        self.debug: bool = comm_debug.debug_enabled()
+        self._debug_seq = 0
 
     # ------------------------------------------------------------------ constructors
     @classmethod
@@ -208,32 +256,57 @@ class Communicator:
         raise ValueError(f"device: {dev} is not supported; use a cpu or cuda device")
 
     # ------------------------------------------------------------------ collectives
-    def all_reduce_avg(self, tensors: Sequence[torch.Tensor]) -> None:
+    # Common keyword arguments: `tag` names the collective in errors (the averager passes "bucket 3");
+    # `debug_key` = (step, bucket, bucket fingerprint) is compared across ranks in debug mode;
+    # `timeout` (seconds) overrides the communicator's for this call.
+    def all_reduce_avg(self, tensors: Sequence[torch.Tensor], *, tag: Optional[str] = None,
+                       debug_key: Optional[Sequence[int]] = None, timeout: Optional[float] = None) -> None:
         """In place: every tensor (one per local tower) becomes the mean over all towers."""
-        self.all_reduce_avg_async(tensors).wait()
+        self.all_reduce_avg_async(tensors, tag=tag, debug_key=debug_key).wait(timeout)
 
-    def all_reduce_avg_async(self, tensors: Sequence[torch.Tensor], defer_scale: bool = False) -> Work:
-        """Starts the average; the returned Work's wait() completes it. defer_scale=True leaves the SUM
-        divided by all but `work.divisor` (the caller fuses that division into its unpack)."""
+    def all_reduce_avg_async(self, tensors: Sequence[torch.Tensor], defer_scale: bool = False, *,
+                             tag: Optional[str] = None, debug_key: Optional[Sequence[int]] = None) -> Work:
+        """Starts the average; the returned Work's wait() completes it (bounded: CommTimeoutError).
+        defer_scale=True leaves the SUM divided by all but `work.divisor` (the caller fuses that division
+        into its unpack)."""
         raise NotImplementedError
 
-    def reduce_scatter_avg(self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor]) -> None:
+    def reduce_scatter_avg(self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], *,
+                           tag: Optional[str] = None, debug_key: Optional[Sequence[int]] = None,
+                           timeout: Optional[float] = None) -> None:
         """inputs[t]: a full buffer per local tower (numel divisible by size); outputs[t]: the mean over all
         towers of shard (global tower index) of it, numel/size elements."""
         raise NotImplementedError
 
-    def all_gather(self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor]) -> None:
+    def all_gather(self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], *,
+                   tag: Optional[str] = None, debug_key: Optional[Sequence[int]] = None,
+                   timeout: Optional[float] = None) -> None:
         """Inverse of reduce_scatter_avg: outputs[t] (size * n elements) = every tower's input, in
         global tower order."""
         raise NotImplementedError
 
-    def allgather_object(self, obj: Any) -> list:
-        """One picklable object per process, in rank order."""
+    def allgather_object(self, obj: Any, *, timeout: Optional[float] = None) -> list:
+        """One picklable object per process, in rank order (bounded by `timeout`)."""
         raise NotImplementedError
+
+    # ------------------------------------------------------------------ failure state
+    @property
+    def failure(self) -> Optional[str]:
+        """Why this communicator became unusable (None while it is healthy). See Note [A failed
+        communicator stays failed]."""
+        return self._failure
+
+    def abort(self, reason: str = "abort() was called") -> None:
+        """Marks the communicator unusable (NCCL: ncclCommAbort), e.g. from a watchdog of the caller's."""
+        self._fail(reason)
+
+    def _fail(self, reason: str) -> None:
+        with self._state_lock:
+            if self._failure is None:
+                self._failure = reason
 
     def close(self) -> None:
         self._closed = True
-
     def __enter__(self) -> "Communicator":
         return self
 
@@ -246,8 +319,43 @@ class Communicator:
 
     # ------------------------------------------------------------------ argument checks
     def _check_open(self) -> None:
+        if self._failure is not None:
+            raise CommError(f"{self.backend} communicator (rank {self.rank} of {self.world_size}) is unusable: "
+                            f"{self._failure}. See Note [A failed communicator stays failed]: build a new "
+                            "communicator (restart the ranks from the last checkpoint)")
         if self._closed:
             raise RuntimeError(f"{self.backend} communicator is closed")
+
+    def _timeout_arg(self, timeout: Any) -> float:
+        return self.timeout if timeout is None else _check_timeout(timeout)
+
+    def _what(self, op: str, tensors: Sequence[torch.Tensor], tag: Optional[str]) -> str:
+        """'gloo all_reduce_avg[bucket 3] of 4096 bytes (1024 x float32) on rank 1 of 3' for errors."""
+        t = tensors[0]
+        where = (f"rank {self.rank} of {self.world_size}" if self.world_size > 1 else
+                 f"{self.local_size} local tower(s)")
+        return (f"{self.backend} {op}{f'[{tag}]' if tag else ''} of {_nbytes(t)} bytes ({t.numel()} x "
+                f"{str(t.dtype).replace('torch.', '')} per tower) on {where}")
+
+    def _debug_check(self, op: str, tensor: torch.Tensor, debug_key: Any, timeout: float) -> None:
+        """See Note [Collective sequence check] in comm_debug.py."""
+        if not self.debug or self.world_size == 1:
+            return
+        if debug_key is not None:
+            if isinstance(debug_key, (str, bytes)) or len(debug_key) != 3:
+                raise ValueError(f"debug_key: expected (step, bucket, fingerprint), got {debug_key!r}")
+        self._debug_seq += 1
+        record = comm_debug.make_record(self._debug_seq, op, tensor.numel(), tensor.dtype, debug_key)
+        gathered = self._debug_allgather(comm_debug.encode(record), timeout)
+        rows = [comm_debug.decode(gathered[r]) for r in range(self.world_size)]
+        msg = comm_debug.compare(rows, self.rank, self.backend)
+        if msg is not None:
+            self._fail("NCCLAVG_DEBUG found diverging ranks (" + comm_debug.describe(rows[self.rank]) + " here)")
+            raise CollectiveMismatchError(msg)
+
+    def _debug_allgather(self, record: torch.Tensor, timeout: float) -> torch.Tensor:
+        """[world_size, len(record)] float32 CPU tensor: every process's record (bounded)."""
+        raise NotImplementedError
 
     def _check_group(self, tensors: Any, argname: str, numel: Optional[int] = None) -> list:
         """One tensor per local tower, same numel/dtype, each on its tower's device, no shared memory."""
@@ -327,19 +435,25 @@ class LocalCommunicator(Communicator):
         self.timeout = _check_timeout(timeout)
         self._executor: Optional[ThreadPoolExecutor] = None
         self._executor_lock = threading.Lock()
+        self._inflight: list = []   # (future, description) of jobs not known to be finished
 
-    def _submit(self, fn: Callable) -> Future:
+    def _submit(self, fn: Callable, what: str = "a queued job") -> Future:
         with self._executor_lock:
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ncclavg-local")
-            return self._executor.submit(fn)
+            fut = self._executor.submit(fn)
+            self._inflight = [(f, w) for f, w in self._inflight if not f.done()] + [(fut, what)]
+            return fut
 
-    def all_reduce_avg(self, tensors: Sequence[torch.Tensor]) -> None:
+    def all_reduce_avg(self, tensors: Sequence[torch.Tensor], *, tag: Optional[str] = None,
+                       debug_key: Optional[Sequence[int]] = None, timeout: Optional[float] = None) -> None:
         tensors = self._check_group(tensors, "tensors")
+        self._timeout_arg(timeout)  # validated; a host pass over memory has nothing to wait for
         if self.size > 1:
             _C.average_(as_buffers(tensors, "tensors"), 0)
 
-    def all_reduce_avg_async(self, tensors: Sequence[torch.Tensor], defer_scale: bool = False) -> Work:
+    def all_reduce_avg_async(self, tensors: Sequence[torch.Tensor], defer_scale: bool = False, *,
+                             tag: Optional[str] = None, debug_key: Optional[Sequence[int]] = None) -> Work:
         tensors = self._check_group(tensors, "tensors")
         if self.size == 1:
             return _CompletedWork()
@@ -352,11 +466,14 @@ class LocalCommunicator(Communicator):
             return time.perf_counter() - t0
 
         keep_alive = list(tensors)
-        fut = self._submit(job)
-        return _FutureWork(fut, self.timeout, f"local all_reduce_avg of {len(tensors)} x {tensors[0].numel()}")
+        what = self._what("all_reduce_avg", tensors, tag)
+        return _FutureWork(self, self._submit(job, what), what)
 
-    def reduce_scatter_avg(self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor]) -> None:
+    def reduce_scatter_avg(self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], *,
+                           tag: Optional[str] = None, debug_key: Optional[Sequence[int]] = None,
+                           timeout: Optional[float] = None) -> None:
         inputs, outputs = self._check_scatter_args(inputs, outputs)
+        self._timeout_arg(timeout)
         shard = outputs[0].numel()
         for t, out in enumerate(outputs):
             # fp32 accumulation in tower order, one division, one rounding: the arithmetic of _C.average_.
@@ -365,22 +482,74 @@ class LocalCommunicator(Communicator):
                 acc += inputs[k].reshape(-1)[t * shard:(t + 1) * shard]
             out.view(-1).copy_(acc.div_(self.size))
 
-    def all_gather(self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor]) -> None:
+    def all_gather(self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], *,
+                   tag: Optional[str] = None, debug_key: Optional[Sequence[int]] = None,
+                   timeout: Optional[float] = None) -> None:
         inputs, outputs = self._check_gather_args(inputs, outputs)
+        self._timeout_arg(timeout)
         flat = [x.reshape(-1) for x in inputs]
         for out in outputs:
             torch.cat(flat, out=out.view(-1))
 
-    def allgather_object(self, obj: Any) -> list:
+    def allgather_object(self, obj: Any, *, timeout: Optional[float] = None) -> list:
         self._check_open()
+        self._timeout_arg(timeout)
         return [obj]
 
-    def close(self) -> None:
+    def close(self, timeout: Optional[float] = None) -> None:
+        """Waits (at most `timeout`, default the communicator's) for the jobs still queued, then stops
+        the worker thread. Jobs still running then raise CommTimeoutError naming the oldest one; the
+        worker finishes them on its own (they are host passes over memory: they do end)."""
+        limit = self._timeout_arg(timeout)
         with self._executor_lock:
-            if self._executor is not None:
-                self._executor.shutdown(wait=True)
-                self._executor = None
+            executor, self._executor = self._executor, None
+            inflight, self._inflight = self._inflight, []
         super().close()
+        if executor is None:
+            return
+        executor.shutdown(wait=False)
+        deadline = time.monotonic() + limit
+        for fut, what in inflight:
+            try:
+                fut.result(timeout=max(0.0, deadline - time.monotonic()))
+            except FutureTimeout:
+                msg = f"close(): {what} was still running after {limit:g} s"
+                self._fail(msg)
+                raise CommTimeoutError(msg) from None
+            except Exception:
+                pass  # already reported to (or ignored by) whoever held the Work
+
+
+def _allgather_object_bounded(comm: Communicator, dist: Any, group: Any, obj: Any, timeout: float,
+                              device: Any = "cpu") -> list:
+    """torch.distributed.all_gather_object, but every wait bounded by `timeout` (the torch version waits
+    as long as the process group's own timeout, 30 min by default): sizes first, then the padded bytes."""
+    what = f"{comm.backend} allgather_object (rank {comm.rank} of {comm.world_size})"
+    payload = pickle.dumps(obj)
+    world = comm.world_size
+    size = torch.tensor([len(payload)], dtype=torch.int64, device=device)
+    sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(world)]
+    work = _issue_dist(comm, what, dist.all_gather, sizes, size, group=group, async_op=True)
+    _wait_dist(comm, work, timeout, what + " (sizes)")
+    counts = [int(x.item()) for x in sizes]
+    longest = max(counts)
+    mine = torch.zeros(longest, dtype=torch.uint8)
+    if payload:
+        mine[:len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    mine = mine.to(device)
+    outs = [torch.empty(longest, dtype=torch.uint8, device=device) for _ in range(world)]
+    work = _issue_dist(comm, what, dist.all_gather, outs, mine, group=group, async_op=True)
+    _wait_dist(comm, work, timeout, what + " (payload)")
+    return [pickle.loads(o[:n].cpu().numpy().tobytes()) for o, n in zip(outs, counts)]
+
+
+def _debug_allgather_dist(comm: Communicator, dist: Any, group: Any, record: torch.Tensor, timeout: float,
+                          device: Any = "cpu") -> torch.Tensor:
+    what = f"{comm.backend} debug sequence check (rank {comm.rank} of {comm.world_size})"
+    rows = [torch.empty_like(record, device=device) for _ in range(comm.world_size)]
+    work = _issue_dist(comm, what, dist.all_gather, rows, record.to(device), group=group, async_op=True)
+    _wait_dist(comm, work, timeout, what)
+    return torch.stack([r.cpu() for r in rows])
 
 
 class GlooCommunicator(Communicator):
@@ -409,33 +578,48 @@ class GlooCommunicator(Communicator):
             flat = t.view(-1)
             ops.unpack_(flat, [flat], [0], divisor=self.size)   # in place, one fused pass
 
-    def all_reduce_avg_async(self, tensors: Sequence[torch.Tensor], defer_scale: bool = False) -> Work:
+    def all_reduce_avg_async(self, tensors: Sequence[torch.Tensor], defer_scale: bool = False, *,
+                             tag: Optional[str] = None, debug_key: Optional[Sequence[int]] = None) -> Work:
         (t,) = self._check_group(tensors, "tensors")
         as_buffers([t], "tensors")  # dtype / contiguity in the user's terms
+        what = self._what("all_reduce_avg", [t], tag)
+        self._debug_check("all_reduce_avg", t, debug_key, self.timeout)
         if self.predivide:  # divide before the SUM: no fp16 overflow of the sum
             self._scale(t)
-        work = self._dist.all_reduce(t, op=self._dist.ReduceOp.SUM, group=self.group, async_op=True)
-        what = f"gloo all_reduce_avg of {t.numel()} x {t.dtype} (rank {self.rank} of {self.size})"
+        work = _issue_dist(self, what, self._dist.all_reduce, t, op=self._dist.ReduceOp.SUM, group=self.group,
+                           async_op=True)
         if self.predivide or self.size == 1:
-            return _DistWork(work, self.timeout, what)
+            return _DistWork(self, work, what)
         if defer_scale:
-            return _DistWork(work, self.timeout, what, divisor=float(self.size))
-        return _DistWork(work, self.timeout, what, finalize=lambda: self._scale(t))
+            return _DistWork(self, work, what, divisor=float(self.size))
+        return _DistWork(self, work, what, finalize=lambda: self._scale(t))
 
-    def reduce_scatter_avg(self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor]) -> None:
+    def reduce_scatter_avg(self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], *,
+                           tag: Optional[str] = None, debug_key: Optional[Sequence[int]] = None,
+                           timeout: Optional[float] = None) -> None:
         (inp,), (out,) = self._check_scatter_args(inputs, outputs)
-        work = self._reduce_scatter(out.view(-1), inp.reshape(-1), op=self._dist.ReduceOp.SUM, group=self.group,
-                                    async_op=True)
-        _wait_dist(work, self.timeout, f"gloo reduce_scatter_avg (rank {self.rank})")
+        limit = self._timeout_arg(timeout)
+        what = self._what("reduce_scatter_avg", [inp], tag)
+        self._debug_check("reduce_scatter_avg", inp, debug_key, limit)
+        work = _issue_dist(self, what, self._reduce_scatter, out.view(-1), inp.reshape(-1),
+                           op=self._dist.ReduceOp.SUM, group=self.group, async_op=True)
+        _wait_dist(self, work, limit, what)
         self._scale(out)
 
-    def all_gather(self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor]) -> None:
+    def all_gather(self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], *,
+                   tag: Optional[str] = None, debug_key: Optional[Sequence[int]] = None,
+                   timeout: Optional[float] = None) -> None:
         (inp,), (out,) = self._check_gather_args(inputs, outputs)
-        work = self._all_gather(out.view(-1), inp.reshape(-1), group=self.group, async_op=True)
-        _wait_dist(work, self.timeout, f"gloo all_gather (rank {self.rank})")
+        limit = self._timeout_arg(timeout)
+        what = self._what("all_gather", [inp], tag)
+        self._debug_check("all_gather", inp, debug_key, limit)
+        work = _issue_dist(self, what, self._all_gather, out.view(-1), inp.reshape(-1), group=self.group,
+                           async_op=True)
+        _wait_dist(self, work, limit, what)
 
-    def allgather_object(self, obj: Any) -> list:
+    def allgather_object(self, obj: Any, *, timeout: Optional[float] = None) -> list:
         self._check_open()
-        out: list = [None] * self.world_size
-        self._dist.all_gather_object(out, obj, group=self.group)
-        return out
+        return _allgather_object_bounded(self, self._dist, self.group, obj, self._timeout_arg(timeout))
+
+    def _debug_allgather(self, record: torch.Tensor, timeout: float) -> torch.Tensor:
+        return _debug_allgather_dist(self, self._dist, self.group, record, timeout)

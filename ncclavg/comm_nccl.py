@@ -14,7 +14,8 @@ import torch
 
 from ._ext import _C, cuda_built, nccl_info
 from .buffers import as_buffers
-from .comm import Communicator, Work
+from .comm import Communicator, Work, _allgather_object_bounded, _check_timeout
+from .errors import CommTimeoutError
 
 _UID_SEQ = itertools.count()  # one store key per communicator built under torch.distributed
 
@@ -70,11 +71,12 @@ class _NcclWork(Work):
         self._timeout = default_timeout
 
     def wait(self, timeout: Optional[float] = None) -> None:
-        self._comm._handle.wait(float(timeout if timeout is not None else self._timeout), self._seq)
-        self._comm._handle.stream_wait(self._streams)
+        t = _check_timeout(timeout) if timeout is not None else self._timeout
+        self._comm._call(self._comm._handle.wait, t, self._seq)
+        self._comm._call(self._comm._handle.stream_wait, self._streams)
 
     def done(self) -> bool:
-        return bool(self._comm._handle.done(self._seq))
+        return bool(self._comm._call(self._comm._handle.done, self._seq))
 
 
 class NcclCommunicator(Communicator):
@@ -106,13 +108,15 @@ class NcclCommunicator(Communicator):
 
     @classmethod
     def init_rank(cls, group: Any, device: torch.device, timeout: float, predivide: bool) -> "NcclCommunicator":
+        import datetime
+
         import torch.distributed as dist
 
         require_nccl_comm()
         idx = _device_index(device, "device")
         rank, world = dist.get_rank(group), dist.get_world_size(group)
-        # rank 0 draws the unique id; everyone else reads it from the default store (bounded by the
-        # store's own timeout, which init_process_group set).
+        # rank 0 draws the unique id; everyone else reads it from the default store, waiting at most
+        # `timeout` (the store's own timeout is the process group's, 30 min by default).
         store = dist.distributed_c10d._get_default_store()
         members = "world" if group is None else ",".join(map(str, dist.get_process_group_ranks(group)))
         key = f"ncclavg/nccl_uid/{members}/{next(_UID_SEQ)}"
@@ -120,51 +124,117 @@ class NcclCommunicator(Communicator):
             uid = bytes(_C.nccl_unique_id())
             store.set(key, uid)
         else:
+            try:
+                store.wait([key], datetime.timedelta(seconds=timeout))
+            except RuntimeError as e:
+                raise CommTimeoutError(f"nccl init (rank {rank} of {world}): rank 0's NCCL unique id did not "
+                                       f"appear in the store under {key!r} within {timeout:g} s (is rank 0 "
+                                       f"alive and building the same communicator?): {e}") from None
             uid = bytes(store.get(key))
         handle = _C.NcclComm.init_rank(uid, world, rank, idx, timeout)
         return cls(handle, [idx], rank=rank, world_size=world, size=world, timeout=timeout, predivide=predivide,
                    group=group)
 
+    # ------------------------------------------------------------------ failure state
+    def _check_open(self) -> None:
+        if self._failure is None and not self._closed and self._handle.aborted:
+            self._fail(self._handle.abort_reason)   # aborted by the core's watchdog
+        super()._check_open()
+
+    def _call(self, fn: Any, *args: Any) -> Any:
+        """Runs a core call; a timeout or NCCL error there (the core has aborted the communicator) is
+        recorded so that every later call says why the communicator is unusable."""
+        try:
+            return fn(*args)
+        except (CommTimeoutError, _C.NcclError) as e:
+            self._fail(str(e))
+            raise
+
+    def abort(self, reason: str = "abort() was called") -> None:
+        self._fail(reason)
+        self._handle.abort()
+
+    # ------------------------------------------------------------------ collectives
     def _streams(self) -> list:
         return [int(torch.cuda.current_stream(d).cuda_stream) for d in self._device_ids]
 
-    def all_reduce_avg_async(self, tensors: Sequence[torch.Tensor], defer_scale: bool = False) -> Work:
+    def _enqueue_all_reduce(self, tensors: Any, tag: Optional[str], debug_key: Any) -> tuple:
         tensors = self._check_group(tensors, "tensors")
         bufs = as_buffers(tensors, "tensors")
+        self._debug_check("all_reduce_avg", tensors[0], debug_key, self.timeout)
         streams = self._streams()
-        seq = self._handle.all_reduce_avg(bufs, streams, self.predivide)  # NCCL averages: nothing deferred
+        # NCCL averages: nothing deferred. The tag names the collective in the core's timeout messages.
+        seq = self._call(self._handle.all_reduce_avg, bufs, streams, self.predivide, None, tag or "")
+        return seq, streams
+
+    def all_reduce_avg_async(self, tensors: Sequence[torch.Tensor], defer_scale: bool = False, *,
+                             tag: Optional[str] = None, debug_key: Optional[Sequence[int]] = None) -> Work:
+        seq, streams = self._enqueue_all_reduce(tensors, tag, debug_key)
         return _NcclWork(self, seq, streams, self.timeout)
 
-    def all_reduce_avg(self, tensors: Sequence[torch.Tensor]) -> None:
+    def all_reduce_avg(self, tensors: Sequence[torch.Tensor], *, tag: Optional[str] = None,
+                       debug_key: Optional[Sequence[int]] = None, timeout: Optional[float] = None) -> None:
         # Stream-ordered like torch's collectives: the callers' streams wait for the result on the device.
-        tensors = self._check_group(tensors, "tensors")
-        streams = self._streams()
-        self._handle.all_reduce_avg(as_buffers(tensors, "tensors"), streams, self.predivide)
-        self._handle.stream_wait(streams)
+        # The host does not wait here; a later Work.wait / close() bounds the time to completion.
+        self._timeout_arg(timeout)
+        _, streams = self._enqueue_all_reduce(tensors, tag, debug_key)
+        self._call(self._handle.stream_wait, streams)
 
-    def reduce_scatter_avg(self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor]) -> None:
+    def reduce_scatter_avg(self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], *,
+                           tag: Optional[str] = None, debug_key: Optional[Sequence[int]] = None,
+                           timeout: Optional[float] = None) -> None:
         inputs, outputs = self._check_scatter_args(inputs, outputs)
+        limit = self._timeout_arg(timeout)
+        self._debug_check("reduce_scatter_avg", inputs[0], debug_key, limit)
         streams = self._streams()
-        self._handle.reduce_scatter_avg(as_buffers(inputs, "inputs"), as_buffers(outputs, "outputs"), streams)
-        self._handle.stream_wait(streams)
+        self._call(self._handle.reduce_scatter_avg, as_buffers(inputs, "inputs"), as_buffers(outputs, "outputs"),
+                   streams, False, limit, tag or "")
+        self._call(self._handle.stream_wait, streams)
 
-    def all_gather(self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor]) -> None:
+    def all_gather(self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], *,
+                   tag: Optional[str] = None, debug_key: Optional[Sequence[int]] = None,
+                   timeout: Optional[float] = None) -> None:
         inputs, outputs = self._check_gather_args(inputs, outputs)
+        limit = self._timeout_arg(timeout)
+        self._debug_check("all_gather", inputs[0], debug_key, limit)
         streams = self._streams()
-        self._handle.all_gather(as_buffers(inputs, "inputs"), as_buffers(outputs, "outputs"), streams)
-        self._handle.stream_wait(streams)
+        self._call(self._handle.all_gather, as_buffers(inputs, "inputs"), as_buffers(outputs, "outputs"), streams,
+                   limit, tag or "")
+        self._call(self._handle.stream_wait, streams)
 
-    def allgather_object(self, obj: Any) -> list:
+    def wait(self, timeout: Optional[float] = None) -> None:
+        """Host waits (bounded) for every collective enqueued so far."""
         self._check_open()
+        self._call(self._handle.wait, self._timeout_arg(timeout), 0)
+
+    def _torch_group_device(self) -> Any:
+        import torch.distributed as dist
+
+        backend = str(dist.get_backend(self.group)).lower()
+        return "cpu" if ("gloo" in backend or "mpi" in backend) else torch.device("cuda", self._device_ids[0])
+
+    def allgather_object(self, obj: Any, *, timeout: Optional[float] = None) -> list:
+        self._check_open()
+        limit = self._timeout_arg(timeout)
         if self.world_size == 1:
             return [obj]
         import torch.distributed as dist
 
-        out: list = [None] * self.world_size
-        dist.all_gather_object(out, obj, group=self.group)
-        return out
+        return _allgather_object_bounded(self, dist, self.group, obj, limit, self._torch_group_device())
+
+    def _debug_allgather(self, record: torch.Tensor, timeout: float) -> torch.Tensor:
+        # Through the NCCL core itself: the check then also proves that this communicator's ranks line up.
+        dev = torch.device("cuda", self._device_ids[0])
+        mine = record.to(dev)
+        rows = torch.empty(record.numel() * self.size, dtype=torch.float32, device=dev)
+        streams = self._streams()
+        seq = self._call(self._handle.all_gather, as_buffers([mine], "record"), as_buffers([rows], "rows"), streams,
+                         timeout, "NCCLAVG_DEBUG sequence check")
+        self._call(self._handle.wait, timeout, seq)
+        self._call(self._handle.stream_wait, streams)
+        return rows.cpu().view(self.size, record.numel())
 
     def close(self) -> None:
         if not self._closed:
-            self._handle.destroy()
+            self._handle.destroy()  # bounded: waits at most `timeout` for work in flight, then aborts
         super().close()

@@ -1,5 +1,13 @@
 """Exception types. NcclError, CudaError and CommTimeoutError are raised by the compiled core (their
-classes are created there so C++ can raise them); LayoutMismatchError is raised by the Python layer."""
+classes are created there so C++ can raise them); the others are raised by the Python layer.
+
+    CommTimeoutError (TimeoutError)   a wait ran out: names the operation, bucket, bytes and rank
+    CommError (RuntimeError)          a collective failed (a peer died, a connection closed), or the
+                                      communicator is unusable after an earlier failure or timeout
+    CollectiveMismatchError (CommError)  NCCLAVG_DEBUG=1: ranks issued different collectives (one skipped
+                                      or reordered a bucket); raised on every rank
+    LayoutMismatchError (ValueError)  towers/ranks hold parameter lists that do not line up
+"""
 from __future__ import annotations
 
 from ._ext import _C
@@ -7,6 +15,17 @@ from ._ext import _C
 NcclError = _C.NcclError
 CudaError = _C.CudaError
 CommTimeoutError = _C.CommTimeoutError
+
+
+class CommError(RuntimeError):
+    """A collective failed on this rank (for example a peer process died and its connection closed), or
+    the communicator refused a call because an earlier collective failed or timed out: after that the
+    ranks no longer agree on which collective comes next, so the communicator cannot be used again."""
+
+
+class CollectiveMismatchError(CommError):
+    """Debug mode (NCCLAVG_DEBUG=1): the ranks' n-th collectives differ (operation, size, dtype, step,
+    bucket or bucket fingerprint); the message lists what each rank issued."""
 
 
 class LayoutMismatchError(ValueError):

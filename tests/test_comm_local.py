@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import ncclavg
-from ncclavg import CommTimeoutError
+from ncclavg import CommError, CommTimeoutError
 from ncclavg.comm import Communicator, default_timeout
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -64,8 +64,14 @@ def test_wait_times_out_then_completes():
     assert time.monotonic() - t0 < 4
     assert not work.done()
     gate.set()
-    work.wait()
+    work.wait()   # the job itself still runs to completion ...
     assert torch.equal(xs[0], torch.full((10,), 2.0))
+    # ... but the communicator refuses every later call, naming the timeout
+    for call in (lambda: comm.all_reduce_avg(xs), lambda: comm.all_reduce_avg_async(xs),
+                 lambda: comm.allgather_object(1)):
+        with pytest.raises(CommError, match="unusable: local all_reduce_avg of 40 bytes .* did not complete"):
+            call()
+    assert "did not complete within 0.05 s" in comm.failure
     comm.close()
 
 
