@@ -451,12 +451,14 @@ def _check_across_processes(comm: Any, plan: Optional[BucketPlan], error: Option
         a, b = ref["layout"], other["layout"]
         for i in range(max(len(a), len(b))):
             if i >= len(a) or i >= len(b) or a[i][:2] != b[i][:2]:
-                desc0 = f"shape {a[i][0]} dtype {a[i][1]}" if i < len(a) else "missing"
-                descr = f"shape {b[i][0]} dtype {b[i][1]}" if i < len(b) else "missing"
+                desc0 = (f"has shape {a[i][0]} dtype {a[i][1]}" if i < len(a) else
+                         f"has no parameter {i} ({len(a)} parameters)")
+                descr = (f"has shape {b[i][0]} dtype {b[i][1]}" if i < len(b) else
+                         f"is missing ({len(b)} parameters)")
                 name = (b[i][2] if i < len(b) else None) or (a[i][2] if i < len(a) else None)
                 raise LayoutMismatchError(
                     f"rank {r} (this is rank {rank}): parameter {i}" + (f" ({name!r})" if name else "") +
-                    f" has {descr} but rank 0 has {desc0}")
+                    f" {descr} but rank 0 {desc0}")
         raise LayoutMismatchError(f"rank {r} (this is rank {rank}): bucket plan fingerprint "
                                   f"{other['fingerprint']:016x} differs from rank 0's {ref['fingerprint']:016x} "
                                   "(same parameters, different bucket_cap_mb / first_bucket_mb / grad_dtype?)")
