@@ -55,7 +55,8 @@ class GradientAverager:
     Note [Parameters without a gradient]."""
 
     def __init__(self, comm: Any, towers: Sequence[Any], bucket_cap_mb: float = 25, first_bucket_mb: float = 1,
-                 overlap: bool = True, grad_dtype: Any = None, names: Optional[Sequence[str]] = None):
+                 overlap: bool = True, grad_dtype: Any = None, names: Optional[Sequence[str]] = None,
+                 check_finite: bool = False):
         # Everything is validated before anything is changed: a bad argument leaves grads and hooks alone.
         for attr in ("all_reduce_avg_async", "allgather_object", "local_size", "devices", "timeout"):
             if not hasattr(comm, attr):
@@ -64,6 +65,8 @@ class GradientAverager:
         try:
             if not isinstance(overlap, bool):
                 raise TypeError(f"overlap: expected a bool, got {type(overlap).__name__}")
+            if not isinstance(check_finite, bool):
+                raise TypeError(f"check_finite: expected a bool, got {type(check_finite).__name__}")
             gdt = parse_dtype(grad_dtype, "grad_dtype")
             params, tnames, modules = _collect_towers(towers, names)
             if len(params) != comm.local_size:
@@ -84,6 +87,8 @@ class GradientAverager:
         self.params: list = params
         self.overlap = overlap
         self.grad_dtype = gdt
+        self.check_finite = check_finite
+        self._last_amax: list = []
         self.stats: dict = {"steps": 0, "bytes_reduced": 0, "bucket_bytes": [b.nbytes for b in plan.buckets],
                             "bucket_time_s": [0.0] * len(plan.buckets), "buckets_overlapped": 0,
                             "fallback_packs": 0, "params_without_grad": 0, "average_time_s": 0.0}
@@ -141,6 +146,7 @@ class GradientAverager:
             self._broken = e
             raise
         overlapped = self._overlapped
+        self._last_amax = self._amax
         self._reset_step()
         st = self.stats
         st["steps"] += 1
@@ -157,6 +163,23 @@ class GradientAverager:
             yield
         finally:
             self._sync_enabled = prev
+
+    def nonfinite(self) -> list:
+        """(tower, bucket) pairs whose gradients held an inf or NaN BEFORE they were averaged, in the
+        last average(); local towers only. Needs check_finite=True.
+
+        Note [Finding the tower with a non-finite gradient]
+        After the in-place average every tower holds the same (non-finite) mean, so which tower produced
+        the inf/NaN can only be seen before the reduction. With check_finite=True each tower's bucket
+        gets one max-|x| reduction (no temporary; inf and NaN propagate) right before its collective,
+        left on the device (no host sync in backward); this call reads them, one sync for all."""
+        if not self.check_finite:
+            raise RuntimeError("nonfinite(): build the GradientAverager with check_finite=True")
+        flat = [(t, b, m) for t, row in enumerate(self._last_amax) for b, m in enumerate(row) if m is not None]
+        if not flat:
+            return []
+        finite = torch.isfinite(torch.stack([m.to("cpu", torch.float32) for _, _, m in flat])).tolist()
+        return [(t, b) for (t, b, _), ok in zip(flat, finite) if not ok]
 
     def bucket_storage(self, tower: int, bucket: int) -> torch.Tensor:
         """The flat gradient storage of `bucket` on `tower` (the .grad views point into it)."""
@@ -259,12 +282,17 @@ class GradientAverager:
         self._next = 0
         self._overlapped = 0
         self._fired = False
+        self._amax: list = [[None] * self._nb for _ in range(self._ntowers)]
 
     def _launch_through(self, end: int) -> None:
         """Launches buckets [self._next, end) in order. Caller holds self._lock."""
         while self._next < end:
             b = self._next
             fixups = [self._prepare_bucket(t, b) for t in range(self._ntowers)]
+            if self.check_finite:  # See Note [Finding the tower with a non-finite gradient]
+                for t in range(self._ntowers):
+                    s = self._storage[t][b]
+                    self._amax[t][b] = torch.linalg.vector_norm(s, float("inf")) if s.numel() else None
             # tag: timeouts and failures name the bucket; debug_key: see Note [Collective sequence check].
             work = self.comm.all_reduce_avg_async([self._storage[t][b] for t in range(self._ntowers)],
                                                   defer_scale=True, tag=f"bucket {b}",

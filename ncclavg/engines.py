@@ -82,6 +82,11 @@ def check_master_state(state: Any, plan: BucketPlan, what: str = "state") -> Non
                              f"checkpoint but {s.shape} in the model")
 
 
+def _finite(flat: torch.Tensor) -> bool:
+    """All elements finite: one max-|x| reduction (inf and NaN propagate through it, no temporary)."""
+    return bool(torch.isfinite(torch.linalg.vector_norm(flat, float("inf"))))
+
+
 def _bucket_sumsq(flats: Sequence[torch.Tensor]) -> torch.Tensor:
     """Sum of squares of all buckets of one tower, accumulated in fp32 on the buckets' device."""
     parts = [torch.linalg.vector_norm(f, dtype=torch.float32).square() for f in flats if f.numel()]
@@ -96,7 +101,7 @@ class DeviceMasterEngine:
 
     def __init__(self, tower_params: Sequence[Sequence[torch.Tensor]], names: Sequence[str],
                  devices: Sequence[torch.device], opt: OptimConfig, bucket_cap_mb: float,
-                 first_bucket_mb: float, overlap: bool = True):
+                 first_bucket_mb: float, overlap: bool = True, check_finite: bool = True):
         from .averager import GradientAverager
         from .comm import Communicator
 
@@ -107,7 +112,8 @@ class DeviceMasterEngine:
         else:
             self.comm = Communicator.nccl([d.index for d in self.devices])
         self.averager = GradientAverager(self.comm, self.tower_params, bucket_cap_mb=bucket_cap_mb,
-                                         first_bucket_mb=first_bucket_mb, overlap=overlap, names=list(names))
+                                         first_bucket_mb=first_bucket_mb, overlap=overlap, names=list(names),
+                                         check_finite=check_finite)
         self.plan: BucketPlan = self.averager.plan
         self.optimizers = [opt.torch_optimizer(ps) for ps in self.tower_params]
         self.zero_grad()
@@ -130,6 +136,11 @@ class DeviceMasterEngine:
             self.averager.average()
         with times.phase("optimizer"):
             info = {"skipped": False, "grad_norm": None}
+            if self.averager.check_finite:  # See Note [Non-finite gradients] in trainer.py
+                bad = self.averager.nonfinite()
+                if bad:
+                    info.update(skipped=True, nonfinite=bad)
+                    return info
             coef = 1.0
             if loss_scale is not None or max_grad_norm is not None:
                 # The towers hold identical averaged gradients: measure tower 0 once.
@@ -139,6 +150,8 @@ class DeviceMasterEngine:
                 info["grad_norm"] = norm
                 if not math.isfinite(norm):
                     info["skipped"] = True
+                    info["nonfinite"] = [(None, b) for b, f in enumerate(self._tower_buckets(0))
+                                         if f.numel() and not _finite(f)]
                     return info
                 coef = inv
                 if max_grad_norm is not None:
@@ -201,7 +214,7 @@ class CpuMasterEngine:
 
     def __init__(self, tower_params: Sequence[Sequence[torch.Tensor]], names: Sequence[str],
                  devices: Sequence[torch.device], opt: OptimConfig, bucket_cap_mb: float,
-                 first_bucket_mb: float, skip_nonfinite: bool = False):
+                 first_bucket_mb: float, skip_nonfinite: bool = True):
         from .master import MasterWeights
 
         self.devices = list(devices)
@@ -223,8 +236,8 @@ class CpuMasterEngine:
                     p.grad = self.plan.slot_view(gf[s.bucket], s.index)
             self.param_flats.append(pf)
             self.grad_flats.append(gf)
-        # skip_nonfinite: the fp16 policy (Note [Dynamic loss scale]); without a loss scale a non-finite
-        # gradient propagates as in torch.optim, and the step is one pass over memory instead of two.
+        # skip_nonfinite: a step with an inf/NaN gradient on any tower changes nothing (Note [Non-finite
+        # gradients] in trainer.py, Note [Dynamic loss scale]); the price is a read-only first pass.
         self.master = MasterWeights(self.tower_params[0], plan=self.plan, pin=False,
                                     skip_nonfinite=skip_nonfinite, **opt.master_kwargs())
 
@@ -256,10 +269,14 @@ class CpuMasterEngine:
             # One pass: average the N towers' buckets, update master + state, write tower 0's weights.
             info = self.master.step(self.grad_flats, grad_scale=loss_scale, max_grad_norm=max_grad_norm,
                                     out=self.param_flats[0])
-        if not info["skipped"]:
-            with times.phase("broadcast"):
-                self._copy_out(first=1)
-        return {"skipped": bool(info["skipped"]), "grad_norm": info.get("grad_norm")}
+        if info["skipped"]:
+            # The towers' gradients are still separate here: name every (tower, bucket) with an inf/NaN.
+            bad = [(t, b) for t, gf in enumerate(self.grad_flats) for b, g in enumerate(gf)
+                   if g.numel() and not _finite(g)]
+            return {"skipped": True, "grad_norm": info.get("grad_norm"), "nonfinite": bad}
+        with times.phase("broadcast"):
+            self._copy_out(first=1)
+        return {"skipped": False, "grad_norm": info.get("grad_norm")}
 
     def _copy_out(self, first: int = 0) -> None:
         for pf in self.param_flats[first:]:

@@ -48,13 +48,14 @@ class GpuOffloadEngine:
 
     def __init__(self, tower_params: Sequence[Sequence[torch.Tensor]], names: Sequence[str],
                  devices: Sequence[torch.device], opt: OptimConfig, bucket_cap_mb: float,
-                 first_bucket_mb: float):
+                 first_bucket_mb: float, check_finite: bool = True):
         from .comm import Communicator
         from .master import MasterWeights
 
         self.devices = list(devices)
         self.tower_params = [list(ps) for ps in tower_params]
         self.T = T = len(self.devices)
+        self.check_finite = bool(check_finite)
         self.plan = BucketPlan.build(self.tower_params[0], names, bucket_cap_mb=bucket_cap_mb,
                                      first_bucket_mb=first_bucket_mb)
         for t, ps in enumerate(self.tower_params[1:], 1):
@@ -113,18 +114,22 @@ class GpuOffloadEngine:
     def _shard_of(self, full: torch.Tensor, b: int, t: int) -> torch.Tensor:
         return full.narrow(0, t * self.shard[b], self.shard[b])
 
-    def _clip_and_check(self, loss_scale: float | None, max_grad_norm: float | None) -> tuple[bool, float | None]:
-        """(skip, grad norm) from the reduced shards: the shards partition every bucket, so
-        the sum of their squares over towers and buckets is the squared norm of the mean gradient."""
-        parts = []
+    def _clip_and_check(self, loss_scale: float | None, max_grad_norm: float | None) -> tuple[bool, float | None, list]:
+        """(skip, grad norm, non-finite buckets) from the reduced shards: the shards partition every
+        bucket, so the sum of their squares over towers and buckets is the squared norm of the mean
+        gradient. One small host sync per step."""
+        per_tower = []
         for t, dev in enumerate(self.devices):
             with torch.cuda.device(dev):
                 sq = [torch.linalg.vector_norm(g, dtype=torch.float32).square() for g in self.grad_shards[t]]
-                parts.append(torch.stack(sq).sum().to("cpu", non_blocking=False))
-        norm = math.sqrt(float(sum(parts)))
+                per_tower.append(torch.stack(sq).to("cpu", non_blocking=False))
+        by_bucket = torch.stack(per_tower).sum(0)          # [buckets]
+        norm = math.sqrt(float(by_bucket.sum()))
         if loss_scale is not None:
             norm /= loss_scale
-        return not math.isfinite(norm), norm
+        # the reduction mixed the towers: the tower is unknown (None), the bucket is not
+        bad = [(None, b) for b, v in enumerate(by_bucket.tolist()) if not math.isfinite(v)]
+        return not math.isfinite(norm), norm, bad
 
     def step(self, lr: float, loss_scale: float | None, max_grad_norm: float | None,
              times: StepTimes) -> dict:
@@ -134,10 +139,10 @@ class GpuOffloadEngine:
                 self.comm.reduce_scatter_avg([gf[b] for gf in self.grad_flats],
                                              [gs[b] for gs in self.grad_shards])
         skip, norm = False, None
-        if loss_scale is not None or max_grad_norm is not None:
-            skip, norm = self._clip_and_check(loss_scale, max_grad_norm)
-            if skip:
-                return {"skipped": True, "grad_norm": norm}
+        if self.check_finite or loss_scale is not None or max_grad_norm is not None:
+            skip, norm, bad = self._clip_and_check(loss_scale, max_grad_norm)
+            if skip:  # nothing was updated: the master step has not started
+                return {"skipped": True, "grad_norm": norm, "nonfinite": bad}
         self.master.hp["lr"] = lr
         with times.phase("offload"):
             for b in range(nb):

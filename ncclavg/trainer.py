@@ -14,6 +14,7 @@ on the other samples of the batch (batch norm in training mode) see per-tower st
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import time
 from typing import Any, Callable, Iterable, Sequence
@@ -34,6 +35,9 @@ from .trainer_state import (CHECKPOINT_FORMAT, CHECKPOINT_KIND, check_signature,
 
 OPTIMIZERS = ("adamw", "adam", "sgd")
 MASTERS = ("cpu", "device")
+NONFINITE_POLICIES = ("skip", "raise")
+
+log = logging.getLogger("ncclavg.trainer")
 
 
 def _number(value: Any, name: str, *, minimum: float = 0.0, strict: bool = False, none_ok: bool = False):
@@ -64,7 +68,7 @@ class TowerTrainer:
                  amp: str | None = None, master: str | None = None, bucket_cap_mb: float = 25.0,
                  seed: int = 0, *, betas: Sequence[float] = (0.9, 0.999), eps: float = 1e-8,
                  first_bucket_mb: float = 1.0, loss_fn: Callable | None = None, concurrent: bool = True,
-                 overlap: bool = True, init_loss_scale: float = 2.0 ** 16):
+                 overlap: bool = True, init_loss_scale: float = 2.0 ** 16, on_nonfinite: str = "skip"):
         # Validate everything before touching the model: a bad argument leaves it as it was.
         if not isinstance(model, nn.Module):
             raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
@@ -111,6 +115,9 @@ class TowerTrainer:
                                  "build is CPU only")
 
         init_loss_scale = _number(init_loss_scale, "init_loss_scale", strict=True)
+        if not isinstance(on_nonfinite, str) or on_nonfinite not in NONFINITE_POLICIES:
+            raise ValueError(f"on_nonfinite: must be one of {', '.join(map(repr, NONFINITE_POLICIES))}, got "
+                             f"{on_nonfinite!r}")
         scaler = DynamicLossScale(init_scale=init_loss_scale) if amp == "fp16" else None
 
         self.devices = devs
@@ -125,7 +132,9 @@ class TowerTrainer:
                        "grad_clip": grad_clip, "amp": amp, "master": master, "bucket_cap_mb": bucket_cap_mb,
                        "first_bucket_mb": first_bucket_mb, "seed": seed, "betas": betas, "eps": eps,
                        "concurrent": bool(concurrent), "overlap": bool(overlap),
-                       "init_loss_scale": float(init_loss_scale)}
+                       "init_loss_scale": float(init_loss_scale), "on_nonfinite": on_nonfinite}
+        self.on_nonfinite = on_nonfinite
+        self.nonfinite_steps = 0   # steps skipped for an inf/NaN gradient (fp16 overflows included)
         opt = OptimConfig(optimizer, lr, weight_decay, momentum, bool(nesterov), betas, eps)
 
         seed_everything(seed, devs)
@@ -162,7 +171,7 @@ class TowerTrainer:
                                       first_bucket_mb, overlap=overlap)
         if self.devices[0].type == "cpu":
             return CpuMasterEngine(self.tower_params, self.names, self.devices, opt, bucket_cap_mb,
-                                   first_bucket_mb, skip_nonfinite=self.amp == "fp16")
+                                   first_bucket_mb, skip_nonfinite=True)
         from .offload import GpuOffloadEngine  # see Note [Pipelined CPU master] there
 
         return GpuOffloadEngine(self.tower_params, self.names, self.devices, opt, bucket_cap_mb,
@@ -247,10 +256,12 @@ class TowerTrainer:
                                                                  total, loss_scale))
         self.engine.after_compute(self.streams)
         info = self.engine.step(lr, loss_scale, self.grad_clip, times)
+        live = [r for r in results if r is not None]
+        if info["skipped"]:
+            self._nonfinite_step(info, results, loss_scale)
         if self.scaler is not None:
             self.scaler.update(bool(info["skipped"]))
         self.step += 1
-        live = [r for r in results if r is not None]
         loss = sum(float(r[0]) for r in live) / total
         correct = None if any(r[1] is None for r in live) else sum(int(r[1]) for r in live)
         step_s = time.perf_counter() - t0
@@ -258,6 +269,7 @@ class TowerTrainer:
                   "accuracy": None if correct is None else correct / total, "lr": lr, "samples": total,
                   "step_s": step_s, "samples_per_s": total / step_s if step_s > 0 else None,
                   "skipped": bool(info["skipped"]), "grad_norm": info.get("grad_norm"),
+                  **({"nonfinite": [list(x) for x in info.get("nonfinite", [])]} if info["skipped"] else {}),
                   **({"loss_scale": loss_scale} if loss_scale is not None else {}), **times.as_dict()}
         acc = self._epoch_acc
         acc["loss_sum"] += loss * total
@@ -267,6 +279,36 @@ class TowerTrainer:
         for k in PHASES:
             acc["t_" + k] += times.times[k]
         return record
+
+    def _nonfinite_step(self, info: dict, results: list, loss_scale: float | None) -> None:
+        """A step the engine skipped for an inf/NaN gradient: count it, log where it came from, or raise.
+
+        Note [Non-finite gradients]
+        Every engine checks the gradients before it writes anything: the CPU master's fused step on the
+        towers' own buckets (a read-only first pass), master="device" on each tower's buckets before they
+        are averaged (GradientAverager(check_finite=True): after the in-place average every tower holds
+        the same non-finite mean), the GPU offload pipeline on the reduced shards before the update
+        starts. A skipped step changes no weight, moment or step count; the trainer's step counter and
+        the schedule still advance (as with torch's GradScaler). With amp="fp16" an overflow is part of
+        dynamic loss scaling (the scale halves); on_nonfinite="raise" raises only once the scale is at
+        its minimum, where an inf/NaN can no longer be an overflow of the scaled loss.
+        """
+        self.nonfinite_steps += 1
+        where = info.get("nonfinite") or []
+        parts = [f"tower {t} bucket {b}" if t is not None else f"bucket {b} (tower unknown after the reduction)"
+                 for t, b in where]
+        bad_loss = [t for t, r in enumerate(results) if r is not None and not math.isfinite(float(r[0]))]
+        msg = (f"step {self.step + 1}: non-finite gradient (inf/NaN) in " + (", ".join(parts) or "the gradients") +
+               (f"; towers with a non-finite loss: {bad_loss}" if bad_loss else ""))
+        overflow = self.scaler is not None and loss_scale is not None and loss_scale > self.scaler.min_scale
+        if overflow:
+            log.debug("%s at loss scale %g: step skipped, the scale backs off", msg, loss_scale)
+            return
+        if self.on_nonfinite == "raise":
+            self.nonfinite_steps -= 1
+            raise FloatingPointError(msg + "; nothing was updated (on_nonfinite='raise')")
+        log.warning("%s; step skipped, master weights and optimizer state unchanged (%d skipped so far)",
+                    msg, self.nonfinite_steps)
 
     # ------------------------------------------------------------------ evaluation
     def _tower_eval(self, t: int, inputs: tuple, target: torch.Tensor, lo: int, hi: int):
@@ -444,7 +486,7 @@ class TowerTrainer:
                 "data": data, "schedule": self._ensure_schedule(None, None).state_dict(),
                 "scaler": self.scaler.state_dict() if self.scaler is not None else None,
                 "rng": rng_state(self.devices), "history": list(self.history),
-                "epoch_acc": dict(self._epoch_acc)}
+                "epoch_acc": dict(self._epoch_acc), "nonfinite_steps": self.nonfinite_steps}
 
     def save(self, path: str, *, _manager: Any = None) -> str:
         """Write a checkpoint atomically (temp file, fsync, rename) with a checksum; returns its path."""
@@ -465,6 +507,7 @@ class TowerTrainer:
         set_rng_state(state["rng"], self.devices)
         self.history = list(state["history"])
         self._epoch_acc = dict(state["epoch_acc"])
+        self.nonfinite_steps = int(state.get("nonfinite_steps", 0))
 
     def restore(self, path: str) -> str:
         """Load a checkpoint file (or the newest complete one in a directory) into this trainer."""
