@@ -22,6 +22,7 @@ import hashlib
 import io
 import os
 import re
+import socket
 import struct
 import uuid
 import warnings
@@ -33,6 +34,7 @@ MAGIC = b"NCAVGCKP"
 FORMAT_VERSION = 1
 _HEADER = struct.Struct("<8sIQ32s")
 SUFFIX = ".ckpt"
+_HOST = re.sub(r"[^A-Za-z0-9_.]", "_", socket.gethostname()) or "host"
 
 
 class CheckpointError(ValueError):
@@ -73,7 +75,7 @@ def save(path: str | os.PathLike, state: Any) -> str:
     if not os.path.isdir(directory):
         raise ValueError(f"path: directory {directory} does not exist")
     data = encode(state)
-    tmp = os.path.join(directory, f".{os.path.basename(path)}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    tmp = os.path.join(directory, f".{os.path.basename(path)}.tmp-{_HOST}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     try:
         with open(tmp, "wb") as f:
             f.write(data)
@@ -130,6 +132,21 @@ def load(path: str | os.PathLike, map_location: Any = "cpu") -> Any:
 
 
 _NAME = re.compile(r"^(?P<prefix>.+)-(?P<step>\d+)" + re.escape(SUFFIX) + "$")
+# the temporary name `save` writes first: .<final name>.tmp-<host>-<pid>-<8 hex>. The host keeps
+# remove_stale_temps from judging another machine's pids when the directory is on a shared file system.
+_TEMP = re.compile(r"^\.(?P<final>.+)\.tmp-(?P<host>[A-Za-z0-9_.]+)-(?P<pid>\d+)-[0-9a-f]{8}$")
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    return True
 
 
 class CheckpointManager:
@@ -168,7 +185,29 @@ class CheckpointManager:
                 os.unlink(old)
             except FileNotFoundError:
                 pass
+        self.remove_stale_temps()
         return path
+
+    def remove_stale_temps(self) -> list[str]:
+        """Deletes the temporary files of saves whose process died mid-write (killed, power loss): they
+        are never renamed, so without this every crash during a save would leave one behind. Temp files
+        of a live process (a save in progress) are kept. Returns the paths removed."""
+        removed = []
+        if not os.path.isdir(self.directory):
+            return removed
+        for name in os.listdir(self.directory):
+            m = _TEMP.match(name)
+            final = _NAME.match(m.group("final")) if m else None
+            if final is None or final.group("prefix") != self.prefix:
+                continue
+            if m.group("host") != _HOST or _pid_alive(int(m.group("pid"))):
+                continue
+            try:
+                os.unlink(os.path.join(self.directory, name))
+                removed.append(os.path.join(self.directory, name))
+            except FileNotFoundError:
+                pass
+        return removed
 
     def latest(self) -> str | None:
         """Path of the newest checkpoint that verifies, or None when there is none."""
