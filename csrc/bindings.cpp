@@ -127,6 +127,10 @@ PYBIND11_MODULE(_C, m) {
   py::class_<Buffer>(m, "Buffer")
       .def(py::init([](uintptr_t ptr, int64_t numel, int dtype, int device, bool readonly) {
              NCCLAVG_CHECK_TYPE(dtype_valid(dtype), "dtype", "unknown dtype code ", dtype);
+             // Name the constructor's own arguments; validate_buffer is the defence for every call.
+             NCCLAVG_CHECK_ARG(numel >= 0, "numel", "must be >= 0, got ", numel);
+             NCCLAVG_CHECK_ARG(numel == 0 || ptr != 0, "ptr", "is null but numel is ", numel);
+             NCCLAVG_CHECK_ARG(device >= -1, "device", "must be -1 (cpu) or a CUDA ordinal, got ", device);
              Buffer b{ptr, numel, static_cast<DType>(dtype), device, readonly};
              validate_buffer(b, "Buffer");
              return b;

@@ -111,7 +111,8 @@ class _FakeCoreComm:
         from ncclavg import CommTimeoutError
 
         self.calls.append(("wait", timeout_s, seq))
-        self.aborted, self.abort_reason = True, f"all_reduce_avg[bucket 3] of 4096 bytes did not complete within {timeout_s:g} s"
+        self.aborted = True
+        self.abort_reason = f"all_reduce_avg[bucket 3] of 4096 bytes did not complete within {timeout_s:g} s"
         raise CommTimeoutError(self.abort_reason + "; the communicator was aborted (ncclCommAbort)")
 
     def stream_wait(self, streams):
