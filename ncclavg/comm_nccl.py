@@ -14,7 +14,8 @@ import torch
 
 from ._ext import _C, cuda_built, nccl_info
 from .buffers import as_buffers
-from .comm import Communicator, Work, _allgather_object_bounded, _check_timeout
+from .comm import Communicator, Work, _check_timeout
+from .comm_dist import _allgather_object_bounded
 from .errors import CommTimeoutError
 
 _UID_SEQ = itertools.count()  # one store key per communicator built under torch.distributed

@@ -33,10 +33,10 @@ import torch
 
 from .bucketing import BucketPlan
 from .engines import OptimConfig, check_master_state
+from .errors import CommTimeoutError
 from .metrics import StepTimes
 
 _ALIGN_BYTES = 256
-_WORKER_TIMEOUT_S = 600.0
 
 
 def _pad_to(n: int, multiple: int) -> int:
@@ -157,14 +157,22 @@ class GpuOffloadEngine:
                     events.append(ev)
                 self._todo.put((b, events, loss_scale, max_grad_norm, norm))
         with times.phase("broadcast"):
+            done: list = []
             for _ in range(nb):
                 try:
-                    item = self._staged.get(timeout=_WORKER_TIMEOUT_S)
+                    item = self._staged.get(timeout=self.comm.timeout)
                 except queue.Empty:
-                    raise TimeoutError(f"CPU master step: no bucket staged within {_WORKER_TIMEOUT_S:.0f} s") from None
+                    # A collective or copy the worker waits for never completed: abort the communicator
+                    # (NCCL kernels stop, the worker's event wait returns) and say which bucket.
+                    msg = (f"CPU master step: bucket {len(done)} of {nb} ({self.plan.buckets[len(done)].nbytes} "
+                           f"bytes) was not staged within {self.comm.timeout:g} s (reduce-scatter, device-to-host "
+                           "copy or the CPU update did not complete)")
+                    self.comm.abort(msg)
+                    raise CommTimeoutError(msg + "; the communicator was aborted") from None
                 if isinstance(item, BaseException):
                     raise item
                 b, h2d_events, opt_s = item
+                done.append(b)
                 times.add("optimizer", opt_s)
                 for t, dev in enumerate(self.devices):
                     torch.cuda.current_stream(dev).wait_event(h2d_events[t])
@@ -221,5 +229,5 @@ class GpuOffloadEngine:
     def close(self) -> None:
         if self._worker.is_alive():
             self._todo.put(None)
-            self._worker.join(timeout=_WORKER_TIMEOUT_S)
+            self._worker.join(timeout=self.comm.timeout)
         self.comm.close()

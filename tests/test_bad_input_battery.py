@@ -108,7 +108,8 @@ CASES = [
     ("all_gather output size", ValueError, r"^outputs\[0\]: has 9 elements, expected 16",
      lambda c: c.comm.all_gather([c.a, c.b], [torch.ones(9), torch.ones(16)])),
     ("wait timeout zero", ValueError, "^timeout: must be a positive",
-     lambda c: c.comm.all_reduce_avg_async([c.a, c.b]).wait(timeout=0)),
+     lambda c: (lambda w: (w.wait(), w.wait(timeout=0)))(c.comm.all_reduce_avg_async([torch.ones(3),
+                                                                                     torch.zeros(3)]))),
     ("all_reduce timeout nan", ValueError, "^timeout: must be a positive",
      lambda c: c.comm.all_reduce_avg([c.a, c.b], timeout=math.nan)),
     # ---- GradientAverager
