@@ -55,13 +55,16 @@ def peer_dies_mid_step(rank, world, port, outdir, victim, timeout, how):
         # a bounded allgather_object first: rank 0 alone on a side group, its peer never joins
         side = dist.new_group([0, 1])
         side_comm = Communicator.from_torch_distributed(group=side, device="cpu", timeout=1.0)
-        if rank == 0:
-            t0 = time.monotonic()
-            try:
+        t0 = time.monotonic()
+        try:
+            if rank == 0:
                 side_comm.allgather_object({"rank": rank})
-                side_err = "no error"
-            except Exception as e:  # noqa: BLE001
-                side_err = f"{type(e).__name__}: {e} after {time.monotonic() - t0:.1f} s"
+            else:   # the nccl backend's unique-id look-up in the store, rank 0 never publishing one
+                _nccl_uid_lookup_alone(timeout=1.0)
+            side_err = "no error"
+        except Exception as e:  # noqa: BLE001
+            side_err = f"{type(e).__name__}: {e} after {time.monotonic() - t0:.1f} s"
+        report(outdir, f"side{rank}", side=side_err)   # now: rank 1 will not report later
         dist.barrier()
     torch.manual_seed(0)
     model = MLP()
@@ -89,10 +92,18 @@ def peer_dies_mid_step(rank, world, port, outdir, victim, timeout, how):
     except Exception as e:  # noqa: BLE001
         fields = _error_fields(e, t0)
     fields.update(later=_later_calls(comm, avg), failure=comm.failure)
-    if how == "stop" and rank == 0:
-        fields["side"] = side_err
     report(outdir, rank, **fields)
     os._exit(0)   # the process group is broken: skip its teardown
+
+
+def _nccl_uid_lookup_alone(timeout):
+    """NcclCommunicator.init_rank on a CPU machine up to its store look-up: the NCCL checks are stubbed
+    out, the store wait is the real one (rank 0 never publishes an id, so it must time out)."""
+    from ncclavg import comm_nccl
+
+    comm_nccl.require_nccl_comm = lambda: None
+    comm_nccl._device_index = lambda d, argname: 0
+    comm_nccl.NcclCommunicator.init_rank(None, torch.device("cpu"), timeout, False)
 
 
 def layout_and_debug(rank, world, port, outdir):

@@ -1,6 +1,7 @@
 """Fault injection on the communication path, with real gloo processes on loopback: a rank SIGKILLed or
 frozen (SIGSTOP) in the middle of a step, plans that differ across ranks, a rank that skips a bucket in
 debug mode. Each spawned job has a hard deadline (spawn_ranks kills everything after it)."""
+import json
 import os
 import re
 import signal
@@ -40,10 +41,13 @@ def test_peer_dies_mid_step_others_raise_within_timeout(tmp_path, world, victim,
         assert rep["later"]["comm"].startswith("CommError: gloo communicator (rank") and "unusable" in \
             rep["later"]["comm"], rep["later"]
         assert "earlier reduction failed" in rep["later"]["avg"], rep["later"]
-    if how == "stop":
-        side = reports[0]["side"]
+    if how == "stop":   # the side phase: bounded allgather_object and NCCL unique-id store look-up
+        side = json.loads((tmp_path / "rankside0.json").read_text())["side"]
         assert side.startswith("CommTimeoutError: gloo allgather_object (rank 0 of 2) (sizes) did not complete "
                                "within 1 s"), side
+        side = json.loads((tmp_path / "rankside1.json").read_text())["side"]
+        assert side.startswith("CommTimeoutError: nccl init (rank 1 of 2): rank 0's NCCL unique id did not "
+                               "appear in the store"), side
 
 
 def test_layout_mismatch_and_skipped_bucket_fail_on_every_rank(tmp_path):
