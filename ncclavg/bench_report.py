@@ -35,7 +35,8 @@ def machine_info() -> dict:
     except (ValueError, OSError, AttributeError):
         pass
     info = build_info()
-    return {"cpu": cpu, "cores": os.cpu_count(), "memory_gib": mem_gib, "platform": platform.platform(),
+    load = round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None  # a busy machine skews timings
+    return {"cpu": cpu, "load_avg_1m": load, "cores": os.cpu_count(), "memory_gib": mem_gib, "platform": platform.platform(),
             "gpus": info["devices"], "simd_level": info["simd_level"], "openmp_threads": info["openmp_threads"]}
 
 

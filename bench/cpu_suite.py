@@ -1,0 +1,276 @@
+"""Runs every CPU benchmark of the project and gathers their ratios in one JSON and one markdown table.
+
+    python bench/cpu_suite.py                 # -> bench/results/cpu-<date>.json and cpu-<date>.md
+    python bench/cpu_suite.py --quick         # smaller sweeps, for a smoke run
+    python bench/cpu_suite.py --only average sweep-local
+
+What runs: bench/average.py, bench/pack.py, bench/optim.py, bench/pipeline.py (fused average + optimizer
+step + cast), any other bench/*.py that follows the contract below (except gpu_* scripts), and the
+`ncclavg bench` sweeps for the local (4 towers) and gloo (2 ranks) backends. A script that does not exist
+yet is listed as "missing" with a note; one that fails is listed with its exit code and last stderr line.
+The suite also measures the machine's copy bandwidth itself, at its start and at its end, and reports
+every benchmark against it.
+
+Contract for a benchmark script bench/<name>.py
+-----------------------------------------------
+1. `python bench/<name>.py --json PATH` runs its CPU default configuration in under 2 minutes on a
+   2-core machine, exits 0, and writes PATH. It runs from the repository root (the suite sets the
+   working directory and PYTHONPATH so `import ncclavg` finds this checkout).
+2. PATH holds one JSON object: {"header": {machine, versions, arguments, ...}, "rows": [{...}, ...]};
+   more keys are allowed.
+3. Rows meant for the summary carry a "case" (or "name") string saying what was measured, and either
+   times measured in the same run:
+       "time_us"        ncclavg's time for the case
+       "torch_time_us"  the best torch way of doing the same work
+       "copy_time_us"   a plain copy of the same bytes (each byte ncclavg must read/write, moved once)
+   or the ratios directly:
+       "speedup_vs_torch"     torch time / ncclavg time        (> 1: ncclavg is faster)
+       "fraction_of_copy_bw"  copy time / ncclavg time         (1.0: ncclavg runs at copy speed)
+   Optionally "gbps": ncclavg's bandwidth in the copy convention (bytes moved, counted once, per ns),
+   which the suite also relates to its own copy measurement.
+   `ncclavg bench --json` files (rows per contender and size) are understood as they are.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+KNOWN_SCRIPTS = [
+    ("average", "average.py", "ncclavg.ops.average_ (one-pass host average) vs torch"),
+    ("pack", "pack.py", "pack/unpack of gradients into flat buckets vs torch.cat / split copies"),
+    ("optim", "optim.py", "CPUAdamW / CPUSGD vs torch.optim (foreach / fused)"),
+    ("pipeline", "pipeline.py", "fused average + optimizer step + cast (MasterWeights) vs torch"),
+]
+SCRIPT_TIMEOUT_S = 300
+TORCH_TIME_KEYS = ("torch_time_us", "torch_us", "time_torch_us")
+COPY_TIME_KEYS = ("copy_time_us", "copy_us", "time_copy_us", "memcpy_time_us")
+SPEEDUP_KEYS = ("speedup_vs_torch", "vs_torch", "ratio_vs_torch", "torch_ratio")
+COPY_FRACTION_KEYS = ("fraction_of_copy_bw", "frac_copy_bw", "of_copy_bw", "copy_fraction", "vs_copy")
+
+
+def sweep_commands(quick: bool) -> list[tuple[str, list[str], str]]:
+    top = "4M" if quick else "64M"
+    common = ["-b", "1K", "-e", top, "-f", "4", "--compare", "--quiet"]
+    return [
+        ("sweep-local", ["-m", "ncclavg", "bench", "--backend", "local", "--towers", "4", *common],
+         "ncclavg bench: local backend, 4 towers, vs torch and copy"),
+        ("sweep-gloo", ["-m", "ncclavg", "bench", "--backend", "gloo", "--nproc", "2", *common],
+         "ncclavg bench: gloo backend, 2 ranks, vs torch.distributed and copy"),
+    ]
+
+
+def measure_copy_gbps(nbytes: int = 256 << 20, reps: int = 7) -> float:
+    """Median copy bandwidth (bytes copied per second / 1e9) of a buffer far larger than the caches."""
+    import torch
+
+    src = torch.ones(nbytes // 4, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    for _ in range(2):
+        dst.copy_(src)
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - t0)
+    return nbytes / statistics.median(times) / 1e9
+
+
+def run_script(name: str, argv: list[str], timeout: float) -> dict:
+    """Runs `python <argv> --json <tmp>`; returns {status, seconds, command, result | error}."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    with tempfile.TemporaryDirectory(prefix="ncclavg-suite-") as tmp:
+        out = Path(tmp) / f"{name}.json"
+        shown = " ".join(["python", *argv, "--json", "OUT.json"])
+        t0 = time.monotonic()
+        try:
+            proc = subprocess.run([sys.executable, *argv, "--json", str(out)], cwd=ROOT, env=env,
+                                  capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return {"status": "failed", "command": shown, "seconds": round(time.monotonic() - t0, 1),
+                    "error": f"timed out after {timeout:.0f} s"}
+        entry = {"command": shown, "seconds": round(time.monotonic() - t0, 1)}
+        if proc.returncode != 0 or not out.exists():
+            last = (proc.stderr.strip().splitlines() or ["(no stderr)"])[-1]
+            return {**entry, "status": "failed", "error": f"exit code {proc.returncode}: {last}"}
+        try:
+            entry["result"] = json.loads(out.read_text())
+        except ValueError as e:
+            return {**entry, "status": "failed", "error": f"--json output is not JSON: {e}"}
+    entry["status"] = "ok"
+    return entry
+
+
+def _first(row: dict, keys) -> float | None:
+    for k in keys:
+        v = row.get(k)
+        if isinstance(v, (int, float)) and v == v:
+            return float(v)
+    return None
+
+
+def summary_rows(result: dict, copy_gbps: float) -> list[dict]:
+    """The suite's view of one benchmark's JSON: one entry per case with the two ratios."""
+    rows = result.get("rows") if isinstance(result, dict) else None
+    if not isinstance(rows, list):
+        return []
+    if rows and isinstance(rows[0], dict) and "contender" in rows[0]:
+        return _sweep_summary(result)
+    out = []
+    for r in rows:
+        if not isinstance(r, dict):
+            continue
+        t = _first(r, ("time_us", "ncclavg_time_us"))
+        speedup = _first(r, SPEEDUP_KEYS)
+        frac = _first(r, COPY_FRACTION_KEYS)
+        tt, ct = _first(r, TORCH_TIME_KEYS), _first(r, COPY_TIME_KEYS)
+        if speedup is None and t and tt:
+            speedup = tt / t
+        if frac is None and t and ct:
+            frac = ct / t
+        gbps = _first(r, ("gbps", "ncclavg_gbps"))
+        if speedup is None and frac is None and gbps is None:
+            continue
+        case = str(r.get("case") or r.get("name") or ", ".join(f"{k}={v}" for k, v in r.items()
+                                                               if isinstance(v, (str, int)) and k not in ("wrong",))[:60])
+        out.append({"case": case, "time_us": t, "speedup_vs_torch": speedup, "fraction_of_copy_bw": frac,
+                    "gbps": gbps, "fraction_of_suite_copy_bw": gbps / copy_gbps if gbps and copy_gbps else None})
+    return out
+
+
+def _sweep_summary(result: dict) -> list[dict]:
+    """An `ncclavg bench` file: ncclavg vs the best torch peer and vs copy, medians over size ranges."""
+    by_size: dict[int, dict[str, dict]] = {}
+    for r in result["rows"]:
+        by_size.setdefault(r["size_bytes"], {})[r["contender"]] = r
+    torch_keys = {"torch_stack_mean", "torch_add_loop", "torch_dist"}
+    out = []
+    for label, pick in (("sizes >= 1 MiB", lambda s: s >= 1 << 20), ("sizes < 1 MiB", lambda s: s < 1 << 20)):
+        speedups, fracs, times = [], [], []
+        for size, c in sorted(by_size.items()):
+            if not pick(size) or "ncclavg" not in c:
+                continue
+            t = c["ncclavg"]["time_us"]
+            peers = [c[k]["time_us"] for k in torch_keys if k in c]
+            if peers:
+                speedups.append(min(peers) / t)
+            if "copy" in c:
+                fracs.append(c["copy"]["time_us"] / t)
+            times.append(t)
+        if times:
+            out.append({"case": f"{label} (median of {len(times)})", "time_us": None,
+                        "speedup_vs_torch": statistics.median(speedups) if speedups else None,
+                        "fraction_of_copy_bw": statistics.median(fracs) if fracs else None,
+                        "gbps": None, "fraction_of_suite_copy_bw": None})
+    big = max(by_size) if by_size else None
+    if big is not None and "ncclavg" in by_size[big]:
+        r = by_size[big]["ncclavg"]
+        out.append({"case": f"{big >> 20} MiB busbw {r['busbw_gbps']:.2f} GB/s", "time_us": r["time_us"],
+                    "speedup_vs_torch": None, "fraction_of_copy_bw": None, "gbps": None,
+                    "fraction_of_suite_copy_bw": None})
+    return out
+
+
+def to_markdown(doc: dict) -> str:
+    m, v = doc["machine"], doc["versions"]
+    lines = [
+        f"# CPU benchmarks, {doc['date']}",
+        "",
+        f"Machine: {m['cpu']}, {m['cores']} cores, {m['memory_gib']} GiB, SIMD {m['simd_level']}, "
+        f"OpenMP threads {m['openmp_threads']}, load average at start {m.get('load_avg_1m')}; "
+        f"torch {v['torch']}, ncclavg {v['ncclavg']}, python {v['python']}.",
+        f"Copy bandwidth measured by the suite: {doc['copy_gbps_start']:.2f} GB/s at the start, "
+        f"{doc['copy_gbps_end']:.2f} GB/s at the end (256 MiB torch copy_, bytes copied per second).",
+        "",
+        "x torch = torch time / ncclavg time (> 1: ncclavg is faster, vs the best torch way measured);",
+        "% copy = copy time / ncclavg time for the same bytes in the same benchmark run.",
+        "",
+        "| benchmark | case | ncclavg time (us) | x torch | % copy | % suite copy |",
+        "|---|---|---:|---:|---:|---:|",
+    ]
+
+    def f(x, fmt):
+        return "" if x is None else fmt.format(x)
+
+    for name, b in doc["benchmarks"].items():
+        if b["status"] != "ok":
+            lines.append(f"| {name} | {b['status']}: {b.get('note') or b.get('error')} | | | | |")
+            continue
+        if not b["summary"]:
+            lines.append(f"| {name} | ran ({b['seconds']} s); no rows with ratio fields (see the contract) | | | | |")
+        for r in b["summary"]:
+            lines.append(f"| {name} | {r['case']} | {f(r['time_us'], '{:.1f}')} | {f(r['speedup_vs_torch'], '{:.2f}x')} | "
+                         f"{f(r['fraction_of_copy_bw'], '{:.0%}')} | {f(r['fraction_of_suite_copy_bw'], '{:.0%}')} |")
+    lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default=str(ROOT / "bench" / "results"), help="folder for cpu-<date>.json/.md")
+    p.add_argument("--only", nargs="+", metavar="NAME", help="run only these benchmarks (names as in the table)")
+    p.add_argument("--quick", action="store_true", help="smaller sweeps (smoke run)")
+    p.add_argument("--timeout", type=float, default=SCRIPT_TIMEOUT_S, help="seconds per benchmark")
+    args = p.parse_args(argv)
+
+    sys.path.insert(0, str(ROOT))
+    from ncclavg import bench_report
+
+    plan: list[tuple[str, list[str] | None, str]] = []
+    for name, script, what in KNOWN_SCRIPTS:
+        plan.append((name, [f"bench/{script}"] if (ROOT / "bench" / script).exists() else None, what))
+    known = {s for _, s, _ in KNOWN_SCRIPTS} | {"cpu_suite.py"}
+    for path in sorted((ROOT / "bench").glob("*.py")):
+        if path.name not in known and not path.name.startswith(("gpu", "_")) and "--json" in path.read_text():
+            plan.append((path.stem, [f"bench/{path.name}"], "found in bench/ (follows the --json contract)"))
+    plan += sweep_commands(args.quick)
+    if args.only:
+        unknown = set(args.only) - {n for n, _, _ in plan}
+        if unknown:
+            p.error(f"--only: unknown benchmark(s) {', '.join(sorted(unknown))}; "
+                    f"known: {', '.join(n for n, _, _ in plan)}")
+        plan = [e for e in plan if e[0] in args.only]
+
+    machine = bench_report.machine_info()
+    doc = {"date": _dt.date.today().isoformat(), "machine": machine, "versions": bench_report.versions(),
+           "arguments": vars(args) | {"out": "bench/results" if Path(args.out) == ROOT / "bench" / "results"
+                                      else os.path.relpath(args.out, ROOT)},
+           "copy_gbps_start": measure_copy_gbps(), "benchmarks": {}}
+    for name, cmd, what in plan:
+        if cmd is None:
+            print(f"[cpu_suite] {name}: skipped, bench/{name}.py does not exist yet", file=sys.stderr)
+            doc["benchmarks"][name] = {"status": "missing", "what": what,
+                                       "note": f"bench/{name}.py does not exist in this checkout"}
+            continue
+        print(f"[cpu_suite] {name}: {' '.join(cmd)} ...", file=sys.stderr, flush=True)
+        entry = run_script(name, cmd, args.timeout)
+        entry["what"] = what
+        entry["summary"] = summary_rows(entry.get("result", {}), doc["copy_gbps_start"]) if entry["status"] == "ok" else []
+        print(f"[cpu_suite] {name}: {entry['status']} in {entry['seconds']} s"
+              + (f" ({entry['error']})" if entry["status"] != "ok" else ""), file=sys.stderr, flush=True)
+        doc["benchmarks"][name] = entry
+    doc["copy_gbps_end"] = measure_copy_gbps()
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = out / f"cpu-{doc['date']}"
+    stem.with_suffix(".json").write_text(json.dumps(doc, indent=1) + "\n")
+    md = to_markdown(doc)
+    stem.with_suffix(".md").write_text(md)
+    print(md)
+    print(f"wrote {stem}.json and {stem}.md", file=sys.stderr)
+    failed = [n for n, b in doc["benchmarks"].items() if b["status"] == "failed"]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
