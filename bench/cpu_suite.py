@@ -189,7 +189,7 @@ def to_markdown(doc: dict) -> str:
         f"OpenMP threads {m['openmp_threads']}, load average at start {m.get('load_avg_1m')}; "
         f"torch {v['torch']}, ncclavg {v['ncclavg']}, python {v['python']}.",
         f"Copy bandwidth measured by the suite: {doc['copy_gbps_start']:.2f} GB/s at the start, "
-        f"{doc['copy_gbps_end']:.2f} GB/s at the end (256 MiB torch copy_, bytes copied per second).",
+        f"{doc['copy_gbps_end']:.2f} GB/s at the end ({doc['arguments']['copy_mib']} MiB torch copy_, bytes copied per second).",
         "",
         "x torch = torch time / ncclavg time (> 1: ncclavg is faster, vs the best torch way measured);",
         "% copy = copy time / ncclavg time for the same bytes in the same benchmark run.",
@@ -214,12 +214,19 @@ def to_markdown(doc: dict) -> str:
     return "\n".join(lines)
 
 
+def _shown_path(path: str) -> str:
+    """A path as recorded in the results: relative to the checkout, never this machine's absolute path."""
+    p = Path(path).resolve()
+    return str(p.relative_to(ROOT)) if p.is_relative_to(ROOT) else "(a folder outside the checkout)"
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=str(ROOT / "bench" / "results"), help="folder for cpu-<date>.json/.md")
     p.add_argument("--only", nargs="+", metavar="NAME", help="run only these benchmarks (names as in the table)")
     p.add_argument("--quick", action="store_true", help="smaller sweeps (smoke run)")
     p.add_argument("--timeout", type=float, default=SCRIPT_TIMEOUT_S, help="seconds per benchmark")
+    p.add_argument("--copy-mib", type=int, default=256, help="buffer of the suite's own copy measurement")
     args = p.parse_args(argv)
 
     sys.path.insert(0, str(ROOT))
@@ -242,9 +249,8 @@ def main(argv: list[str] | None = None) -> int:
 
     machine = bench_report.machine_info()
     doc = {"date": _dt.date.today().isoformat(), "machine": machine, "versions": bench_report.versions(),
-           "arguments": vars(args) | {"out": "bench/results" if Path(args.out) == ROOT / "bench" / "results"
-                                      else os.path.relpath(args.out, ROOT)},
-           "copy_gbps_start": measure_copy_gbps(), "benchmarks": {}}
+           "arguments": vars(args) | {"out": _shown_path(args.out)},
+           "copy_gbps_start": measure_copy_gbps(args.copy_mib << 20), "benchmarks": {}}
     for name, cmd, what in plan:
         if cmd is None:
             print(f"[cpu_suite] {name}: skipped, bench/{name}.py does not exist yet", file=sys.stderr)
@@ -258,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[cpu_suite] {name}: {entry['status']} in {entry['seconds']} s"
               + (f" ({entry['error']})" if entry["status"] != "ok" else ""), file=sys.stderr, flush=True)
         doc["benchmarks"][name] = entry
-    doc["copy_gbps_end"] = measure_copy_gbps()
+    doc["copy_gbps_end"] = measure_copy_gbps(args.copy_mib << 20)
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

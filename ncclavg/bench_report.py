@@ -187,7 +187,7 @@ def write_plot(path: str, header: dict, rows: list[dict]) -> None:
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     sizes = sorted({r["size_bytes"] for r in rows})
-    step = max(1, len(sizes) // 14)
+    step = max(1, -(-len(sizes) // 13))  # at most 13 labels: they must not overlap
     ax.set_xticks(sizes[::step])
     ax.set_xticklabels([_size_label(s) for s in sizes[::step]], rotation=0)
     ax.set_xlabel("message size per participant (bytes; K/M/G = 2^10/2^20/2^30)")
