@@ -235,7 +235,7 @@ def _check_cuda(args: argparse.Namespace, env: dict | None) -> None:
 
 
 def _run(args: argparse.Namespace, sizes: list[int], env: dict | None) -> int:
-    from . import bench_launch, bench_report, bench_sweep
+    from . import bench_launch, bench_sweep
     from .bench_inputs import DTYPES
 
     if env is not None:
@@ -257,11 +257,11 @@ def _run(args: argparse.Namespace, sizes: list[int], env: dict | None) -> int:
             for c in setup.contenders:
                 c.close()
     finally:
-        if env is not None:
-            import torch.distributed as dist
+        # Ours to tear down: the launched ranks' group, or the one-rank NCCL group of the torch peer.
+        import torch.distributed as dist
 
-            if dist.is_initialized():
-                dist.destroy_process_group()
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def _sweep_and_report(args, sizes, setup) -> int:

@@ -166,7 +166,7 @@ def _size_label(b: int) -> str:
 
 
 def write_plot(path: str, header: dict, rows: list[dict]) -> None:
-    """Bus bandwidth vs message size, log-log, one line per contender."""
+    """Bus bandwidth vs message size, log-log, one line per contender (algbw when n == 1)."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only: never needs a display
@@ -177,8 +177,10 @@ def write_plot(path: str, header: dict, rows: list[dict]) -> None:
     keys = list(dict.fromkeys(r["contender"] for r in rows))
     styles = {"ncclavg": dict(color="C3", lw=2.4, marker="o", zorder=5),
               "copy": dict(color="0.45", lw=1.6, ls="--", marker="", zorder=2)}
+    # One participant moves nothing over a bus (busbw = 0 by the nccl-tests formula): plot algbw then.
+    ykey = "busbw_gbps" if header.get("n", 2) > 1 else "algbw_gbps"
     for i, k in enumerate(keys):
-        pts = [(r["size_bytes"], r["busbw_gbps"]) for r in rows if r["contender"] == k and r["busbw_gbps"] > 0]
+        pts = [(r["size_bytes"], r[ykey]) for r in rows if r["contender"] == k and r[ykey] > 0]
         if not pts:
             continue
         label = next(r["label"] for r in rows if r["contender"] == k)
@@ -191,7 +193,8 @@ def write_plot(path: str, header: dict, rows: list[dict]) -> None:
     ax.set_xticks(sizes[::step])
     ax.set_xticklabels([_size_label(s) for s in sizes[::step]], rotation=0)
     ax.set_xlabel("message size per participant (bytes; K/M/G = 2^10/2^20/2^30)")
-    ax.set_ylabel("bus bandwidth (GB/s) = algbw x 2(n-1)/n")
+    ax.set_ylabel("bus bandwidth (GB/s) = algbw x 2(n-1)/n" if ykey == "busbw_gbps"
+                  else "algorithm bandwidth (GB/s) = bytes / time")
     m = header["machine"]
     where = ", ".join(m["gpus"]) if header.get("backend") == "nccl" and m["gpus"] else f"{m['cpu']}, {m['cores']} cores"
     ax.set_title(f"ncclavg bench: all_reduce_avg, backend {header.get('backend')}, n = {header.get('n')}, "
