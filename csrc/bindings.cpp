@@ -6,11 +6,13 @@
 
 #include "common/buffer.h"
 #include "common/check.h"
+#include "cpu/pack.h"
 #include "cpu/reduce.h"
 #include "cpu/simd.h"
 #include "cuda/nccl_api.h"
 #ifdef NCCLAVG_WITH_CUDA
 #include "cuda/cuda_ops.h"
+#include "cuda/pack_cuda.h"
 #endif
 
 namespace py = pybind11;
@@ -135,4 +137,41 @@ PYBIND11_MODULE(_C, m) {
       if (cpu::simd_level_supported(l)) out.emplace_back(cpu::simd_level_name(l));
     return out;
   });
+  // ---- Gradient buckets: fused multi-tensor pack/unpack (one call per bucket, cast + scale fused) ----
+  m.def("pack_",
+        [](const std::vector<Buffer>& srcs, const Buffer& dst, const std::vector<int64_t>& offsets, float scale,
+           float divisor, uintptr_t stream) {
+          if (!dst.on_cpu()) {
+#ifdef NCCLAVG_WITH_CUDA
+            cuda::pack(srcs, dst, offsets, scale, divisor, stream);
+            return;
+#else
+            NCCLAVG_CHECK_ARG(false, "dst", "is on ", dst.describe(), " but this build of ncclavg has no CUDA "
+                              "support (rebuild with NCCLAVG_CUDA=1)");
+#endif
+          }
+          cpu::pack(srcs, dst, offsets, scale, divisor);
+        },
+        py::arg("srcs"), py::arg("dst"), py::arg("offsets"), py::arg("scale") = 1.0f, py::arg("divisor") = 1.0f,
+        py::arg("stream") = 0, py::call_guard<py::gil_scoped_release>(),
+        "dst[offsets[i] : offsets[i] + srcs[i].numel] = srcs[i] * scale / divisor, cast to dst's dtype; "
+        "one call for all tensors.");
+  m.def("unpack_",
+        [](const Buffer& src, const std::vector<Buffer>& dsts, const std::vector<int64_t>& offsets, float scale,
+           float divisor, uintptr_t stream) {
+          if (!src.on_cpu()) {
+#ifdef NCCLAVG_WITH_CUDA
+            cuda::unpack(src, dsts, offsets, scale, divisor, stream);
+            return;
+#else
+            NCCLAVG_CHECK_ARG(false, "src", "is on ", src.describe(), " but this build of ncclavg has no CUDA "
+                              "support (rebuild with NCCLAVG_CUDA=1)");
+#endif
+          }
+          cpu::unpack(src, dsts, offsets, scale, divisor);
+        },
+        py::arg("src"), py::arg("dsts"), py::arg("offsets"), py::arg("scale") = 1.0f, py::arg("divisor") = 1.0f,
+        py::arg("stream") = 0, py::call_guard<py::gil_scoped_release>(),
+        "dsts[i] = src[offsets[i] : offsets[i] + dsts[i].numel] * scale / divisor, cast to dsts[i]'s dtype; "
+        "one call for all tensors.");
 }

@@ -4,8 +4,12 @@ from ._ext import cuda_available, cuda_built
 from .errors import CommTimeoutError, CudaError, LayoutMismatchError, NcclError
 from .info import build_info
 from . import ops
+from .bucketing import Bucket, BucketPlan, ParamSlot
+from .comm import Communicator, Work
+from .averager import GradientAverager
 
 __all__ = [
     "__version__", "build_info", "cuda_available", "cuda_built", "ops",
     "NcclError", "CudaError", "CommTimeoutError", "LayoutMismatchError",
+    "Bucket", "BucketPlan", "ParamSlot", "Communicator", "Work", "GradientAverager",
 ]

@@ -4,7 +4,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from ._ext import _C, cuda_built
-from .buffers import as_buffers
+from .buffers import as_buffer, as_buffers
 
 
 def _stream_for(x: Any) -> int:
@@ -36,3 +36,56 @@ def average_(buffers: Sequence[Any]) -> None:
                          "support (rebuild with NCCLAVG_CUDA=1)")
     stream = _stream_for(buffers[0]) if device >= 0 else 0
     _C.average_(bufs, stream)
+
+
+def _check_factor(value: Any, argname: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{argname}: expected a number, got {type(value).__name__}")
+    f = float(value)
+    if f != f or f in (float("inf"), float("-inf")):
+        raise ValueError(f"{argname}: must be finite, got {value}")
+    if argname == "divisor" and f == 0.0:
+        raise ValueError("divisor: must be non-zero")
+    return f
+
+
+def _check_offsets(offsets: Sequence[int], n: int, seq_name: str) -> list:
+    if isinstance(offsets, (str, bytes)) or not hasattr(offsets, "__len__"):
+        raise TypeError(f"offsets: expected a list of element offsets, got {type(offsets).__name__}")
+    if len(offsets) != n:
+        raise ValueError(f"offsets: has {len(offsets)} entries but {seq_name} has {n}")
+    out = []
+    for i, o in enumerate(offsets):
+        if isinstance(o, bool) or not hasattr(o, "__index__"):
+            raise TypeError(f"offsets[{i}]: expected an int, got {type(o).__name__}")
+        out.append(int(o))
+    return out
+
+
+def pack_(tensors: Sequence[Any], bucket: Any, offsets: Sequence[int], scale: float = 1.0,
+          divisor: float = 1.0) -> None:
+    """ONE fused call: `bucket[offsets[i] : offsets[i] + tensors[i].numel] = tensors[i] * scale / divisor`,
+    cast to the bucket's dtype (e.g. float32 grads into a bfloat16 bucket).
+
+    Offsets count elements of the bucket. CPU: OpenMP + SIMD; CUDA: one kernel launch on the bucket's
+    current stream. Tensors may be empty; writes may not overlap (see Note [Pack aliasing rule])."""
+    bufs = as_buffers(tensors, "srcs") if len(tensors) else []
+    dst = as_buffer(bucket, "dst")
+    offs = _check_offsets(offsets, len(bufs), "srcs")
+    mul, div = _check_factor(scale, "scale"), _check_factor(divisor, "divisor")
+    stream = _stream_for(bucket) if dst.device >= 0 else 0
+    _C.pack_(bufs, dst, offs, mul, div, stream)
+
+
+def unpack_(bucket: Any, tensors: Sequence[Any], offsets: Sequence[int], scale: float = 1.0,
+            divisor: float = 1.0) -> None:
+    """ONE fused call: `tensors[i] = bucket[offsets[i] : offsets[i] + tensors[i].numel] * scale / divisor`,
+    cast to each tensor's dtype (e.g. a bfloat16 bucket into float32 grads with divisor=N).
+
+    A tensor that IS its bucket region (same dtype) is scaled in place."""
+    src = as_buffer(bucket, "src")
+    bufs = as_buffers(tensors, "dsts") if len(tensors) else []
+    offs = _check_offsets(offsets, len(bufs), "dsts")
+    mul, div = _check_factor(scale, "scale"), _check_factor(divisor, "divisor")
+    stream = _stream_for(bucket) if src.device >= 0 else 0
+    _C.unpack_(src, bufs, offs, mul, div, stream)

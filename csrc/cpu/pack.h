@@ -1,0 +1,39 @@
+// Fused multi-tensor pack/unpack on the host: ONE call moves many tensors into (or out of) a flat bucket,
+// casting dtype and scaling in the same pass. See Note [Pack scale modes] in common/pack_math.h.
+#pragma once
+#include <cstdint>
+#include <vector>
+
+#include "../common/buffer.h"
+#include "../common/pack_plan.h"
+#include "simd.h"
+
+namespace ncclavg {
+namespace cpu {
+
+// Kernel family of the pack: one entry converting a contiguous run of n elements (src dtype -> dst
+// dtype, y = x * mul / div). Compiled once per ISA in pack_{scalar,avx2,avx512}.cpp; the OpenMP split
+// lives in pack.cpp (see Note [OpenMP outside the ISA kernels]).
+struct PackKernelTable {
+  SimdLevel level;
+  void (*convert)(const void* src, DType src_dtype, void* dst, DType dst_dtype, int64_t n, float mul, float div);
+};
+
+extern const PackKernelTable kScalarPackKernels;
+extern const PackKernelTable kAvx2PackKernels;
+extern const PackKernelTable kAvx512PackKernels;
+
+// The table of the SIMD level in use (follows set_simd_level / NCCLAVG_SIMD like the other kernels).
+const PackKernelTable& pack_kernels();
+
+// Runs the segments with the OpenMP + SIMD kernels, splitting the concatenated element range evenly
+// over threads (one thread may cover the tail of one segment and the head of the next).
+void run_segments(const std::vector<CopySegment>& segs, float mul, float div);
+
+void pack(const std::vector<Buffer>& srcs, const Buffer& dst, const std::vector<int64_t>& offsets, float mul,
+          float div);
+void unpack(const Buffer& src, const std::vector<Buffer>& dsts, const std::vector<int64_t>& offsets, float mul,
+            float div);
+
+}  // namespace cpu
+}  // namespace ncclavg

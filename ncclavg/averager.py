@@ -1,0 +1,445 @@
+"""GradientAverager: after backward, every tower's .grad holds the mean gradient over all towers.
+
+Note [Zero-copy bucket views]
+Each tower owns one flat storage per bucket, and each parameter's .grad IS a view into it (torch
+accumulates into an existing .grad in place), so backward writes straight into the buckets and the
+reduction needs no copy at all. That is DDP's gradient_as_bucket_view, made the default. A grad that is
+not our view -- the user replaced .grad, zero_grad(set_to_none=True) left None and torch allocated a new
+tensor, or backward ran with create_graph -- is packed into the bucket with ONE fused call per tower and
+bucket, and after the reduction the parameter's .grad is pointed back at its view (as DDP does). When the
+towers are nn.Modules, a forward pre-hook re-points .grad tensors that are None at their (zeroed) views
+before backward, so the usual `optimizer.zero_grad()` keeps the zero-copy path.
+With grad_dtype (bfloat16/float16 buckets for float32 parameters) .grad cannot be a view (torch requires
+grad.dtype == param.dtype): grads stay float32 tensors, are cast into the bucket by the fused pack and the
+mean is cast back by the fused unpack, with the backend's remaining 1/N (gloo) fused into that unpack.
+
+Note [Launch order]
+With overlap=True a post-accumulate-grad hook on every parameter counts down its bucket; a bucket whose
+grads are complete on every local tower is reduced at once, while backward goes on (CPU backends: on the
+communicator's worker thread or gloo's; CUDA: on the comm streams). Buckets are always launched in index
+order, so every process issues the same collectives in the same order even when its grads become ready
+in another order: a ready bucket waits for its predecessors. average() launches whatever is left (e.g.
+buckets holding parameters that got no gradient), waits (bounded by comm.timeout) and finalizes.
+
+Note [Parameters without a gradient]
+A parameter whose .grad is None when its bucket is reduced contributes ZEROS to the average (its slot is
+zeroed), and afterwards its .grad holds the mean like any other parameter -- on every rank, so ranks
+always agree on which parameters have a gradient. This is logged once per parameter at debug level.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from typing import Any, Iterator, Optional, Sequence
+
+import torch
+
+from . import ops
+from .bucketing import BucketPlan, parse_dtype
+from .errors import LayoutMismatchError
+
+log = logging.getLogger("ncclavg.averager")
+
+
+class GradientAverager:
+    """Averages the gradients of `towers` (model replicas fed by this process; one per local tower of
+    `comm`) across all towers of `comm`, one fused collective per bucket.
+
+    towers: a list of nn.Module (their parameters that require grad, in registration order) or a list of
+    parameter lists (all must require grad). Towers must have identical layouts (LayoutMismatchError
+    otherwise, naming the first differing parameter); with several processes the layouts are compared
+    across processes at construction. See Note [Zero-copy bucket views], Note [Launch order] and
+    Note [Parameters without a gradient]."""
+
+    def __init__(self, comm: Any, towers: Sequence[Any], bucket_cap_mb: float = 25, first_bucket_mb: float = 1,
+                 overlap: bool = True, grad_dtype: Any = None, names: Optional[Sequence[str]] = None):
+        # Everything is validated before anything is changed: a bad argument leaves grads and hooks alone.
+        for attr in ("all_reduce_avg_async", "allgather_object", "local_size", "devices", "timeout"):
+            if not hasattr(comm, attr):
+                raise TypeError(f"comm: expected an ncclavg Communicator, got {type(comm).__name__}")
+        plan, error = None, None
+        try:
+            if not isinstance(overlap, bool):
+                raise TypeError(f"overlap: expected a bool, got {type(overlap).__name__}")
+            gdt = parse_dtype(grad_dtype, "grad_dtype")
+            params, tnames, modules = _collect_towers(towers, names)
+            if len(params) != comm.local_size:
+                raise ValueError(f"towers: got {len(params)} towers but comm.local_size is {comm.local_size} "
+                                 f"(one tower per local device of the communicator: {comm.devices})")
+            _check_devices(params, comm.devices)
+            _check_distinct(params)
+            plan = BucketPlan.build(params[0], tnames[0], bucket_cap_mb, first_bucket_mb, gdt)
+            for t in range(1, len(params)):
+                plan.check_same_layout(params[t], tnames[t], tower=t)
+        except (ValueError, TypeError) as e:
+            plan, error = None, e
+        # Processes exchange their outcome even when this one failed: see _check_across_processes.
+        _check_across_processes(comm, plan, error)
+
+        self.comm = comm
+        self.plan: BucketPlan = plan
+        self.params: list = params
+        self.overlap = overlap
+        self.grad_dtype = gdt
+        self.stats: dict = {"steps": 0, "bytes_reduced": 0, "bucket_bytes": [b.nbytes for b in plan.buckets],
+                            "bucket_time_s": [0.0] * len(plan.buckets), "buckets_overlapped": 0,
+                            "fallback_packs": 0, "params_without_grad": 0, "average_time_s": 0.0}
+        self._ntowers = len(params)
+        self._nb = len(plan.buckets)
+        self._slot_bucket = [s.bucket for s in plan.slots]
+        # Per bucket: slots whose .grad can be a view, and slots cast through pack/unpack (grad_dtype).
+        self._view_slots = [[s.index for s in b.slots if s.dtype == b.dtype] for b in plan.buckets]
+        self._cast_slots = [[s.index for s in b.slots if s.dtype != b.dtype] for b in plan.buckets]
+        self._storage = [[torch.zeros(b.numel, dtype=b.dtype, device=params[t][0].device) for b in plan.buckets]
+                         for t in range(self._ntowers)]
+        self._views: list = [[None] * len(plan.slots) for _ in range(self._ntowers)]
+        for t in range(self._ntowers):
+            for b in range(self._nb):
+                for i in self._view_slots[b]:
+                    self._views[t][i] = plan.slot_view(self._storage[t][b], i)
+        self._lock = threading.Lock()
+        self._sync_enabled = True
+        self._fired = False         # a backward produced a grad since the last average()
+        self._broken: Optional[BaseException] = None
+        self._unused_logged: set = set()
+        self._reset_step()
+        self._install_views()
+        self._handles: list = []
+        for t in range(self._ntowers):
+            for i, p in enumerate(params[t]):
+                self._handles.append(p.register_post_accumulate_grad_hook(self._make_hook(t, i)))
+            if modules[t] is not None:
+                self._handles.append(modules[t].register_forward_pre_hook(self._make_rearm(t)))
+
+    # ------------------------------------------------------------------ public API
+    def average(self) -> None:
+        """After backward: reduces every bucket not yet reduced, waits (bounded by comm.timeout) and
+        finalizes, so that every tower's .grad holds the mean gradient over all towers."""
+        if self._broken is not None:
+            raise RuntimeError(f"GradientAverager: an earlier reduction failed ({self._broken}); this averager "
+                               "and its communicator cannot be used any more") from self._broken
+        if not self._sync_enabled:
+            raise RuntimeError("average() called inside no_sync(): leave the no_sync() block first")
+        t0 = time.perf_counter()
+        with self._lock:
+            if not self._fired and self.stats["steps"] > 0:
+                raise RuntimeError("average() called twice without a backward in between: the gradients are "
+                                   "already averaged (run backward first)")
+            try:
+                self._launch_through(self._nb)
+            except BaseException as e:
+                self._broken = e
+                raise
+        try:
+            for b in range(self._nb):
+                self._finish_bucket(b)
+        except BaseException as e:
+            self._broken = e
+            raise
+        overlapped = self._overlapped
+        self._reset_step()
+        st = self.stats
+        st["steps"] += 1
+        st["bytes_reduced"] += self.plan.total_bytes
+        st["buckets_overlapped"] = overlapped
+        st["average_time_s"] = time.perf_counter() - t0
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Gradients of backward passes inside accumulate locally; the next average() reduces the sum."""
+        prev = self._sync_enabled
+        self._sync_enabled = False
+        try:
+            yield
+        finally:
+            self._sync_enabled = prev
+
+    def bucket_storage(self, tower: int, bucket: int) -> torch.Tensor:
+        """The flat gradient storage of `bucket` on `tower` (the .grad views point into it)."""
+        if not 0 <= tower < self._ntowers:
+            raise IndexError(f"tower: {tower} out of range [0, {self._ntowers})")
+        if not 0 <= bucket < self._nb:
+            raise IndexError(f"bucket: {bucket} out of range [0, {self._nb})")
+        return self._storage[tower][bucket]
+
+    def zero_grad(self) -> None:
+        """Zeroes every tower's bucket storage and points each .grad back at its view (grads that cannot
+        be views, see grad_dtype, are set to None)."""
+        for t in range(self._ntowers):
+            for s in self._storage[t]:
+                s.zero_()
+            for b in range(self._nb):
+                for i in self._view_slots[b]:
+                    self.params[t][i].grad = self._views[t][i]
+                for i in self._cast_slots[b]:
+                    self.params[t][i].grad = None
+
+    def close(self) -> None:
+        """Removes the hooks (the .grad views stay valid tensors)."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    def __enter__(self) -> "GradientAverager":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (f"GradientAverager(towers={self._ntowers}, params={len(self.plan.slots)}, buckets={self._nb}, "
+                f"backend={getattr(self.comm, 'backend', '?')}, overlap={self.overlap}, grad_dtype={self.grad_dtype})")
+
+    # ------------------------------------------------------------------ hooks
+    def _make_hook(self, t: int, i: int) -> Any:
+        def hook(_param: torch.Tensor) -> None:
+            self._grad_ready(t, i)
+        return hook
+
+    def _make_rearm(self, t: int) -> Any:
+        def rearm(_module: Any, _args: Any) -> None:
+            if torch.is_grad_enabled():
+                self._rearm_views(t)
+        return rearm
+
+    def _grad_ready(self, t: int, i: int) -> None:
+        """Called once per parameter and backward (post-accumulate). See Note [Launch order]."""
+        self._fired = True
+        if not self._sync_enabled:
+            return
+        with self._lock:
+            flags = self._ready[t]
+            b = self._slot_bucket[i]
+            if flags[i]:
+                if self._works[b] is not None:
+                    raise RuntimeError(
+                        f"parameter {i} of tower {t} got a second gradient after its bucket {b} was sent for "
+                        "reduction: call average() after every backward, or run the extra backward passes "
+                        "inside no_sync()")
+                return
+            flags[i] = 1
+            self._pending[b] -= 1
+            if self._pending[b] == 0 and self.overlap:
+                ready = self._next
+                while ready < self._nb and self._pending[ready] == 0:
+                    ready += 1
+                if ready > self._next:
+                    self._overlapped += ready - self._next
+                    try:
+                        self._launch_through(ready)
+                    except BaseException as e:
+                        self._broken = e
+                        raise
+
+    def _rearm_views(self, t: int) -> None:
+        """Points .grad tensors that are None back at their zeroed views (see Note [Zero-copy bucket views])."""
+        params, views = self.params[t], self._views[t]
+        for b in range(self._nb):
+            slots = self._view_slots[b]
+            missing = [i for i in slots if params[i].grad is None]
+            if not missing:
+                continue
+            if len(missing) == len(slots):
+                self._storage[t][b].zero_()
+            else:
+                for i in missing:
+                    views[i].zero_()
+            for i in missing:
+                params[i].grad = views[i]
+
+    # ------------------------------------------------------------------ reduction
+    def _reset_step(self) -> None:
+        self._ready = [bytearray(len(self.plan.slots)) for _ in range(self._ntowers)]
+        self._pending = [self._ntowers * len(b.slots) for b in self.plan.buckets]
+        self._works: list = [None] * self._nb
+        self._next = 0
+        self._overlapped = 0
+        self._fired = False
+
+    def _launch_through(self, end: int) -> None:
+        """Launches buckets [self._next, end) in order. Caller holds self._lock."""
+        while self._next < end:
+            b = self._next
+            fixups = [self._prepare_bucket(t, b) for t in range(self._ntowers)]
+            work = self.comm.all_reduce_avg_async([self._storage[t][b] for t in range(self._ntowers)],
+                                                  defer_scale=True)
+            self._works[b] = (work, time.perf_counter(), fixups)
+            self._next = b + 1
+
+    def _prepare_bucket(self, t: int, b: int) -> tuple:
+        """Gets tower t's grads of bucket b into its storage: views need nothing, None slots are zeroed,
+        other grads are packed with ONE fused call. Returns what finalize must do after the reduction."""
+        params, views, storage = self.params[t], self._views[t], self._storage[t][b]
+        srcs, offs, reseat, unpack_to = [], [], [], []
+        for i in self._view_slots[b]:
+            g = params[i].grad
+            if g is views[i]:
+                continue
+            reseat.append(i)
+            if g is None:
+                self._note_unused(t, i)
+                views[i].zero_()
+            else:
+                srcs.append(_dense(g))
+                offs.append(self.plan.slots[i].offset)
+        for i in self._cast_slots[b]:
+            s = self.plan.slots[i]
+            g = params[i].grad
+            if g is None:  # contributes zeros; receives the mean in a new tensor
+                self._note_unused(t, i)
+                storage.narrow(0, s.offset, s.numel).zero_()
+                g = params[i].grad = torch.empty_like(params[i], memory_format=torch.contiguous_format)
+            else:
+                if g.is_sparse or not g.is_contiguous():
+                    g = params[i].grad = _dense(g)
+                srcs.append(g)
+                offs.append(s.offset)
+            unpack_to.append((s.offset, g))
+        if srcs:
+            ops.pack_(srcs, storage, offs)
+            self.stats["fallback_packs"] += 1
+        return reseat, unpack_to
+
+    def _finish_bucket(self, b: int) -> None:
+        work, t_launch, fixups = self._works[b]
+        work.wait()
+        self.stats["bucket_time_s"][b] = work.elapsed if work.elapsed is not None else time.perf_counter() - t_launch
+        divisor = float(getattr(work, "divisor", 1.0))
+        has_views = bool(self._view_slots[b])
+        for t, (reseat, unpack_to) in enumerate(fixups):
+            storage = self._storage[t][b]
+            if divisor != 1.0 and has_views:  # the .grad views ARE the storage: one in-place fused pass
+                ops.unpack_(storage, [storage], [0], divisor=divisor)
+            if unpack_to:  # cast back, with the remaining 1/N fused in when the storage was not scaled
+                ops.unpack_(storage, [g for _, g in unpack_to], [off for off, _ in unpack_to],
+                            divisor=1.0 if has_views else divisor)
+            for i in reseat:
+                self.params[t][i].grad = self._views[t][i]
+
+    def _note_unused(self, t: int, i: int) -> None:
+        self.stats["params_without_grad"] += 1
+        if i not in self._unused_logged:
+            self._unused_logged.add(i)
+            s = self.plan.slots[i]
+            log.debug("parameter %d%s (shape %s) has no gradient on tower %d this step: it contributes zeros "
+                      "to the average", i, f" ({s.name})" if s.name else "", s.shape, t)
+
+    def _install_views(self) -> None:
+        for t in range(self._ntowers):
+            for b in range(self._nb):
+                for i in self._view_slots[b]:
+                    p, v = self.params[t][i], self._views[t][i]
+                    if p.grad is not None:  # keep gradients accumulated before the averager existed
+                        v.copy_(p.grad)
+                    p.grad = v
+
+
+def _dense(g: torch.Tensor) -> torch.Tensor:
+    if g.is_sparse:
+        g = g.to_dense()
+    return g if g.is_contiguous() else g.contiguous()
+
+
+def _collect_towers(towers: Any, names: Any) -> tuple:
+    """-> (params per tower, names per tower, module or None per tower), with errors naming towers[t][i]."""
+    if isinstance(towers, (torch.nn.Module, torch.Tensor)) or not hasattr(towers, "__len__"):
+        raise TypeError(f"towers: expected a list of nn.Module or of parameter lists (one per local tower), "
+                        f"got {type(towers).__name__}")
+    if len(towers) == 0:
+        raise ValueError("towers: expected at least one tower, got an empty list")
+    params, tnames, modules = [], [], []
+    for t, tower in enumerate(towers):
+        if isinstance(tower, torch.nn.Module):
+            named = [(n, p) for n, p in tower.named_parameters() if p.requires_grad]
+            params.append([p for _, p in named])
+            tnames.append([n for n, _ in named])
+            modules.append(tower)
+        elif isinstance(tower, torch.Tensor) or not hasattr(tower, "__iter__"):
+            raise TypeError(f"towers[{t}]: expected an nn.Module or a list of parameters, got {type(tower).__name__}")
+        else:
+            plist = list(tower)
+            for i, p in enumerate(plist):
+                if not isinstance(p, torch.Tensor):
+                    raise TypeError(f"towers[{t}][{i}]: expected a torch.Tensor, got {type(p).__name__}")
+                if not p.requires_grad or not p.is_leaf:
+                    raise ValueError(f"towers[{t}][{i}]: must be a leaf tensor that requires grad (shape "
+                                     f"{tuple(p.shape)}); leave frozen parameters out")
+            params.append(plist)
+            tnames.append([None] * len(plist))
+            modules.append(None)
+        if len(params[-1]) == 0:
+            raise ValueError(f"towers[{t}]: has no parameters that require grad")
+    if names is not None:
+        if isinstance(names, (str, bytes)) or not hasattr(names, "__len__"):
+            raise TypeError(f"names: expected a list of parameter names, got {type(names).__name__}")
+        if len(names) != len(params[0]):
+            raise ValueError(f"names: has {len(names)} entries but towers[0] has {len(params[0])} parameters")
+        tnames = [list(names) for _ in params]
+    return params, tnames, modules
+
+
+def _check_devices(params: list, devices: Sequence[Any]) -> None:
+    for t, plist in enumerate(params):
+        want = torch.device(devices[t])
+        for i, p in enumerate(plist):
+            if p.device != want:
+                raise ValueError(f"towers[{t}][{i}]: is on {p.device} but the communicator's local tower {t} is on "
+                                 f"{want}; every parameter of a tower must be on that tower's device")
+
+
+def _check_distinct(params: list) -> None:
+    """No tensor (or memory) may belong to two places: its gradient would be reduced twice."""
+    spans = []
+    for t, plist in enumerate(params):
+        for i, p in enumerate(plist):
+            start = p.data_ptr()
+            spans.append((str(p.device), start, start + p.numel() * p.element_size(), id(p), t, i))
+    seen: dict = {}
+    for dev, start, end, pid, t, i in spans:
+        if pid in seen:
+            t0, i0 = seen[pid]
+            raise ValueError(f"towers[{t}][{i}]: is the same tensor as towers[{t0}][{i0}]; pass each parameter once")
+        seen[pid] = (t, i)
+    spans.sort()
+    for a, b in zip(spans, spans[1:]):
+        if a[0] == b[0] and a[2] > b[1] and a[2] > a[1] and b[2] > b[1]:
+            raise ValueError(f"towers[{b[4]}][{b[5]}]: shares memory with towers[{a[4]}][{a[5]}]; each tower needs "
+                             "its own parameters (a replica, not a view of another tower's)")
+
+
+def _check_across_processes(comm: Any, plan: Optional[BucketPlan], error: Optional[BaseException]) -> None:
+    """Every process reports (its error or its layout); all raise when any failed or layouts differ, so no
+    process is left waiting in a collective for a peer that gave up."""
+    if plan is not None:
+        layout = [(s.shape, str(s.dtype).replace("torch.", ""), s.name) for s in plan.slots]
+        mine = {"ok": True, "fingerprint": plan.fingerprint, "layout": layout}
+    else:
+        mine = {"ok": False, "error": f"{type(error).__name__}: {error}"}
+    if getattr(comm, "world_size", 1) > 1:
+        everyone = comm.allgather_object(mine)
+        rank = getattr(comm, "rank", 0)
+    else:
+        everyone, rank = [mine], 0
+    if error is not None:
+        raise error
+    for r, other in enumerate(everyone):
+        if not other["ok"]:
+            raise LayoutMismatchError(f"rank {r} could not build its bucket plan: {other['error']}")
+    ref = everyone[0]
+    for r, other in enumerate(everyone):
+        if other["fingerprint"] == ref["fingerprint"]:
+            continue
+        a, b = ref["layout"], other["layout"]
+        for i in range(max(len(a), len(b))):
+            if i >= len(a) or i >= len(b) or a[i][:2] != b[i][:2]:
+                desc0 = f"shape {a[i][0]} dtype {a[i][1]}" if i < len(a) else "missing"
+                descr = f"shape {b[i][0]} dtype {b[i][1]}" if i < len(b) else "missing"
+                name = (b[i][2] if i < len(b) else None) or (a[i][2] if i < len(a) else None)
+                raise LayoutMismatchError(
+                    f"rank {r} (this is rank {rank}): parameter {i}" + (f" ({name!r})" if name else "") +
+                    f" has {descr} but rank 0 has {desc0}")
+        raise LayoutMismatchError(f"rank {r} (this is rank {rank}): bucket plan fingerprint "
+                                  f"{other['fingerprint']:016x} differs from rank 0's {ref['fingerprint']:016x} "
+                                  "(same parameters, different bucket_cap_mb / first_bucket_mb / grad_dtype?)")
