@@ -94,35 +94,9 @@ class Setup:
 
 
 def _communicator():
-    try:
-        from .comm import Communicator
-    except ImportError:  # INTERIM until ncclavg.comm lands: the same reductions, called directly
-        return _InterimCommunicator
+    from .comm import Communicator  # imported late: `ncclavg bench --help` needs no backend
+
     return Communicator
-
-
-class _InterimCommunicator:
-    def __init__(self, reduce):
-        self.all_reduce_avg = reduce
-
-    @classmethod
-    def local(cls, n):
-        from .ops import average_
-
-        return cls(average_)
-
-    @classmethod
-    def from_torch_distributed(cls, group=None, device=None, timeout=None):
-        import torch.distributed as dist
-
-        def reduce(ts):
-            for t in ts:
-                dist.all_reduce(t)
-                t.div_(dist.get_world_size())
-        return cls(reduce)
-
-    def close(self):
-        pass
 
 
 def _cuda_sync(devices: list[torch.device]) -> Callable[[], None]:
@@ -149,7 +123,7 @@ def setup_gloo(compare: bool, timeout: float) -> Setup:
     import torch.distributed as dist
 
     ranks = Ranks(dist.group.WORLD)
-    comm = _communicator().from_torch_distributed(timeout=timeout)
+    comm = _communicator().from_torch_distributed(device="cpu", timeout=timeout)
     contenders: list[Contender] = [CommAverage(comm)]
     if compare:
         contenders += [TorchDistributed(dist.group.WORLD, ranks.world_size, use_avg=False), CopyReference()]
