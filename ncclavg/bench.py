@@ -328,11 +328,11 @@ class _Progress:
         self.tty = enabled and sys.stderr.isatty()
         self.last_line = 0.0
 
-    def update(self, i: int, total: int, size: int, label: str) -> None:
+    def update(self, i: int, total: int, size: int) -> None:
         elapsed = time.monotonic() - self.t0
         if not self.enabled or elapsed < self.SHOW_AFTER_S:
             return
-        msg = f"[ncclavg bench] size {i + 1}/{total} ({size} B): {label}, {elapsed:.0f} s elapsed"
+        msg = f"[ncclavg bench] measuring size {i + 1}/{total} ({size} B), {elapsed:.0f} s elapsed"
         if self.tty:
             sys.stderr.write("\r\033[K" + msg)
             sys.stderr.flush()

@@ -4,10 +4,13 @@ exact inputs, checks one run bit for bit, warms up and times. Printing and files
 Note [Bench timing]
 ~~~~~~~~~~~~~~~~~~~
 - Every contender first runs once on fresh exact inputs; that run is checked (#wrong) and doubles as
-  the first warm-up. Later runs average buffers that already hold the mean, which costs the same.
-- Iterations are scaled down with size: each (size, contender) point aims at `budget` seconds, never
-  fewer than min(3, iters) timed runs, never more than `iters`. A 256 MiB point therefore costs a few
-  runs while 8 B points get all of them.
+  the first warm-up. Later runs average buffers that already hold the mean, which costs the same (and
+  every contender leaves them holding the mean, so they can share the buffers).
+- The contenders of one size are timed in interleaved rounds (A B C, A B C, ...), not one after the
+  other: on a shared or throttling machine a burst of outside load then hits all of them alike, and
+  the ratios between them stay meaningful even when the absolute times wobble.
+- Iterations are scaled down with size: a size aims at `budget` seconds per contender, never fewer
+  than min(3, iters) rounds, never more than `iters`. A 256 MiB point costs a few rounds, 8 B gets all.
 - CPU: each run is timed on its own and the median is reported. GPU: a device synchronize costs about
   as much as a small all-reduce, so runs are timed in batches between two synchronizes and the
   median over batches of the per-run time is reported (nccl-tests times one loop the same way).
@@ -201,46 +204,50 @@ class Point:
     warmup: int
 
 
-def measure(c: Contender, w: Workload, s: Setup, iters: int, warmup: int, check: bool, budget: float) -> Point:
-    """See Note [Bench timing]."""
-    ranks, sync = s.ranks, s.sync
-    c.setup(w)
-    try:
-        w.fill()
-        sync()
-        ranks.barrier()
-        t0 = time.perf_counter()
+def _timed(c: Contender, sync: Callable[[], None], runs: int) -> float:
+    """Seconds per run of `runs` back-to-back runs between two synchronizes."""
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(runs):
         c.op()
-        sync()
-        first = time.perf_counter() - t0
-        wrong = ranks.sum(c.wrong()) if check else None
-        est = max(ranks.max([first])[0], 1e-9)
-        n_warm = min(max(warmup - 1, 0), int(0.25 * budget / est))   # the checked run was the first
-        warm_times = []
-        for _ in range(n_warm):
-            t0 = time.perf_counter()
-            c.op()
+    sync()
+    return (time.perf_counter() - t0) / runs
+
+
+def measure_size(contenders: list[Contender], w: Workload, s: Setup, iters: int, warmup: int, check: bool,
+                 budget: float) -> list[Point]:
+    """One size, every contender. See Note [Bench timing]."""
+    ranks, sync = s.ranks, s.sync
+    for c in contenders:
+        c.setup(w)
+    try:
+        wrong, first = [], []
+        for c in contenders:
+            w.fill()
             sync()
-            warm_times.append(time.perf_counter() - t0)
-        if warm_times:
-            est = max(ranks.max([statistics.median(warm_times)])[0], 1e-9)
-        n_iters = max(min(iters, MIN_ITERS), min(iters, int(budget / est)))
-        batch = 1
+            ranks.barrier()
+            first.append(_timed(c, sync, 1))
+            wrong.append(ranks.sum(c.wrong()) if check else None)
+        est = [max(t, 1e-9) for t in ranks.max(first)]
+        round_s = sum(est)
+        n_warm = min(max(warmup - 1, 0), int(0.25 * budget * len(contenders) / round_s))
+        if n_warm:
+            warm = [[_timed(c, sync, 1) for c in contenders] for _ in range(n_warm)]
+            est = [max(t, 1e-9) for t in ranks.max([statistics.median(col) for col in zip(*warm)])]
+            round_s = sum(est)
+        rounds = max(min(iters, MIN_ITERS), min(iters, int(budget * len(contenders) / round_s)))
+        batch = [1] * len(contenders)
         if s.on_gpu:
-            batch = max(1, min(n_iters // MIN_ITERS, int(GPU_BATCH_SECONDS / est)))
-        samples = []
+            batch = [max(1, min(rounds // MIN_ITERS, int(GPU_BATCH_SECONDS / e))) for e in est]
+            rounds = max(1, -(-rounds // max(batch)))  # about `iters` runs of the cheapest contender
         ranks.barrier()
-        for _ in range(-(-n_iters // batch)):
-            sync()
-            t0 = time.perf_counter()
-            for _ in range(batch):
-                c.op()
-            sync()
-            samples.append((time.perf_counter() - t0) / batch)
-        samples = ranks.max(samples)
-        return Point(statistics.median(samples) * 1e6, wrong, len(samples) * batch, 1 + n_warm)
+        samples = [[_timed(c, sync, k) for c, k in zip(contenders, batch)] for _ in range(rounds)]
+        samples = [ranks.max(list(col)) for col in zip(*samples)]   # per contender, slowest rank
+        return [Point(statistics.median(col) * 1e6, wr, rounds * k, 1 + n_warm)
+                for col, wr, k in zip(samples, wrong, batch)]
     finally:
-        c.teardown()
+        for c in contenders:
+            c.teardown()
 
 
 def bus_factor(n: int) -> float:
@@ -260,9 +267,9 @@ def make_row(c: Contender, s: Setup, dtype_name: str, count: int, size_bytes: in
 
 def sweep(s: Setup, sizes: list[int], dtype_name: str, iters: int, warmup: int, check: bool,
           budget: float, on_row: Callable[[list[dict]], None] | None = None,
-          on_progress: Callable[[int, int, int, str], None] | None = None) -> list[dict]:
+          on_progress: Callable[[int, int, int], None] | None = None) -> list[dict]:
     """Measures every contender at every size (bytes, rounded down to whole elements). `on_row` gets
-    the rows of one size as soon as it is done; `on_progress(i, total, size, label)` before each point."""
+    the rows of one size as soon as it is done; `on_progress(i, total, size)` before each size."""
     from .bench_inputs import DTYPES
 
     dtype = DTYPES[dtype_name]
@@ -272,12 +279,10 @@ def sweep(s: Setup, sizes: list[int], dtype_name: str, iters: int, warmup: int, 
     for i, size in enumerate(sizes):
         count = max(1, size // item)
         w = Workload(count, pattern, s.devices, s.first)
-        size_rows = []
-        for c in s.contenders:
-            if on_progress is not None:
-                on_progress(i, len(sizes), count * item, c.label)
-            p = measure(c, w, s, iters, warmup, check, budget)
-            size_rows.append(make_row(c, s, dtype_name, count, count * item, p))
+        if on_progress is not None:
+            on_progress(i, len(sizes), count * item)
+        points = measure_size(s.contenders, w, s, iters, warmup, check, budget)
+        size_rows = [make_row(c, s, dtype_name, count, count * item, p) for c, p in zip(s.contenders, points)]
         del w
         rows += size_rows
         if on_row is not None:
