@@ -187,7 +187,8 @@ def to_markdown(doc: dict) -> str:
         "",
         f"Machine: {m['cpu']}, {m['cores']} cores, {m['memory_gib']} GiB, SIMD {m['simd_level']}, "
         f"OpenMP threads {m['openmp_threads']}, load average at start {m.get('load_avg_1m')}; "
-        f"torch {v['torch']}, ncclavg {v['ncclavg']}, python {v['python']}.",
+        f"torch {v['torch']}, ncclavg {v['ncclavg']}, python {v['python']}"
+        + (f"; environment: {' '.join(f'{k}={x}' for k, x in doc['env'].items())}." if doc.get("env") else "."),
         f"Copy bandwidth measured by the suite: {doc['copy_gbps_start']:.2f} GB/s at the start, "
         f"{doc['copy_gbps_end']:.2f} GB/s at the end ({doc['arguments']['copy_mib']} MiB torch copy_, bytes copied per second).",
         "",
@@ -249,6 +250,7 @@ def main(argv: list[str] | None = None) -> int:
 
     machine = bench_report.machine_info()
     doc = {"date": _dt.date.today().isoformat(), "machine": machine, "versions": bench_report.versions(),
+           "env": bench_report.timing_env(),
            "arguments": vars(args) | {"out": _shown_path(args.out)},
            "copy_gbps_start": measure_copy_gbps(args.copy_mib << 20), "benchmarks": {}}
     for name, cmd, what in plan:

@@ -284,11 +284,13 @@ def _sweep_and_report(args, sizes, setup) -> int:
               f"iters <= {args.iters}, warmup <= {args.warmup}, check {'on' if args.check else 'off'}")
         print(f"# machine: {m['cpu']}, {m['cores']} cores, {m['memory_gib']} GiB"
               + (f"; GPUs: {', '.join(m['gpus'])}" if m["gpus"] else "")
-              + f"; torch {v['torch']}, ncclavg {v['ncclavg']}, SIMD {m['simd_level']}")
+              + f"; load average {m['load_avg_1m']}; torch {v['torch']}, ncclavg {v['ncclavg']}, SIMD {m['simd_level']}")
         for c in setup.contenders:
             print(f"# {bench_report.SHORT_LABELS.get(c.key, c.key):>18} = {c.label}")
         for note in setup.notes:
             print(f"# note: {note}")
+        if header["env"]:
+            print("# env: " + " ".join(f"{k}={v}" for k, v in header["env"].items()))
         print(f"# busbw = algbw x 2(n-1)/n = algbw x {bench_sweep.bus_factor(setup.n):.3f}")
         print(table.header(), flush=True)
 

@@ -53,9 +53,18 @@ def versions() -> dict:
             "torch_threads": torch.get_num_threads()}
 
 
+# Variables that change the numbers: thread counts, OpenMP wait policy, NCCL / gloo transport choices.
+_ENV_PREFIXES = ("OMP_", "GOMP_", "KMP_", "MKL_NUM", "NCCLAVG_", "NCCL_", "GLOO_", "CUDA_VISIBLE", "TORCH_NCCL")
+
+
+def timing_env() -> dict:
+    return {k: v for k, v in sorted(os.environ.items()) if k.startswith(_ENV_PREFIXES)}
+
+
 def make_header(arguments: dict, setup_info: dict) -> dict:
     return {"tool": "ncclavg bench", "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-            "machine": machine_info(), "versions": versions(), "arguments": arguments, **setup_info}
+            "machine": machine_info(), "versions": versions(), "env": timing_env(), "arguments": arguments,
+            **setup_info}
 
 
 # ---------------------------------------------------------------------------------------------- table
