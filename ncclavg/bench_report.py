@@ -12,7 +12,7 @@ LARGE = 1 << 20  # sizes from 1 MiB up are bandwidth-bound; below, latency-bound
 
 SHORT_LABELS = {
     "ncclavg": "ncclavg", "torch_stack_mean": "torch stack.mean", "torch_add_loop": "torch add_ loop",
-    "copy": "copy (bw ref)", "torch_dist": "torch.distributed", "cupy_nccl": "cupy nccl",
+    "copy": "memcpy (bw ref)", "torch_dist": "torch.distributed", "cupy_nccl": "cupy nccl",
 }
 
 
