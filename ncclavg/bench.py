@@ -271,6 +271,7 @@ def _sweep_and_report(args, sizes, setup) -> int:
     arguments = {k: v for k, v in vars(args).items() if k not in ("func", "command")}
     header = bench_report.make_header(arguments, {
         "backend": setup.backend, "n": setup.n, "world_size": setup.ranks.world_size,
+        "launcher": _launcher(setup),
         "towers_per_process": len(setup.devices), "devices": [str(d) for d in setup.devices],
         "sizes": sizes, "busbw_factor": bench_sweep.bus_factor(setup.n), "notes": setup.notes,
         "contenders": [{"key": c.key, "label": c.label, "reference": c.reference} for c in setup.contenders],
@@ -318,6 +319,16 @@ def _sweep_and_report(args, sizes, setup) -> int:
         print(f"ncclavg bench: {summary['wrong_total']} wrong elements (see #wrong)", file=sys.stderr)
         return 1
     return 0
+
+
+def _launcher(setup) -> str:
+    import os
+
+    from .bench_launch import SPAWNED_VAR
+
+    if setup.ranks.world_size == 1 and setup.ranks.group is None:
+        return "single process"
+    return "spawned by ncclavg bench on loopback" if os.environ.get(SPAWNED_VAR) else "external launcher (torchrun)"
 
 
 class _Progress:

@@ -58,7 +58,9 @@ _ENV_PREFIXES = ("OMP_", "GOMP_", "KMP_", "MKL_NUM", "NCCLAVG_", "NCCL_", "GLOO_
 
 
 def timing_env() -> dict:
-    return {k: v for k, v in sorted(os.environ.items()) if k.startswith(_ENV_PREFIXES)}
+    from .bench_launch import SPAWNED_VAR  # how the ranks were started is recorded as "launcher"
+
+    return {k: v for k, v in sorted(os.environ.items()) if k.startswith(_ENV_PREFIXES) and k != SPAWNED_VAR}
 
 
 def make_header(arguments: dict, setup_info: dict) -> dict:
@@ -207,7 +209,7 @@ def write_plot(path: str, header: dict, rows: list[dict]) -> None:
     m = header["machine"]
     where = ", ".join(m["gpus"]) if header.get("backend") == "nccl" and m["gpus"] else f"{m['cpu']}, {m['cores']} cores"
     ax.set_title(f"ncclavg bench: all_reduce_avg, backend {header.get('backend')}, n = {header.get('n')}, "
-                 f"{args.get('dtype')}\n{where}, {header['date'][:10]}", fontsize=11)
+                 f"{args.get('dtype')}\n{where}, load average {m.get('load_avg_1m')}, {header['date'][:10]}", fontsize=11)
     ax.grid(True, which="major", alpha=0.45)
     ax.grid(True, which="minor", alpha=0.15)
     ax.legend(loc="upper left", fontsize=9, framealpha=0.9)

@@ -196,7 +196,7 @@ def test_cli_gloo_two_ranks(tmp_path, capsys):
                             "--json", str(js), "--plot", str(png)], capsys)
     assert rc == 0, err
     doc = _check_json(js, "gloo", 2, "float32", {"ncclavg", "torch_dist", "copy"}, [8, 512, 32768])
-    assert doc["header"]["world_size"] == 2
+    assert doc["header"]["world_size"] == 2 and doc["header"]["launcher"].startswith("spawned")
     assert png.read_bytes()[:4] == b"\x89PNG"
 
 
