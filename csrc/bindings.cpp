@@ -11,6 +11,7 @@
 #include "cpu/simd.h"
 #include "cuda/nccl_api.h"
 #ifdef NCCLAVG_WITH_CUDA
+#include "cuda/comm.h"
 #include "cuda/cuda_ops.h"
 #include "cuda/pack_cuda.h"
 #endif
@@ -81,6 +82,29 @@ py::dict core_info() {
 }
 
 }  // namespace
+
+#ifdef NCCLAVG_WITH_CUDA
+namespace {
+// See Note [Teardown] in csrc/cuda/comm.cpp: the destructor may wait (bounded by the communicator's
+// timeout) for collectives in flight, so Python's deallocation runs it without the GIL.
+struct NcclCommDeleter {
+  void operator()(nccl::NcclComm* c) const {
+    if (PyGILState_Check()) {
+      py::gil_scoped_release nogil;
+      delete c;
+    } else {
+      delete c;
+    }
+  }
+};
+using NcclCommHolder = std::unique_ptr<nccl::NcclComm, NcclCommDeleter>;
+
+DType dtype_from_code(int code) {
+  NCCLAVG_CHECK_TYPE(dtype_valid(code), "dtype", "unknown dtype code ", code, " (0 float32, 1 float16, 2 bfloat16)");
+  return static_cast<DType>(code);
+}
+}  // namespace
+#endif
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "ncclavg compiled core";
@@ -174,4 +198,110 @@ PYBIND11_MODULE(_C, m) {
         py::arg("stream") = 0, py::call_guard<py::gil_scoped_release>(),
         "dsts[i] = src[offsets[i] : offsets[i] + dsts[i].numel] * scale / divisor, cast to dsts[i]'s dtype; "
         "one call for all tensors.");
+
+#ifdef NCCLAVG_WITH_CUDA
+  // ---- NCCL communicator (csrc/cuda/comm.h). Present only in CUDA builds: hasattr(_C, "NcclComm").
+  // NCCL must be loaded first: ncclavg._ext.require_nccl() (Python does it before creating comms).
+  using nccl::NcclComm;
+  using Release = py::call_guard<py::gil_scoped_release>;
+  m.def("nccl_unique_id", [] {
+    std::string id;
+    {
+      py::gil_scoped_release nogil;
+      id = NcclComm::unique_id();
+    }
+    return py::bytes(id);
+  }, "A fresh 128-byte ncclUniqueId for NcclComm.init_rank (rank 0 makes it, every rank uses it).");
+
+  py::class_<NcclComm, NcclCommHolder>(m, "NcclComm")
+      .def_static("init_all", [](const std::vector<int>& devices, double timeout_s) {
+             return NcclCommHolder(NcclComm::init_all(devices, timeout_s).release());
+           }, py::arg("devices"), py::arg("timeout_s"), Release(),
+           "One process over several CUDA devices (non-blocking NCCL init, bounded by timeout_s).")
+      .def_static("init_rank", [](const std::string& unique_id, int nranks, int rank, int device, double timeout_s) {
+             return NcclCommHolder(NcclComm::init_rank(unique_id, nranks, rank, device, timeout_s).release());
+           }, py::arg("unique_id"), py::arg("nranks"), py::arg("rank"), py::arg("device"), py::arg("timeout_s"),
+           Release(), "One rank of a multi-process communicator.")
+      .def_property_readonly("size", &NcclComm::size)
+      .def_property_readonly("local_size", &NcclComm::local_size)
+      .def_property_readonly("rank", &NcclComm::rank)
+      .def_property_readonly("ranks", &NcclComm::ranks)
+      .def_property_readonly("devices", &NcclComm::devices)
+      .def_property_readonly("nccl_version", &NcclComm::nccl_version)
+      .def_property_readonly("nccl_version_string", [](const NcclComm& c) { return nccl::version_string(c.nccl_version()); })
+      .def_property_readonly("timeout", &NcclComm::timeout)
+      // These take the communicator's mutex, which an enqueue holds while it polls NCCL: drop the GIL.
+      .def_property_readonly("aborted", [](const NcclComm& c) { py::gil_scoped_release g; return c.aborted(); })
+      .def_property_readonly("destroyed", [](const NcclComm& c) { py::gil_scoped_release g; return c.destroyed(); })
+      .def_property_readonly("abort_reason", [](const NcclComm& c) {
+             std::string r;
+             {
+               py::gil_scoped_release g;
+               r = c.abort_reason();
+             }
+             return r;
+           })
+      .def_property_readonly("streams", [](const NcclComm& c) {
+             std::vector<uintptr_t> s;
+             {
+               py::gil_scoped_release g;
+               s = c.streams();
+             }
+             return s;
+           })
+      .def_property_readonly("pending", [](NcclComm& c) { py::gil_scoped_release g; return c.pending(); })
+      .def("reduction", [](const NcclComm& c, int dtype, bool predivide, const std::string& op, bool all_reduce) {
+             return c.reduction(dtype_from_code(dtype), predivide, op, all_reduce);
+           }, py::arg("dtype"), py::arg("predivide") = false, py::arg("op") = "avg", py::arg("all_reduce") = true,
+           "The NCCL reduction a collective of this dtype would use, e.g. 'ncclAvg' or 'ncclSum + divide by 3'.")
+      .def("all_reduce_avg", [](NcclComm& c, const std::vector<Buffer>& buffers, const std::vector<uintptr_t>& after_streams,
+                                bool predivide, std::optional<double> timeout_s, const std::string& tag) {
+             return c.all_reduce(buffers, after_streams, predivide, "avg", timeout_s, tag);
+           }, py::arg("buffers"), py::arg("after_streams") = std::vector<uintptr_t>{}, py::arg("predivide") = false,
+           py::arg("timeout_s") = py::none(), py::arg("tag") = "", Release(),
+           "In place, one buffer per local device: the mean over all ranks. Returns the sequence number.")
+      .def("all_reduce_sum", [](NcclComm& c, const std::vector<Buffer>& buffers, const std::vector<uintptr_t>& after_streams,
+                                std::optional<double> timeout_s, const std::string& tag) {
+             return c.all_reduce(buffers, after_streams, false, "sum", timeout_s, tag);
+           }, py::arg("buffers"), py::arg("after_streams") = std::vector<uintptr_t>{},
+           py::arg("timeout_s") = py::none(), py::arg("tag") = "", Release())
+      .def("reduce_scatter_avg", [](NcclComm& c, const std::vector<Buffer>& inputs, const std::vector<Buffer>& outputs,
+                                    const std::vector<uintptr_t>& after_streams, bool predivide,
+                                    std::optional<double> timeout_s, const std::string& tag) {
+             return c.reduce_scatter(inputs, outputs, after_streams, predivide, "avg", timeout_s, tag);
+           }, py::arg("inputs"), py::arg("outputs"), py::arg("after_streams") = std::vector<uintptr_t>{},
+           py::arg("predivide") = false, py::arg("timeout_s") = py::none(), py::arg("tag") = "", Release())
+      .def("reduce_scatter_sum", [](NcclComm& c, const std::vector<Buffer>& inputs, const std::vector<Buffer>& outputs,
+                                    const std::vector<uintptr_t>& after_streams, std::optional<double> timeout_s,
+                                    const std::string& tag) {
+             return c.reduce_scatter(inputs, outputs, after_streams, false, "sum", timeout_s, tag);
+           }, py::arg("inputs"), py::arg("outputs"), py::arg("after_streams") = std::vector<uintptr_t>{},
+           py::arg("timeout_s") = py::none(), py::arg("tag") = "", Release())
+      .def("all_gather", &NcclComm::all_gather, py::arg("inputs"), py::arg("outputs"),
+           py::arg("after_streams") = std::vector<uintptr_t>{}, py::arg("timeout_s") = py::none(),
+           py::arg("tag") = "", Release())
+      .def("wait", &NcclComm::wait, py::arg("timeout_s") = py::none(), py::arg("seq") = 0, Release(),
+           "Host waits for collective `seq` (0: all enqueued); on timeout aborts and raises CommTimeoutError.")
+      .def("done", &NcclComm::done, py::arg("seq") = 0, Release())
+      .def("stream_wait", &NcclComm::stream_wait, py::arg("streams"), Release(),
+           "Orders `streams` (one per local device) after the last collective, with events.")
+      .def("abort", &NcclComm::abort, Release())
+      .def("destroy", &NcclComm::destroy, Release())
+      .def("__enter__", [](py::object self) { return self; })
+      .def("__exit__", [](NcclComm& c, py::args) {
+             py::gil_scoped_release nogil;
+             c.destroy();
+           })
+      .def("__repr__", [](NcclComm& c) {
+             std::string state;
+             {
+               py::gil_scoped_release g;
+               state = c.aborted() ? "aborted" : c.destroyed() ? "destroyed" : "active";
+             }
+             std::string devs;
+             for (size_t i = 0; i < c.devices().size(); ++i) devs += (i ? ", " : "") + std::to_string(c.devices()[i]);
+             return "NcclComm(size=" + std::to_string(c.size()) + ", rank=" + std::to_string(c.rank()) +
+                    ", devices=[" + devs + "], nccl=" + nccl::version_string(c.nccl_version()) + ", " + state + ")";
+           });
+#endif
 }

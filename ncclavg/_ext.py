@@ -51,3 +51,22 @@ def require_nccl() -> dict:
     if not info["loaded"]:
         raise _C.NcclError(info["error"])
     return info
+
+
+def nccl_comm_class():
+    """`_C.NcclComm`, after making sure NCCL is loaded (the loader must see the wheel locations first).
+
+    Raises NcclError with the install hint when no NCCL is found, and CudaError when this build of
+    ncclavg has no CUDA part. The nccl backend of `Communicator` creates its communicators through this."""
+    require_nccl()
+    if not hasattr(_C, "NcclComm"):
+        raise _C.CudaError(
+            "this build of ncclavg has no CUDA support, so the nccl backend is unavailable: reinstall "
+            "with a CUDA toolkit present (NCCLAVG_CUDA=1 pip install .)")
+    return _C.NcclComm
+
+
+def nccl_unique_id() -> bytes:
+    """A fresh 128-byte ncclUniqueId for `NcclComm.init_rank` (rank 0 makes it, every rank uses it)."""
+    nccl_comm_class()
+    return bytes(_C.nccl_unique_id())

@@ -37,7 +37,7 @@ from typing import Any, Iterator, Optional, Sequence
 import torch
 
 from . import ops
-from .bucketing import BucketPlan, parse_dtype
+from .bucketing import SUPPORTED_DTYPES, BucketPlan, parse_dtype
 from .errors import LayoutMismatchError
 
 log = logging.getLogger("ncclavg.averager")
@@ -371,6 +371,10 @@ def _collect_towers(towers: Any, names: Any) -> tuple:
             modules.append(None)
         if len(params[-1]) == 0:
             raise ValueError(f"towers[{t}]: has no parameters that require grad")
+        for i, p in enumerate(params[-1]):
+            if p.dtype not in SUPPORTED_DTYPES:
+                raise TypeError(f"towers[{t}][{i}]: dtype {p.dtype} is not supported; use float32, float16 or "
+                                "bfloat16 parameters")
     if names is not None:
         if isinstance(names, (str, bytes)) or not hasattr(names, "__len__"):
             raise TypeError(f"names: expected a list of parameter names, got {type(names).__name__}")

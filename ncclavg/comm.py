@@ -196,6 +196,10 @@ class Communicator:
                                    "torch.distributed.init_process_group(...) first or run under torchrun")
         dev = _default_process_device() if device is None else torch.device(device)
         if dev.type == "cpu":
+            backend = str(dist.get_backend(group)).lower()
+            if "gloo" not in backend and "mpi" not in backend:
+                raise ValueError(f"device: cpu towers need a process group that runs CPU tensors, but this group's "
+                                 f"backend is {backend!r}; pass group=torch.distributed.new_group(backend='gloo')")
             return GlooCommunicator(group, t, predivide)
         if dev.type == "cuda":
             from .comm_nccl import NcclCommunicator

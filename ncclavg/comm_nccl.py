@@ -12,7 +12,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from ._ext import _C, cuda_built, require_nccl
+from ._ext import _C, cuda_built, nccl_info
 from .buffers import as_buffers
 from .comm import Communicator, Work
 
@@ -20,7 +20,14 @@ _UID_SEQ = itertools.count()  # one store key per communicator built under torch
 
 
 def require_nccl_comm() -> None:
-    """Raises a RuntimeError that says what to install when this build cannot run the NCCL backend."""
+    """Raises NcclError (no loadable NCCL) or RuntimeError (CPU-only build, no GPU) saying what to install
+    when this machine cannot run the NCCL backend."""
+    info = nccl_info()
+    if not info["loaded"]:  # first: NcclError naming `pip install nvidia-nccl-cu13`
+        also = "" if cuda_built() and hasattr(_C, "NcclComm") else (
+            "the nccl backend also needs ncclavg built with CUDA support (this build is CPU-only: reinstall "
+            "with the CUDA toolkit present, `NCCLAVG_CUDA=1 pip install .`). ")
+        raise _C.NcclError(also + info["error"])
     if not cuda_built() or not hasattr(_C, "NcclComm"):
         raise RuntimeError(
             "the nccl backend needs ncclavg built with CUDA support: this build is CPU-only. Reinstall from "
@@ -31,7 +38,6 @@ def require_nccl_comm() -> None:
     if not torch.cuda.is_available():
         raise RuntimeError("the nccl backend needs a CUDA device, but torch.cuda.is_available() is False "
                            "(is this torch build CPU-only, or is no GPU visible?)")
-    require_nccl()  # NcclError with the install hint when no libnccl can be loaded
 
 
 def _device_index(d: Any, argname: str) -> int:
@@ -108,7 +114,8 @@ class NcclCommunicator(Communicator):
         # rank 0 draws the unique id; everyone else reads it from the default store (bounded by the
         # store's own timeout, which init_process_group set).
         store = dist.distributed_c10d._get_default_store()
-        key = f"ncclavg/nccl_uid/{next(_UID_SEQ)}"
+        members = "world" if group is None else ",".join(map(str, dist.get_process_group_ranks(group)))
+        key = f"ncclavg/nccl_uid/{members}/{next(_UID_SEQ)}"
         if rank == 0:
             uid = bytes(_C.nccl_unique_id())
             store.set(key, uid)

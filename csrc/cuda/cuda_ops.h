@@ -13,6 +13,12 @@ namespace cuda {
 // In-place mean of N buffers on one device, enqueued on `stream` (asynchronous).
 void average_inplace(const std::vector<Buffer>& bufs, uintptr_t stream);
 
+// In place: every element of `b` becomes b[i] / divisor, computed in fp32 and rounded once to the
+// storage type (the same ew::mean_of_sum the averages use), enqueued on `stream`. The scale half of
+// SUM-then-scale when NCCL cannot average by itself. See Note [Choosing the reduction] in
+// comm_collectives.cpp.
+void divide_inplace(const Buffer& b, float divisor, uintptr_t stream);
+
 struct RuntimeInfo {
   int runtime_version = 0;      // CUDA runtime linked in (cudart static)
   int driver_version = 0;       // 0 when no driver

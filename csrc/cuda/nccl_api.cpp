@@ -127,16 +127,26 @@ const LoadInfo& load_info() { return g_info; }
 const Api& api() {
   if (!g_info.loaded) {
     if (g_info.error.empty()) {
-      throw NcclError("NCCL has not been loaded yet (internal: load() must run before api())");
+      // The Python layer loads NCCL with the wheel locations it found (ncclavg._ext.require_nccl());
+      // loading here would cache a result that never looked at the wheels.
+      throw NcclError(
+          "NCCL has not been loaded yet: call ncclavg._ext.require_nccl() first (ncclavg's Python API "
+          "does this before creating a communicator)");
     }
     throw NcclError(g_info.error);
   }
   return g_api;
 }
 
+bool at_least(int code) { return g_info.loaded && g_info.version >= code; }
+
 std::string version_string(int code) {
   std::ostringstream os;
-  os << code / 10000 << "." << (code % 10000) / 100 << "." << code % 100;
+  if (code < 10000) {  // NCCL <= 2.8 encoded versions as major*1000 + minor*100 + patch
+    os << code / 1000 << "." << (code % 1000) / 100 << "." << code % 100;
+  } else {
+    os << code / 10000 << "." << (code % 10000) / 100 << "." << code % 100;
+  }
   return os.str();
 }
 

@@ -52,9 +52,21 @@ namespace ncclavg {
 namespace nccl {
 
 constexpr int version_code(int major, int minor, int patch) {
-  // NCCL_VERSION() since 2.9: major*10000 + minor*100 + patch.
+  // NCCL_VERSION() since 2.9: major*10000 + minor*100 + patch (2.8 and older: major*1000 + minor*100
+  // + patch, which is always smaller, so comparisons against codes made here stay correct).
   return major * 10000 + minor * 100 + patch;
 }
+
+// The NCCL release that introduced each feature ncclavg gates on. Compare with load_info().version
+// through at_least(); the optional entry points of Api are null exactly when the feature is missing.
+namespace since {
+constexpr int kAvg = version_code(2, 10, 0);             // ncclAvg
+constexpr int kBfloat16 = version_code(2, 10, 0);        // ncclBfloat16
+constexpr int kPreMulSum = version_code(2, 11, 0);       // ncclRedOpCreatePreMulSum / ncclRedOpDestroy
+constexpr int kLastError = version_code(2, 13, 0);       // ncclGetLastError
+constexpr int kNonBlocking = version_code(2, 14, 0);     // ncclCommInitRankConfig, config.blocking = 0
+constexpr int kMultiRankPerGpu = version_code(2, 30, 0); // several ranks on one GPU (NCCL_MULTI_RANK_GPU_ENABLE)
+}  // namespace since
 
 // The loaded library's entry points. Optional ones are null when the loaded NCCL predates them.
 struct Api {
@@ -89,6 +101,24 @@ struct LoadInfo {
   std::string error;    // why nothing was loaded (every place tried), when !loaded
 };
 
+// NCCL_CONFIG_INITIALIZER for the layout above: every attribute "undefined" (NCCL picks its default),
+// magic and version set so that NCCL accepts the struct. See Note [Non-blocking init and abort] in
+// comm.cpp for why ncclavg sets blocking = 0.
+inline ncclConfig_t default_config() {
+  ncclConfig_t c;
+  const int undef = -2147483647 - 1;  // NCCL_CONFIG_UNDEF_INT (INT_MIN)
+  c.size = sizeof(ncclConfig_t);
+  c.magic = 0xcafebeef;             // NCCL_API_MAGIC
+  c.version = version_code(2, 17, 0);  // the release whose layout this struct mirrors
+  c.blocking = undef;
+  c.cgaClusterSize = undef;
+  c.minCTAs = undef;
+  c.maxCTAs = undef;
+  c.netName = nullptr;  // NCCL_CONFIG_UNDEF_PTR
+  c.splitShare = undef;
+  return c;
+}
+
 // Loads NCCL once (thread-safe) and returns what happened. `wheel_candidates` are library paths inside
 // the nvidia-nccl-cu13 / -cu12 wheels, found by the Python side; the first call's list is the one used.
 const LoadInfo& load(const std::vector<std::string>& wheel_candidates);
@@ -96,6 +126,9 @@ const LoadInfo& load_info();  // what the first load() found; !loaded if load() 
 
 // The API table; throws NcclError with the install hint when NCCL could not be loaded.
 const Api& api();
+
+// True when NCCL is loaded and its version is >= `code` (a version_code / since:: constant).
+bool at_least(int code);
 
 std::string version_string(int code);
 

@@ -1,0 +1,137 @@
+// NcclComm: the NCCL communicator behind the `nccl` backend of ncclavg.Communicator.
+//
+// One object drives every local device of this process: one NCCL communicator, one comm stream and a
+// few events per device. Each collective is ONE grouped NCCL call over the local devices, ordered after
+// the caller's streams with events (never a device sync), and tracked by per-device "done" events that
+// the watchdog (wait / done) polls together with ncclCommGetAsyncError. A wait that passes its deadline
+// aborts every local communicator and raises TimeoutError; the object then refuses every later call.
+// See Note [Non-blocking init and abort], Note [Watchdog] and Note [Teardown] in comm.cpp, and
+// Note [Choosing the reduction] in comm_collectives.cpp.
+//
+// No CUDA types in this header: streams and events cross as opaque handles, so bindings.cpp needs no
+// CUDA headers. Every method is thread-safe (one mutex); wait() sleeps without holding it, so another
+// thread can abort() a communicator whose wait is stuck.
+//
+// Lifetime of the buffers: a collective only enqueues work. The caller must keep the buffers alive
+// (and not reuse their memory from another stream) until wait() returned or its own streams were
+// ordered after the collective with stream_wait().
+#pragma once
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "../common/buffer.h"
+#include "nccl_api.h"
+
+namespace ncclavg {
+namespace nccl {
+
+struct CollectivePlan;  // what one collective sends where, with which reduction (comm_collectives.cpp)
+
+class NcclComm {
+ public:
+  // One process, several devices (duplicates rejected). Uses non-blocking ncclCommInitRankConfig in one
+  // group when the loaded NCCL has it (>= 2.14), else ncclCommInitAll (blocking, no init timeout).
+  static std::unique_ptr<NcclComm> init_all(const std::vector<int>& devices, double timeout_s);
+  // One rank of a multi-process communicator; `unique_id` is the 128 bytes of rank 0's nccl_unique_id().
+  static std::unique_ptr<NcclComm> init_rank(const std::string& unique_id, int nranks, int rank, int device,
+                                             double timeout_s);
+  // A fresh ncclUniqueId (128 bytes) for init_rank.
+  static std::string unique_id();
+
+  ~NcclComm();  // never throws; see Note [Teardown]
+  NcclComm(const NcclComm&) = delete;
+  NcclComm& operator=(const NcclComm&) = delete;
+
+  int size() const { return size_; }              // ranks in the communicator (all processes)
+  int local_size() const { return static_cast<int>(devices_.size()); }
+  int rank() const { return process_rank_; }       // this process's rank (0 for init_all)
+  const std::vector<int>& ranks() const { return ranks_; }    // communicator rank of each local device
+  const std::vector<int>& devices() const { return devices_; }
+  int nccl_version() const { return version_; }
+  double timeout() const { return timeout_s_; }
+  bool aborted() const;
+  bool destroyed() const;
+  std::string abort_reason() const;
+  std::vector<uintptr_t> streams() const;  // the comm stream of each local device
+  size_t pending();                        // collectives enqueued and not yet complete
+
+  // In place: every buffer (one per local device, same numel and dtype) becomes the mean over all
+  // ranks. `after_streams` (one per device, or empty = the legacy default stream) are the streams the
+  // collective is ordered after. `op` is "avg" or "sum". `timeout_s` bounds the enqueue (empty: the
+  // communicator's timeout); `tag` names the collective in errors (e.g. "bucket 3"). Returns the
+  // collective's sequence number for wait()/done() (0 when there was nothing to do).
+  uint64_t all_reduce(const std::vector<Buffer>& buffers, const std::vector<uintptr_t>& after_streams,
+                      bool predivide, const std::string& op, std::optional<double> timeout_s,
+                      const std::string& tag);
+  // inputs: full buffers (numel divisible by size()); outputs: numel/size() shards. Output i receives
+  // the mean of shard ranks()[i].
+  uint64_t reduce_scatter(const std::vector<Buffer>& inputs, const std::vector<Buffer>& outputs,
+                          const std::vector<uintptr_t>& after_streams, bool predivide, const std::string& op,
+                          std::optional<double> timeout_s, const std::string& tag);
+  // inputs: shards; outputs: size() * shard numel, rank r's shard at offset r * shard numel.
+  uint64_t all_gather(const std::vector<Buffer>& inputs, const std::vector<Buffer>& outputs,
+                      const std::vector<uintptr_t>& after_streams, std::optional<double> timeout_s,
+                      const std::string& tag);
+
+  // The reduction a collective would use on this communicator ("ncclAvg", "PreMulSum(1/3)",
+  // "ncclSum + divide by 3", ...). See Note [Choosing the reduction] in comm_collectives.cpp.
+  std::string reduction(DType dtype, bool predivide, const std::string& op, bool all_reduce) const;
+
+  // Host waits until collective `seq` (0: everything enqueued so far) completed on every local device.
+  // Polls the done events and ncclCommGetAsyncError; an async error aborts and raises NcclError, the
+  // deadline aborts and raises TimeoutError naming the oldest unfinished collective.
+  void wait(std::optional<double> timeout_s, uint64_t seq = 0);
+  // Non-blocking: has collective `seq` (0: all) completed? Raises like wait() on an async error.
+  bool done(uint64_t seq = 0);
+  // Makes `streams` (one per local device) wait for the last enqueued collective, with events.
+  void stream_wait(const std::vector<uintptr_t>& streams);
+
+  void abort();    // ncclCommAbort on every local communicator; idempotent
+  void destroy();  // waits (bounded) for pending work, then ncclCommDestroy; aborts instead on timeout
+
+ private:
+  struct Device;  // per local device: comm, stream, events (comm_impl.h)
+  struct Op;      // one enqueued collective: its done events and description (comm_impl.h)
+
+  NcclComm() = default;
+  static std::unique_ptr<NcclComm> create(const std::vector<int>& devices, int process_rank,
+                                          double timeout_s);
+  void init_comms(const ncclUniqueId& id, int nranks, const std::vector<int>& comm_ranks,
+                  const std::string& what);
+
+  // Every *_locked member expects mu_ to be held.
+  void check_usable_locked(const char* what) const;
+  void check_async_errors_locked(const std::string& during);
+  void poll_ready_locked(double deadline, const std::string& what);
+  void abort_locked(const std::string& reason);
+  void destroy_comms_locked();
+  void release_cuda_locked();
+  bool prune_locked();  // drops completed ops from the front; true when none is left
+  ncclRedOp_t premulsum_locked(size_t device_index, DType dtype);
+  uint64_t run_locked(const CollectivePlan& plan, const std::vector<uintptr_t>& after_streams,
+                      std::optional<double> timeout_s);
+  std::string where() const;  // "rank 0 of 2, devices [0]"
+
+  mutable std::mutex mu_;
+  std::vector<int> devices_;
+  std::vector<int> ranks_;
+  std::vector<std::unique_ptr<Device>> dev_;
+  std::deque<std::unique_ptr<Op>> ops_;
+  uint64_t next_seq_ = 1;
+  int size_ = 0;
+  int process_rank_ = 0;
+  int version_ = 0;
+  double timeout_s_ = 600.0;
+  bool ready_ = false;  // every communicator finished its init
+  bool aborted_ = false;
+  bool destroyed_ = false;
+  std::string abort_reason_;
+};
+
+}  // namespace nccl
+}  // namespace ncclavg

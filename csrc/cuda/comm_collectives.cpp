@@ -1,0 +1,406 @@
+// NcclComm collectives: argument checks, the choice of reduction, and the one grouped NCCL call.
+#include <algorithm>
+#include <sstream>
+
+#include "../common/check.h"
+#include "../common/elementwise.h"
+#include "comm_impl.h"
+#include "cuda_ops.h"
+
+namespace ncclavg {
+namespace nccl {
+
+// Note [Choosing the reduction]
+// ncclAvg (NCCL >= 2.10) is not "sum, then divide": for floating types NCCL turns it into PreMulSum,
+// every rank's input multiplied by 1/n ROUNDED TO THE ELEMENT TYPE before the sum. For fp32, or for
+// any n that is a power of two, that scalar is exact (or off by at most 2^-24 relative) and ncclAvg is
+// the best choice: no extra pass over memory. But a bfloat16 1/3 is 0.333984 (+0.2%) and an fp16 1/3
+// is off by 0.01%: every mean over 3, 5, 6, 7 ... ranks would carry that bias. So:
+//   op="sum"                                  -> ncclSum
+//   size == 1                                 -> ncclSum (the mean of one rank is the input)
+//   predivide, NCCL >= 2.11                   -> PreMulSum(1/size) (explicit op, created once per
+//                                                comm and dtype, destroyed with the communicator)
+//   predivide, NCCL 2.10                      -> ncclAvg (the same PreMulSum inside NCCL)
+//   predivide, older NCCL, all-reduce         -> divide kernel on the input, then ncclSum
+//   fp32 or power-of-two size, NCCL >= 2.10   -> ncclAvg
+//   otherwise                                 -> ncclSum, then the divide kernel on the output
+// "predivide" trades accuracy for range: fp16 sums of large gradients over many ranks can overflow
+// 65504 before the division, pre-scaled inputs cannot. The divide kernel (scale_kernel.cu) runs on the
+// comm stream right after the collective, inside the same ordering, and divides in fp32 with one
+// rounding, exactly like ops.average_. A reduce-scatter never pre-scales (its input must stay intact):
+// on NCCL < 2.10 it sums and divides the output.
+
+struct CollectivePlan {
+  enum Kind { kAllReduce, kReduceScatter, kAllGather } kind;
+  const char* name = "";
+  std::vector<Buffer> send, recv;  // one per local device (all-reduce: the same buffers)
+  size_t count = 0;                // NCCL's count argument (elements per rank for RS/AG)
+  DType dtype = DType::kFloat32;
+  size_t bytes = 0;                // for messages: the payload per device
+  // The reduction (all-reduce and reduce-scatter), see Note [Choosing the reduction].
+  ncclRedOp_t op = ncclSum;
+  bool premulsum = false;
+  bool prescale = false;
+  bool postscale = false;
+  std::string what;
+};
+
+namespace {
+
+ncclDataType_t nccl_dtype(DType t) {
+  switch (t) {
+    case DType::kFloat32: return ncclFloat32;
+    case DType::kFloat16: return ncclFloat16;
+    case DType::kBFloat16: return ncclBfloat16;
+  }
+  return ncclFloat32;
+}
+
+bool is_power_of_two(int n) { return n > 0 && (n & (n - 1)) == 0; }
+
+std::string human_bytes(size_t b) {
+  std::ostringstream os;
+  os << b << " bytes";
+  if (b >= (1u << 20)) os << " (" << static_cast<double>(b) / (1 << 20) << " MiB)";
+  return os.str();
+}
+
+// One buffer per local device, each really on that device, all of the same dtype and numel.
+void check_per_device(const std::vector<Buffer>& bufs, const char* argname, const std::vector<int>& devices,
+                      bool writable) {
+  NCCLAVG_CHECK_ARG(bufs.size() == devices.size(), argname, "needs one buffer per local device (",
+                    devices.size(), ": ", list_string(devices), "), got ", bufs.size());
+  for (size_t i = 0; i < bufs.size(); ++i) {
+    const Buffer& b = bufs[i];
+    const std::string what = std::string(argname) + "[" + std::to_string(i) + "]";
+    validate_buffer(b, what);
+    NCCLAVG_CHECK_ARG(!writable || !b.readonly, what, "is read-only; the collective writes into it");
+    NCCLAVG_CHECK_ARG(b.device == devices[i], what, "is on ",
+                      b.on_cpu() ? std::string("cpu") : "cuda:" + std::to_string(b.device),
+                      " but local device ", i, " of the communicator is cuda:", devices[i]);
+    NCCLAVG_CHECK_TYPE(b.dtype == bufs[0].dtype, what, "dtype ", dtype_name(b.dtype), " differs from ", argname,
+                       "[0] dtype ", dtype_name(bufs[0].dtype));
+    NCCLAVG_CHECK_ARG(b.numel == bufs[0].numel, what, "has ", b.numel, " elements but ", argname, "[0] has ",
+                      bufs[0].numel);
+    if (b.numel == 0) continue;
+    // Defence against a mislabelled pointer: ask the runtime where the memory really lives.
+    cudaPointerAttributes attr{};
+    cudaError_t e = cudaPointerGetAttributes(&attr, reinterpret_cast<const void*>(b.ptr));
+    if (e != cudaSuccess) {
+      cudaGetLastError();
+      NCCLAVG_CHECK_ARG(false, what, "is not a CUDA allocation (cudaPointerGetAttributes: ", cudaGetErrorString(e),
+                        ")");
+    }
+    NCCLAVG_CHECK_ARG(attr.type == cudaMemoryTypeDevice || attr.type == cudaMemoryTypeManaged, what,
+                      "points to host memory; NCCL collectives need device memory");
+    NCCLAVG_CHECK_ARG(attr.type != cudaMemoryTypeDevice || attr.device == b.device, what,
+                      "says cuda:", b.device, " but its memory is on cuda:", attr.device);
+  }
+}
+
+// NCCL >= 2.10 for bfloat16.
+void check_dtype_supported(DType t, const char* argname) {
+  if (t == DType::kBFloat16 && !at_least(since::kBfloat16)) {
+    detail::fail<NcclError>(__FILE__, __LINE__, "argument '", argname, "': bfloat16 collectives need NCCL >= 2.10; "
+                            "the loaded NCCL is ", version_string(load_info().version));
+  }
+}
+
+bool overlaps(const Buffer& a, const Buffer& b) {
+  if (a.numel == 0 || b.numel == 0) return false;
+  return a.ptr < b.ptr + b.nbytes() && b.ptr < a.ptr + a.nbytes();
+}
+
+void check_distinct(const std::vector<Buffer>& bufs, const char* argname) {
+  for (size_t i = 0; i < bufs.size(); ++i) {
+    for (size_t j = 0; j < i; ++j) {
+      NCCLAVG_CHECK_ARG(!overlaps(bufs[i], bufs[j]), argname, "entries ", j, " and ", i,
+                        " share memory (the same buffer passed twice, or overlapping views)");
+    }
+  }
+}
+
+std::vector<uintptr_t> checked_streams(const std::vector<uintptr_t>& after, size_t n) {
+  if (after.empty()) return std::vector<uintptr_t>(n, 0);  // the legacy default stream of each device
+  NCCLAVG_CHECK_ARG(after.size() == n, "after_streams", "needs one stream per local device (", n, "), got ",
+                    after.size(), " (or pass an empty list for the default streams)");
+  return after;
+}
+
+bool parse_average(const std::string& op) {
+  NCCLAVG_CHECK_ARG(op == "avg" || op == "sum", "op", "must be 'avg' or 'sum', got '", op, "'");
+  return op == "avg";
+}
+
+}  // namespace
+
+
+namespace {
+
+// See Note [Choosing the reduction]. `may_prescale`: the collective may overwrite its input.
+void choose_reduction(CollectivePlan& p, int size, bool average, bool predivide, bool may_prescale) {
+  p.op = ncclSum;
+  p.premulsum = p.prescale = p.postscale = false;
+  if (!average || size == 1) return;
+  const bool has_avg = at_least(since::kAvg);
+  if (predivide) {
+    if (api().RedOpCreatePreMulSum && at_least(since::kPreMulSum)) {
+      p.premulsum = true;
+    } else if (has_avg) {
+      p.op = ncclAvg;
+    } else if (may_prescale) {
+      p.prescale = true;
+    } else {
+      p.postscale = true;
+    }
+    return;
+  }
+  if (has_avg && (p.dtype == DType::kFloat32 || is_power_of_two(size))) {
+    p.op = ncclAvg;
+  } else {
+    p.postscale = true;
+  }
+}
+
+std::string reduction_name(const CollectivePlan& p, int size) {
+  std::ostringstream os;
+  if (p.prescale) os << "divide by " << size << " + ";
+  if (p.premulsum) {
+    os << "PreMulSum(1/" << size << ")";
+  } else {
+    os << (p.op == ncclAvg ? "ncclAvg" : "ncclSum");
+  }
+  if (p.postscale) os << " + divide by " << size;
+  return os.str();
+}
+
+std::string describe(const CollectivePlan& p, const std::string& tag, const std::string& where) {
+  std::ostringstream os;
+  os << p.name;
+  if (!tag.empty()) os << "[" << tag << "]";
+  os << " of " << human_bytes(p.bytes) << " (" << p.count << " x " << dtype_name(p.dtype) << " per rank) on "
+     << where;
+  return os.str();
+}
+
+}  // namespace
+
+std::string NcclComm::reduction(DType dtype, bool predivide, const std::string& op, bool all_reduce) const {
+  CollectivePlan p;
+  p.dtype = dtype;
+  choose_reduction(p, size_, parse_average(op), predivide, all_reduce);
+  return reduction_name(p, size_);
+}
+
+ncclRedOp_t NcclComm::premulsum_locked(size_t i, DType dtype) {
+  Device& d = *dev_[i];
+  const int t = static_cast<int>(dtype);
+  if (d.has_premul[t]) return d.premul[t];
+  const Api& a = api();
+  NCCLAVG_CHECK_INTERNAL(a.RedOpCreatePreMulSum != nullptr, "PreMulSum chosen but ncclRedOpCreatePreMulSum is missing");
+  // The scalar has the element type; NCCL keeps a copy (ncclScalarHostImmediate).
+  const float inv = static_cast<float>(1.0 / size_);
+  float f32 = inv;
+  _Float16 f16 = static_cast<_Float16>(inv);
+  uint16_t bf16 = ew::float_to_bf16_bits(inv);
+  void* scalar = dtype == DType::kFloat32 ? static_cast<void*>(&f32)
+                 : dtype == DType::kFloat16 ? static_cast<void*>(&f16)
+                                            : static_cast<void*>(&bf16);
+  ncclRedOp_t op = ncclSum;
+  ncclResult_t r = a.RedOpCreatePreMulSum(&op, scalar, nccl_dtype(dtype), ncclScalarHostImmediate, d.comm);
+  if (r == ncclInProgress) {
+    poll_ready_locked(now_s() + timeout_s_, "ncclRedOpCreatePreMulSum");
+  } else {
+    NCCLAVG_NCCL_CHECK(r, d.comm);
+  }
+  d.premul[t] = op;
+  d.has_premul[t] = true;
+  return op;
+}
+
+uint64_t NcclComm::run_locked(const CollectivePlan& p, const std::vector<uintptr_t>& after_streams,
+                              std::optional<double> timeout_s) {
+  const Api& a = api();
+  const size_t n = dev_.size();
+  const std::vector<uintptr_t> after = checked_streams(after_streams, n);
+  const double timeout = timeout_s ? checked_timeout(*timeout_s, "timeout_s") : timeout_s_;
+  const double deadline = now_s() + timeout;
+  prune_locked();  // keeps the in-flight queue short when nobody waits
+  check_async_errors_locked("starting " + p.what);
+
+  std::vector<ncclRedOp_t> redops(n, p.op);
+  if (p.premulsum) {
+    for (size_t i = 0; i < n; ++i) redops[i] = premulsum_locked(i, p.dtype);
+  }
+  auto op = std::make_unique<Op>();
+  op->what = p.what;
+  op->devices = devices_;
+  for (size_t i = 0; i < n; ++i) {
+    cuda::DeviceGuard guard(dev_[i]->device);
+    op->done.push_back(nullptr);
+    NCCLAVG_CUDA_CHECK(cudaEventCreateWithFlags(&op->done.back(), cudaEventDisableTiming));
+  }
+  // Order the comm streams after the callers' streams: an event, never a device sync.
+  for (size_t i = 0; i < n; ++i) {
+    Device& d = *dev_[i];
+    cuda::DeviceGuard guard(d.device);
+    NCCLAVG_CUDA_CHECK(cudaEventRecord(d.ready, reinterpret_cast<cudaStream_t>(after[i])));
+    NCCLAVG_CUDA_CHECK(cudaStreamWaitEvent(d.stream, d.ready, 0));
+    if (p.prescale) cuda::divide_inplace(p.send[i], static_cast<float>(size_), reinterpret_cast<uintptr_t>(d.stream));
+  }
+
+  // ONE grouped call over the local devices. No exception may leave between GroupStart and GroupEnd.
+  NCCLAVG_NCCL_CHECK(a.GroupStart(), nullptr);
+  ncclResult_t first = ncclSuccess;
+  size_t first_i = 0;
+  const ncclDataType_t dt = nccl_dtype(p.dtype);
+  for (size_t i = 0; i < n; ++i) {
+    Device& d = *dev_[i];
+    const void* send = reinterpret_cast<const void*>(p.send[i].ptr);
+    void* recv = reinterpret_cast<void*>(p.recv[i].ptr);
+    ncclResult_t r = ncclSuccess;
+    switch (p.kind) {
+      case CollectivePlan::kAllReduce: r = a.AllReduce(send, recv, p.count, dt, redops[i], d.comm, d.stream); break;
+      case CollectivePlan::kReduceScatter:
+        r = a.ReduceScatter(send, recv, p.count, dt, redops[i], d.comm, d.stream);
+        break;
+      case CollectivePlan::kAllGather: r = a.AllGather(send, recv, p.count, dt, d.comm, d.stream); break;
+    }
+    if (r != ncclSuccess && r != ncclInProgress && first == ncclSuccess) {
+      first = r;
+      first_i = i;
+    }
+  }
+  const ncclResult_t end = a.GroupEnd();
+  if (first != ncclSuccess || (end != ncclSuccess && end != ncclInProgress)) {
+    const ncclResult_t bad = first != ncclSuccess ? first : end;
+    const std::string msg = p.what + " could not be enqueued" +
+                            (first != ncclSuccess ? " on cuda:" + std::to_string(dev_[first_i]->device) : "") +
+                            ": " + nccl_words(bad, dev_[first_i]->comm);
+    check_async_errors_locked("enqueueing " + p.what);  // aborts when the communicator itself broke
+    throw NcclError(msg);
+  }
+  // See Note [Non-blocking init and abort]: nothing may touch the comm streams until this returns.
+  poll_ready_locked(deadline, p.what + " (enqueue)");
+
+  for (size_t i = 0; i < n; ++i) {
+    Device& d = *dev_[i];
+    cuda::DeviceGuard guard(d.device);
+    if (p.postscale) cuda::divide_inplace(p.recv[i], static_cast<float>(size_), reinterpret_cast<uintptr_t>(d.stream));
+    NCCLAVG_CUDA_CHECK(cudaEventRecord(op->done[i], d.stream));
+  }
+  op->seq = next_seq_++;
+  const uint64_t seq = op->seq;
+  ops_.push_back(std::move(op));
+  return seq;
+}
+
+// ---- the public collectives ---------------------------------------------------------------------------
+
+uint64_t NcclComm::all_reduce(const std::vector<Buffer>& buffers, const std::vector<uintptr_t>& after_streams,
+                              bool predivide, const std::string& op, std::optional<double> timeout_s,
+                              const std::string& tag) {
+  std::lock_guard<std::mutex> lock(mu_);
+  const bool average = parse_average(op);
+  check_usable_locked(average ? "all_reduce_avg" : "all_reduce_sum");
+  check_per_device(buffers, "buffers", devices_, true);
+  check_distinct(buffers, "buffers");
+  check_dtype_supported(buffers[0].dtype, "buffers");
+  checked_streams(after_streams, dev_.size());
+  if (timeout_s) checked_timeout(*timeout_s, "timeout_s");
+  if (buffers[0].numel == 0) return 0;
+
+  CollectivePlan p;
+  p.kind = CollectivePlan::kAllReduce;
+  p.name = average ? "all_reduce_avg" : "all_reduce_sum";
+  p.send = p.recv = buffers;
+  p.count = static_cast<size_t>(buffers[0].numel);
+  p.dtype = buffers[0].dtype;
+  p.bytes = buffers[0].nbytes();
+  choose_reduction(p, size_, average, predivide, /*may_prescale=*/true);
+  p.what = describe(p, tag, where());
+  return run_locked(p, after_streams, timeout_s);
+}
+
+uint64_t NcclComm::reduce_scatter(const std::vector<Buffer>& inputs, const std::vector<Buffer>& outputs,
+                                  const std::vector<uintptr_t>& after_streams, bool predivide,
+                                  const std::string& op, std::optional<double> timeout_s, const std::string& tag) {
+  std::lock_guard<std::mutex> lock(mu_);
+  const bool average = parse_average(op);
+  check_usable_locked(average ? "reduce_scatter_avg" : "reduce_scatter_sum");
+  check_per_device(inputs, "inputs", devices_, false);
+  check_per_device(outputs, "outputs", devices_, true);
+  check_distinct(inputs, "inputs");
+  check_distinct(outputs, "outputs");
+  NCCLAVG_CHECK_TYPE(outputs[0].dtype == inputs[0].dtype, "outputs", "dtype ", dtype_name(outputs[0].dtype),
+                     " differs from inputs dtype ", dtype_name(inputs[0].dtype));
+  NCCLAVG_CHECK_ARG(inputs[0].numel == outputs[0].numel * size_, "inputs", "has ", inputs[0].numel,
+                    " elements per device; it must be the communicator size (", size_, ") times outputs' ",
+                    outputs[0].numel);
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    const Buffer& in = inputs[i];
+    const Buffer& out = outputs[i];
+    const bool in_place = out.ptr == in.ptr + static_cast<uintptr_t>(ranks_[i]) * out.nbytes();
+    NCCLAVG_CHECK_ARG(in_place || !overlaps(in, out), "outputs[" + std::to_string(i) + "]",
+                      "overlaps inputs[", i, "]; the only overlap allowed is the in-place shard at byte offset ",
+                      static_cast<size_t>(ranks_[i]) * out.nbytes(), " (rank ", ranks_[i], ")");
+  }
+  check_dtype_supported(inputs[0].dtype, "inputs");
+  checked_streams(after_streams, dev_.size());
+  if (timeout_s) checked_timeout(*timeout_s, "timeout_s");
+  if (outputs[0].numel == 0) return 0;
+
+  CollectivePlan p;
+  p.kind = CollectivePlan::kReduceScatter;
+  p.name = average ? "reduce_scatter_avg" : "reduce_scatter_sum";
+  p.send = inputs;
+  p.recv = outputs;
+  p.count = static_cast<size_t>(outputs[0].numel);
+  p.dtype = inputs[0].dtype;
+  p.bytes = inputs[0].nbytes();
+  choose_reduction(p, size_, average, predivide, /*may_prescale=*/false);
+  p.what = describe(p, tag, where());
+  return run_locked(p, after_streams, timeout_s);
+}
+
+uint64_t NcclComm::all_gather(const std::vector<Buffer>& inputs, const std::vector<Buffer>& outputs,
+                              const std::vector<uintptr_t>& after_streams, std::optional<double> timeout_s,
+                              const std::string& tag) {
+  std::lock_guard<std::mutex> lock(mu_);
+  check_usable_locked("all_gather");
+  check_per_device(inputs, "inputs", devices_, false);
+  check_per_device(outputs, "outputs", devices_, true);
+  check_distinct(inputs, "inputs");
+  check_distinct(outputs, "outputs");
+  NCCLAVG_CHECK_TYPE(outputs[0].dtype == inputs[0].dtype, "outputs", "dtype ", dtype_name(outputs[0].dtype),
+                     " differs from inputs dtype ", dtype_name(inputs[0].dtype));
+  NCCLAVG_CHECK_ARG(outputs[0].numel == inputs[0].numel * size_, "outputs", "has ", outputs[0].numel,
+                    " elements per device; it must be the communicator size (", size_, ") times inputs' ",
+                    inputs[0].numel);
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    const Buffer& in = inputs[i];
+    const Buffer& out = outputs[i];
+    const bool in_place = in.ptr == out.ptr + static_cast<uintptr_t>(ranks_[i]) * in.nbytes();
+    NCCLAVG_CHECK_ARG(in_place || !overlaps(in, out), "inputs[" + std::to_string(i) + "]",
+                      "overlaps outputs[", i, "]; the only overlap allowed is the in-place shard at byte offset ",
+                      static_cast<size_t>(ranks_[i]) * in.nbytes(), " of outputs[", i, "] (rank ", ranks_[i], ")");
+  }
+  check_dtype_supported(inputs[0].dtype, "inputs");
+  checked_streams(after_streams, dev_.size());
+  if (timeout_s) checked_timeout(*timeout_s, "timeout_s");
+  if (inputs[0].numel == 0) return 0;
+
+  CollectivePlan p;
+  p.kind = CollectivePlan::kAllGather;
+  p.name = "all_gather";
+  p.send = inputs;
+  p.recv = outputs;
+  p.count = static_cast<size_t>(inputs[0].numel);
+  p.dtype = inputs[0].dtype;
+  p.bytes = outputs[0].nbytes();
+  p.what = describe(p, tag, where());
+  return run_locked(p, after_streams, timeout_s);
+}
+
+}  // namespace nccl
+}  // namespace ncclavg

@@ -1,0 +1,40 @@
+"""Spawns torch.distributed (gloo, loopback) jobs for the tests, with bounded waits everywhere."""
+import datetime
+import os
+import socket
+import time
+
+import torch.multiprocessing as mp
+
+
+def free_port():
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_rank(rank, world, port, timeout_s=60):
+    import torch
+    import torch.distributed as dist
+
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def run_ranks(fn, world, args=(), timeout_s=120):
+    """Runs fn(rank, world, port, *args) in `world` spawned processes; re-raises a child's exception;
+    kills everything after timeout_s."""
+    port = free_port()
+    ctx = mp.start_processes(fn, args=(world, port, *args), nprocs=world, join=False, start_method="spawn")
+    deadline = time.monotonic() + timeout_s
+    try:
+        while not ctx.join(timeout=1.0):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"distributed test did not finish within {timeout_s} s")
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+                p.join(5)

@@ -1,0 +1,90 @@
+"""Helpers of the GPU tests (tests/test_gpu_*.py). Nothing here touches a GPU at import: every check
+runs inside a test, so collection works on any machine, and tests skip with the reason."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import ncclavg
+from ncclavg import _ext
+
+
+def require_cuda(min_devices: int = 1):
+    """torch with CUDA and >= min_devices devices, or skip. Returns the torch module."""
+    if not ncclavg.cuda_built():
+        pytest.skip("this build of ncclavg has no CUDA part (NCCLAVG_CUDA=0 or no toolkit at build time)")
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device visible to torch")
+    if not ncclavg.cuda_available():
+        pytest.skip("ncclavg's CUDA runtime sees no device: " + str(ncclavg.build_info().get("driver_error")))
+    n = torch.cuda.device_count()
+    if n < min_devices:
+        pytest.skip(f"needs {min_devices} CUDA devices, {n} visible")
+    return torch
+
+
+def require_nccl_comm():
+    """_C.NcclComm with NCCL loaded, or skip naming what is missing."""
+    require_cuda()
+    info = _ext.nccl_info()
+    if not info["loaded"]:
+        pytest.skip("no NCCL: " + info["error"].splitlines()[0])
+    return _ext.nccl_comm_class()
+
+
+def nccl_version() -> tuple[int, int, int]:
+    info = _ext.nccl_info()
+    return tuple(int(x) for x in info["version"].split(".")) if info["loaded"] else (0, 0, 0)
+
+
+TORCH_DTYPES = ("float32", "float16", "bfloat16")
+DTYPE_CODE = {"float32": 0, "float16": 1, "bfloat16": 2}
+
+
+def tdtype(torch, name: str):
+    return getattr(torch, name)
+
+
+def exact_rank_inputs(n_ranks: int, numel: int, seed: int) -> np.ndarray:
+    """float64 [n_ranks, numel] whose mean over ranks is exact in every supported dtype, in every
+    summation order, and after a 1/n pre-multiply when n is a power of two: a mean m in {-2..2} in
+    quarter steps plus zero-sum deviations d (pairs +d/-d, the middle rank 0), |values| <= 4 in quarter
+    steps, so every partial sum is a multiple of 1/4 below 4n <= 64: exact in bfloat16's 8 bits."""
+    rng = np.random.default_rng(seed)
+    m = rng.integers(-8, 9, size=numel) / 4.0
+    x = np.empty((n_ranks, numel))
+    for r in range(n_ranks // 2):
+        d = rng.integers(-8, 9, size=numel) / 4.0
+        x[r] = m + d
+        x[n_ranks - 1 - r] = m - d
+    if n_ranks % 2:
+        x[n_ranks // 2] = m
+    return x
+
+
+def to_f64(t) -> np.ndarray:
+    return t.detach().float().cpu().double().numpy()
+
+
+def bits(t) -> np.ndarray:
+    """The raw bits of a tensor, for bit-for-bit comparisons (NaN-safe)."""
+    torch = pytest.importorskip("torch")
+    v = t.detach().contiguous().cpu()
+    return v.view(torch.int32 if v.element_size() == 4 else torch.int16).numpy()
+
+
+def eps(name: str) -> float:
+    return {"float32": 2.0 ** -23, "float16": 2.0 ** -10, "bfloat16": 2.0 ** -7}[name]
+
+
+def assert_close_to_mean(out: np.ndarray, ref: np.ndarray, inputs_absmax: np.ndarray, n: int, dtype: str,
+                         what: str) -> None:
+    """|out - ref| <= one rounding of the result + n roundings of partial sums (in the element type,
+    since NCCL reduces in it) + the 1/n pre-multiply: a bound that fails on any real mistake."""
+    e = eps(dtype)
+    bound = e * np.abs(ref) + (n + 2) * e * inputs_absmax + 1e-30
+    err = np.abs(out - ref)
+    bad = np.flatnonzero(err > bound)
+    assert bad.size == 0, (f"{what}: {bad.size} elements off the float64 mean, first at {bad[0]}: "
+                           f"got {out[bad[0]]!r}, want {ref[bad[0]]!r} (bound {bound[bad[0]]:.3g})")

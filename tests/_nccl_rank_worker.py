@@ -1,0 +1,169 @@
+"""One rank of a multi-process NCCL test (run by tests/test_gpu_nccl_ranks.py, never collected).
+
+Prints one JSON line: {"rank", "ok", "failures": [...], ...}. Modes:
+  collectives  all-reduce (exact and random, every dtype, predivide), reduce-scatter, all-gather, ordering
+  hang         a warm-up all-reduce, then rank 0 reduces alone and must get CommTimeoutError; the other
+               ranks sleep until killed
+  never_joins  init of rank 0 of 2 whose peer never starts: must raise CommTimeoutError
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import traceback
+
+import numpy as np
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--mode", required=True, choices=["collectives", "hang", "never_joins"])
+    p.add_argument("--uid", default="", help="hex of the 128-byte unique id")
+    p.add_argument("--nranks", type=int, default=1)
+    p.add_argument("--rank", type=int, default=0)
+    p.add_argument("--device", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=60.0)
+    a = p.parse_args()
+    out = {"rank": a.rank, "ok": False, "failures": []}
+    try:
+        run(a, out)
+        out["ok"] = not out["failures"]
+    except Exception as e:  # reported to the parent test, which fails with it
+        out["failures"].append(f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
+    print(json.dumps(out), flush=True)
+    return 0
+
+
+def run(a, out):
+    import torch
+
+    import ncclavg
+    from ncclavg import _ext
+    from ncclavg.buffers import as_buffers
+
+    NcclComm = _ext.nccl_comm_class()
+    torch.cuda.set_device(a.device)
+    if a.mode == "never_joins":
+        t0 = time.monotonic()
+        try:
+            NcclComm.init_rank(_ext.nccl_unique_id(), 2, 0, a.device, a.timeout)
+            out["failures"].append("init of a rank whose peer never starts returned")
+        except ncclavg.CommTimeoutError as e:
+            out["message"] = str(e)
+        out["elapsed"] = time.monotonic() - t0
+        return
+
+    uid = bytes.fromhex(a.uid)
+    comm = NcclComm.init_rank(uid, a.nranks, a.rank, a.device, a.timeout)
+    stream = [int(torch.cuda.current_stream(a.device).cuda_stream)]
+    dev = f"cuda:{a.device}"
+
+    def allreduce(t, **kw):
+        seq = comm.all_reduce_avg(as_buffers([t]), stream, **kw)
+        comm.stream_wait(stream)
+        return seq
+
+    if a.mode == "hang":
+        t = torch.ones(1 << 20, device=dev)
+        allreduce(t, tag="warm-up")
+        comm.wait(a.timeout)
+        if a.rank != 0:
+            time.sleep(600)  # a hung peer: the parent kills it
+            return
+        t0 = time.monotonic()
+        try:
+            comm.all_reduce_avg(as_buffers([t]), stream, timeout_s=5.0, tag="bucket 7")
+            comm.wait(5.0)
+            out["failures"].append("a collective whose peer never joined completed")
+        except ncclavg.CommTimeoutError as e:
+            out["message"] = str(e)
+        out["elapsed"] = time.monotonic() - t0
+        out["aborted"] = comm.aborted
+        try:
+            comm.all_reduce_avg(as_buffers([t]), stream)
+            out["failures"].append("a call after the abort did not raise")
+        except ncclavg.NcclError as e:
+            out["after_abort"] = str(e)
+        return
+
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
+    from _gpu import DTYPE_CODE, exact_rank_inputs
+
+    n, r = comm.size, comm.rank
+    out["size"], out["ranks"], out["reduction"] = n, comm.ranks, {}
+    tol = {"float32": 2.0 ** -23, "float16": 2.0 ** -10, "bfloat16": 2.0 ** -7}
+
+    def check(got, want, absmax, dtype, what, exact):
+        g = got.detach().float().cpu().double().numpy()
+        if exact:
+            w = torch.from_numpy(want).to(getattr(torch, dtype)).float().double().numpy()
+            if not np.array_equal(g, w):
+                i = int(np.flatnonzero(g != w)[0])
+                out["failures"].append(f"{what}: element {i} is {g[i]!r}, want exactly {w[i]!r}")
+            return
+        e = tol[dtype]
+        bad = np.flatnonzero(np.abs(g - want) > e * np.abs(want) + (n + 2) * e * absmax)
+        if bad.size:
+            i = int(bad[0])
+            out["failures"].append(f"{what}: {bad.size} elements off, first {i}: {g[i]!r} vs {want[i]!r}")
+
+    for dtype in ("float32", "float16", "bfloat16"):
+        if dtype == "bfloat16" and comm.nccl_version < 21000:
+            continue
+        dt = getattr(torch, dtype)
+        red = comm.reduction(DTYPE_CODE[dtype])
+        out["reduction"][dtype] = red
+        exact_ok = (n & (n - 1)) == 0 or "divide" in red
+        for size in (1, 7, 4097, 1_000_003):
+            x = exact_rank_inputs(n, size, seed=size)
+            t = torch.from_numpy(x[r]).to(dt).to(dev)
+            allreduce(t, tag=f"exact {dtype} {size}")
+            check(t, x.mean(axis=0), np.abs(x).max(axis=0), dtype, f"exact {dtype} {size}", exact_ok)
+            g = torch.Generator().manual_seed(size)
+            xs = torch.stack([(torch.randn(size, generator=g) * 2).to(dt) for _ in range(n)])
+            xf = xs.double().numpy()
+            t = xs[r].to(dev)
+            allreduce(t)
+            check(t, xf.mean(axis=0), np.abs(xf).max(axis=0), dtype, f"random {dtype} {size}", False)
+        # predivide: 40000 + 50000 overflows fp16 unless the inputs are scaled first
+        big = 40000.0 if dtype == "float16" else 1e30
+        xs = torch.stack([torch.full((4097,), big * (1 + 0.25 * (k % 2))).to(dt) for k in range(n)])
+        xf = xs.double().numpy()
+        t = xs[r].to(dev)
+        allreduce(t, predivide=True)
+        check(t, xf.mean(axis=0), np.abs(xf).max(axis=0), dtype, f"predivide {dtype}", False)
+        # reduce-scatter then all-gather
+        shard = 4097
+        x = exact_rank_inputs(n, n * shard, seed=3)
+        full = torch.from_numpy(x[r]).to(dt).to(dev)
+        part = torch.empty(shard, dtype=dt, device=dev)
+        comm.reduce_scatter_avg(as_buffers([full]), as_buffers([part]), stream)
+        comm.stream_wait(stream)
+        mean = x.mean(axis=0)
+        exact_rs = (n & (n - 1)) == 0 or "divide" in comm.reduction(DTYPE_CODE[dtype], all_reduce=False)
+        check(part, mean[r * shard:(r + 1) * shard], np.abs(x).max(axis=0)[r * shard:(r + 1) * shard], dtype,
+              f"reduce_scatter {dtype}", exact_rs)
+        gathered = torch.empty(n * shard, dtype=dt, device=dev)
+        comm.all_gather(as_buffers([part]), as_buffers([gathered]), stream)
+        comm.stream_wait(stream)
+        check(gathered, mean, np.abs(x).max(axis=0), dtype, f"all_gather {dtype}", exact_rs)
+
+    # ordering: a late producer on a side stream; the collective must wait for it
+    side = torch.cuda.Stream(device=a.device)
+    t = torch.zeros(1 << 20, device=dev)
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(50_000_000)
+        t.fill_(float(r + 1))
+    comm.all_reduce_avg(as_buffers([t]), [int(side.cuda_stream)])
+    comm.stream_wait([int(side.cuda_stream)])
+    with torch.cuda.stream(side):
+        if not bool(torch.all(t == (n + 1) / 2).item()):
+            out["failures"].append("the collective did not wait for the producing stream")
+    comm.wait(a.timeout)
+    comm.destroy()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,185 @@
+"""The Python layer on GPUs: Communicator.nccl over every visible device, GradientAverager with CUDA
+towers (zero-copy views, CUDA pack/unpack fallback, grad_dtype), and from_torch_distributed with several
+ranks on ONE GPU (NCCL >= 2.30). Skips with the reason on machines without CUDA / NCCL."""
+from __future__ import annotations
+
+import copy
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from _gpu import TORCH_DTYPES, exact_rank_inputs, nccl_version, require_nccl_comm  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+
+def devices():
+    require_nccl_comm()
+    import torch
+
+    return list(range(torch.cuda.device_count()))
+
+
+@pytest.mark.parametrize("dtype", TORCH_DTYPES)
+def test_nccl_communicator_all_devices(dtype):
+    import torch
+    from ncclavg import Communicator
+
+    devs = devices()
+    n = len(devs)
+    dt = getattr(torch, dtype)
+    with Communicator.nccl(devs, timeout=60) as comm:
+        assert (comm.backend, comm.size, comm.local_size, comm.world_size) == ("nccl", n, n, 1)
+        for numel in (0, 1, 17, 4097, 1 << 20):
+            x = exact_rank_inputs(n, numel, seed=numel)
+            ts = [torch.tensor(x[i], dtype=dt, device=f"cuda:{d}") for i, d in enumerate(devs)]
+            comm.all_reduce_avg(ts)
+            want = torch.tensor(x.mean(0), dtype=dt)
+            for t in ts:
+                assert torch.equal(t.cpu(), want), (dtype, numel)
+        ts = [torch.tensor(exact_rank_inputs(n, 999, 3)[i], dtype=dt, device=f"cuda:{d}") for i, d in enumerate(devs)]
+        work = comm.all_reduce_avg_async(ts)
+        work.wait()
+        assert work.done()
+        shard = 33
+        x = exact_rank_inputs(n, shard * n, 5)
+        ins = [torch.tensor(x[i], dtype=dt, device=f"cuda:{d}") for i, d in enumerate(devs)]
+        outs = [torch.empty(shard, dtype=dt, device=f"cuda:{d}") for d in devs]
+        comm.reduce_scatter_avg(ins, outs)
+        mean = torch.tensor(x.mean(0), dtype=dt)
+        for i, o in enumerate(outs):
+            assert torch.equal(o.cpu(), mean[i * shard:(i + 1) * shard])
+        full = [torch.empty(shard * n, dtype=dt, device=f"cuda:{d}") for d in devs]
+        comm.all_gather(outs, full)
+        for f in full:
+            assert torch.equal(f.cpu(), mean)
+        with pytest.raises(ValueError, match="local_size"):
+            comm.all_reduce_avg(ts[:-1] + ts if n > 1 else ts + ts)
+
+
+class MLP:
+    @staticmethod
+    def make(torch):
+        nn = torch.nn
+        return nn.Sequential(nn.Linear(12, 64), nn.Tanh(), nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 3))
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_cuda_towers_equal_one_model_on_full_batch(overlap):
+    import torch
+    from ncclavg import Communicator, GradientAverager
+
+    devs = devices()
+    n = len(devs)
+    torch.manual_seed(0)
+    ref = MLP.make(torch).cuda(devs[0])
+    towers = [copy.deepcopy(ref).cuda(d) for d in devs]
+    comm = Communicator.nccl(devs, timeout=60)
+    avg = GradientAverager(comm, towers, bucket_cap_mb=0.01, first_bucket_mb=0.005, overlap=overlap)
+    assert all(b.device.startswith("cuda") for b in avg.plan.buckets)
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.1)
+    opts = [torch.optim.SGD(t.parameters(), lr=0.1) for t in towers]
+    gen = torch.Generator().manual_seed(1)
+    batch = 8 * n
+    for step in range(5):
+        x = torch.randn(batch, 12, generator=gen)
+        y = torch.randint(0, 3, (batch,), generator=gen)
+        opt_ref.zero_grad()
+        torch.nn.functional.cross_entropy(ref(x.cuda(devs[0])), y.cuda(devs[0])).backward()
+        opt_ref.step()
+        for t, (tower, opt) in enumerate(zip(towers, opts)):
+            opt.zero_grad()
+            sl = slice(t * 8, (t + 1) * 8)
+            torch.nn.functional.cross_entropy(tower(x[sl].cuda(devs[t])), y[sl].cuda(devs[t])).backward()
+        avg.average()
+        for opt in opts:
+            opt.step()
+    torch.cuda.synchronize()
+    for p_ref, *ps in zip(ref.parameters(), *[t.parameters() for t in towers]):
+        for p in ps:
+            assert torch.equal(p.cpu(), ps[0].cpu())
+        rel = ((ps[0].double().cpu() - p_ref.double().cpu()).abs().max() / p_ref.double().abs().max()).item()
+        assert rel < 1e-5, rel   # GPU matmul reductions differ with the batch split more than the CPU's
+    avg.close()
+    comm.close()
+
+
+@pytest.mark.parametrize("grad_dtype", [None, "bfloat16"])
+def test_cuda_fallback_pack_and_grad_dtype(grad_dtype):
+    import torch
+    from ncclavg import Communicator, GradientAverager
+
+    devs = devices()
+    n = len(devs)
+    shapes = [(3, 5), (0,), (1,), (4097,), (7, 7)]
+    towers = [[torch.zeros(s, device=f"cuda:{d}", requires_grad=True) for s in shapes] for d in devs]
+    comm = Communicator.nccl(devs, timeout=60)
+    avg = GradientAverager(comm, towers, grad_dtype=grad_dtype)
+    gen = torch.Generator().manual_seed(2)
+    for step in range(2):
+        grads = [[torch.randn(s, generator=gen) for s in shapes] for _ in devs]
+        for t, d in enumerate(devs):
+            for p, g in zip(towers[t], grads[t]):
+                p.grad = g.cuda(d)          # user-provided grads: the fused CUDA pack path
+            sum((p * 0).sum() for p in towers[t]).backward()
+        avg.average()
+        gdt = torch.bfloat16 if grad_dtype else torch.float32
+        for i in range(len(shapes)):
+            stack = torch.stack([grads[t][i].to(gdt).double() for t in range(n)])
+            for t in range(n):
+                got = towers[t][i].grad
+                assert got.dtype == torch.float32
+                assert torch.allclose(got.cpu().double(), stack.mean(0), rtol=1e-2 if grad_dtype else 1e-6,
+                                      atol=1e-2 if grad_dtype else 1e-7)
+    assert avg.stats["fallback_packs"] > 0
+    avg.close()
+    comm.close()
+
+
+def _ranks_on_one_gpu(rank, world, port):
+    os.environ["NCCL_MULTI_RANK_GPU_ENABLE"] = "1"
+    os.environ["NCCL_NVLS_ENABLE"] = "0"
+    from _dist_util import init_rank
+
+    init_rank(rank, world, port)
+    import torch
+    import torch.distributed as dist
+    from ncclavg import Communicator, GradientAverager
+
+    comm = Communicator.from_torch_distributed(device="cuda:0", timeout=60)
+    assert (comm.backend, comm.size, comm.rank, comm.local_size) == ("nccl", world, rank, 1)
+    for dtype in ("float32", "float16", "bfloat16"):
+        x = exact_rank_inputs(world, 4097, seed=11)
+        t = torch.tensor(x[rank], dtype=getattr(torch, dtype), device="cuda:0")
+        comm.all_reduce_avg([t])
+        assert torch.equal(t.cpu(), torch.tensor(x.mean(0), dtype=getattr(torch, dtype))), dtype
+    torch.manual_seed(0)
+    model = MLP.make(torch).cuda(0)
+    avg = GradientAverager(comm, [model], bucket_cap_mb=0.01, first_bucket_mb=0.005)
+    g = torch.Generator().manual_seed(rank)
+    x, y = torch.randn(8, 12, generator=g), torch.randint(0, 3, (8,), generator=g)
+    torch.nn.functional.cross_entropy(model(x.cuda()), y.cuda()).backward()
+    local = [p.grad.detach().cpu().clone() for p in model.parameters()]
+    avg.average()
+    everyone = [None] * world
+    dist.all_gather_object(everyone, local)   # gloo: the reference mean
+    for i, p in enumerate(model.parameters()):
+        want = sum(e[i].double() for e in everyone) / world
+        assert torch.allclose(p.grad.cpu().double(), want, rtol=1e-6, atol=1e-7), i
+    avg.close()
+    comm.close()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [2])
+def test_from_torch_distributed_ranks_on_one_gpu(world):
+    require_nccl_comm()
+    if nccl_version() < (2, 30, 0):
+        pytest.skip("several ranks on one GPU need NCCL >= 2.30; loaded " + ".".join(map(str, nccl_version())))
+    from _dist_util import run_ranks
+
+    run_ranks(_ranks_on_one_gpu, world, timeout_s=240)
