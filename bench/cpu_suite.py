@@ -85,16 +85,24 @@ def measure_copy_gbps(nbytes: int = 256 << 20, reps: int = 7) -> float:
     return nbytes / statistics.median(times) / 1e9
 
 
-def run_script(name: str, argv: list[str], timeout: float) -> dict:
-    """Runs `python <argv> --json <tmp>`; returns {status, seconds, command, result | error}."""
+def script_command(path: Path, quick: bool) -> tuple[list[str], str]:
+    """(argv, output flag) for a bench script: `--json` per the contract; a script that only knows
+    `--out PATH` still runs (and is flagged); `--quick` is passed on when the script has it."""
+    text = path.read_text()
+    argv = [f"bench/{path.name}"] + (["--quick"] if quick and "--quick" in text else [])
+    return argv, "--json" if "--json" in text or "--out" not in text else "--out"
+
+
+def run_script(name: str, argv: list[str], timeout: float, out_flag: str = "--json") -> dict:
+    """Runs `python <argv> <out_flag> <tmp>`; returns {status, seconds, command, result | error}."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
     with tempfile.TemporaryDirectory(prefix="ncclavg-suite-") as tmp:
         out = Path(tmp) / f"{name}.json"
-        shown = " ".join(["python", *argv, "--json", "OUT.json"])
+        shown = " ".join(["python", *argv, out_flag, "OUT.json"])
         t0 = time.monotonic()
         try:
-            proc = subprocess.run([sys.executable, *argv, "--json", str(out)], cwd=ROOT, env=env,
+            proc = subprocess.run([sys.executable, *argv, out_flag, str(out)], cwd=ROOT, env=env,
                                   capture_output=True, text=True, timeout=timeout)
         except subprocess.TimeoutExpired:
             return {"status": "failed", "command": shown, "seconds": round(time.monotonic() - t0, 1),
@@ -133,7 +141,7 @@ def summary_rows(result: dict, copy_gbps: float) -> list[dict]:
     """The suite's view of one benchmark's JSON: one entry per case with the two ratios."""
     rows = result.get("rows") if isinstance(result, dict) else None
     if not isinstance(rows, list):
-        return []
+        return _ratio_leaves(result)
     if rows and isinstance(rows[0], dict) and "contender" in rows[0]:
         return _sweep_summary(result)
     out = []
@@ -156,6 +164,29 @@ def summary_rows(result: dict, copy_gbps: float) -> list[dict]:
         out.append({"case": case, "time_us": t, "speedup_vs_torch": speedup, "fraction_of_copy_bw": frac,
                     "gbps": gbps, "fraction_of_suite_copy_bw": gbps / copy_gbps if gbps and copy_gbps else None})
     return out
+
+
+def _ratio_leaves(obj, path: str = "") -> list[dict]:
+    """For JSON without "rows": every number whose key names a speedup vs torch or a fraction of the
+    copy bandwidth, wherever it sits, labelled by its path."""
+    out: list[dict] = []
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            where = f"{path}.{k}" if path else str(k)
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                key = str(k).lower()
+                if "speedup" in key or "vs_torch" in key:
+                    out.append(_case(where, speedup=float(v)))
+                elif "of_copy" in key or "copy_fraction" in key:
+                    out.append(_case(where, frac=float(v)))
+            else:
+                out += _ratio_leaves(v, where)
+    return out
+
+
+def _case(case: str, speedup=None, frac=None) -> dict:
+    return {"case": case, "time_us": None, "speedup_vs_torch": speedup, "fraction_of_copy_bw": frac,
+            "gbps": None, "fraction_of_suite_copy_bw": None}
 
 
 def _sweep_summary(result: dict) -> list[dict]:
@@ -246,19 +277,20 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(ROOT))
     from ncclavg import bench_report
 
-    plan: list[tuple[str, list[str] | None, str]] = []
+    plan: list[tuple[str, list[str] | None, str, str]] = []
     for name, script, what in KNOWN_SCRIPTS:
-        plan.append((name, [f"bench/{script}"] if (ROOT / "bench" / script).exists() else None, what))
+        path = ROOT / "bench" / script
+        plan.append((name, *script_command(path, args.quick), what) if path.exists() else (name, None, "", what))
     known = {s for _, s, _ in KNOWN_SCRIPTS} | {"cpu_suite.py"}
     for path in sorted((ROOT / "bench").glob("*.py")):
         if path.name not in known and not path.name.startswith(("gpu", "_")) and "--json" in path.read_text():
-            plan.append((path.stem, [f"bench/{path.name}"], "found in bench/ (follows the --json contract)"))
-    plan += sweep_commands(args.quick)
+            plan.append((path.stem, *script_command(path, args.quick), "found in bench/ (follows the --json contract)"))
+    plan += [(name, cmd, "--json", what) for name, cmd, what in sweep_commands(args.quick)]
     if args.only:
-        unknown = set(args.only) - {n for n, _, _ in plan}
+        unknown = set(args.only) - {e[0] for e in plan}
         if unknown:
             p.error(f"--only: unknown benchmark(s) {', '.join(sorted(unknown))}; "
-                    f"known: {', '.join(n for n, _, _ in plan)}")
+                    f"known: {', '.join(e[0] for e in plan)}")
         plan = [e for e in plan if e[0] in args.only]
 
     machine = bench_report.machine_info()
@@ -266,15 +298,17 @@ def main(argv: list[str] | None = None) -> int:
            "env": bench_report.timing_env(),
            "arguments": vars(args) | {"out": _shown_path(args.out)},
            "copy_gbps_start": measure_copy_gbps(args.copy_mib << 20), "benchmarks": {}}
-    for name, cmd, what in plan:
+    for name, cmd, out_flag, what in plan:
         if cmd is None:
             print(f"[cpu_suite] {name}: skipped, bench/{name}.py does not exist yet", file=sys.stderr)
             doc["benchmarks"][name] = {"status": "missing", "what": what,
                                        "note": f"bench/{name}.py does not exist in this checkout"}
             continue
         print(f"[cpu_suite] {name}: {' '.join(cmd)} ...", file=sys.stderr, flush=True)
-        entry = run_script(name, cmd, args.timeout)
+        entry = run_script(name, cmd, args.timeout, out_flag)
         entry["what"] = what
+        if out_flag != "--json":
+            entry["note"] = f"takes {out_flag} instead of --json (see the contract)"
         entry["summary"] = summary_rows(entry.get("result", {}), doc["copy_gbps_start"]) if entry["status"] == "ok" else []
         print(f"[cpu_suite] {name}: {entry['status']} in {entry['seconds']} s"
               + (f" ({entry['error']})" if entry["status"] != "ok" else ""), file=sys.stderr, flush=True)

@@ -90,3 +90,22 @@ def test_suite_end_to_end_quick(suite, tmp_path, monkeypatch, capsys):
     assert any(r["speedup_vs_torch"] for r in b["summary"])
     assert doc["copy_gbps_start"] > 0 and doc["arguments"]["out"] == "(a folder outside the checkout)"
     assert js.with_suffix(".md").read_text().startswith("# CPU benchmarks")
+
+
+def test_results_without_rows_give_their_ratio_leaves(suite):
+    result = {"machine": {}, "pack": {"seconds": {"x": 1.0},
+                                      "ratios": {"pack_speedup_vs_torch_cat": 1.5, "pack_fraction_of_copy_bandwidth": 0.7}}}
+    rows = {r["case"]: r for r in suite.summary_rows(result, 10.0)}
+    assert rows["pack.ratios.pack_speedup_vs_torch_cat"]["speedup_vs_torch"] == 1.5
+    assert rows["pack.ratios.pack_fraction_of_copy_bandwidth"]["fraction_of_copy_bw"] == 0.7
+    assert len(rows) == 2
+
+
+def test_script_command_follows_the_contract_or_falls_back_to_out(suite, tmp_path):
+    follows = tmp_path / "a.py"
+    follows.write_text('ap.add_argument("--json")\nap.add_argument("--quick")\n')
+    legacy = tmp_path / "b.py"
+    legacy.write_text('ap.add_argument("--out")\n')
+    assert suite.script_command(follows, quick=True) == (["bench/a.py", "--quick"], "--json")
+    assert suite.script_command(follows, quick=False) == (["bench/a.py"], "--json")
+    assert suite.script_command(legacy, quick=True) == (["bench/b.py"], "--out")
