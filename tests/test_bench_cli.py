@@ -166,6 +166,7 @@ def _check_json(path, backend, n, dtype, contenders, sizes):
 
 
 def test_cli_local_compare_writes_json_and_png(tmp_path, capsys):
+    pytest.importorskip("matplotlib", reason="--plot needs matplotlib (in the test extra)")
     js, png = tmp_path / "local.json", tmp_path / "local.png"
     rc, out, err = run_cli(["bench", "--backend", "local", "--towers", "3", "--compare", "-b", "8", "-e", "64K",
                             "-f", "8", "-n", "3", "-w", "1", "--budget", "0.02", "--json", str(js),
@@ -190,6 +191,7 @@ def test_cli_local_half_precision(tmp_path, capsys):
 
 
 def test_cli_gloo_two_ranks(tmp_path, capsys):
+    pytest.importorskip("matplotlib", reason="--plot needs matplotlib (in the test extra)")
     js, png = tmp_path / "gloo.json", tmp_path / "gloo.png"
     rc, out, err = run_cli(["bench", "--backend", "gloo", "--nproc", "2", "--compare", "-b", "8", "-e", "32K",
                             "-f", "64", "-n", "3", "-w", "1", "--budget", "0.02", "--timeout", "60",
