@@ -27,6 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
     pi = sub.add_parser("info", help="show build options, devices, NCCL and SIMD level")
     pi.add_argument("--json", action="store_true", help="print the build_info() dict as JSON")
     pi.set_defaults(func=_cmd_info)
+    from . import bench; bench.add_parser(sub)  # noqa: E702  `ncclavg bench`
     return p
 
 
