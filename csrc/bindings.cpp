@@ -4,9 +4,13 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <limits>
+#include <optional>
+
 #include "common/buffer.h"
 #include "common/check.h"
 #include "cpu/pack.h"
+#include "cpu/optim.h"
 #include "cpu/reduce.h"
 #include "cpu/simd.h"
 #include "cuda/nccl_api.h"
@@ -198,6 +202,87 @@ PYBIND11_MODULE(_C, m) {
         py::arg("stream") = 0, py::call_guard<py::gil_scoped_release>(),
         "dsts[i] = src[offsets[i] : offsets[i] + dsts[i].numel] * scale / divisor, cast to dsts[i]'s dtype; "
         "one call for all tensors.");
+
+  // ---- Fused CPU optimizers (csrc/cpu/optim.h): AdamW/Adam, SGD, gradient statistics, fp32 copy-out.
+  auto step_dict = [](const cpu::StepResult& r) {
+    py::dict d;
+    d["skipped"] = r.skipped;
+    d["stats_computed"] = r.stats_computed;
+    d["grad_norm"] = r.stats_computed ? r.grad_norm : std::numeric_limits<double>::quiet_NaN();
+    d["clip_coef"] = r.clip_coef;
+    return d;
+  };
+  auto grad_options = [](double grad_scale, bool check_finite, std::optional<double> max_grad_norm,
+                         double clip_coef) {
+    cpu::GradOptions go;
+    go.grad_scale = grad_scale;
+    go.check_finite = check_finite;
+    go.max_grad_norm = max_grad_norm;
+    go.clip_coef = clip_coef;
+    return go;
+  };
+  m.def("adam_step",
+        [=](const std::vector<Buffer>& params, const std::vector<std::vector<Buffer>>& grads,
+            const std::vector<Buffer>& exp_avg, const std::vector<Buffer>& exp_avg_sq,
+            const std::vector<Buffer>& max_exp_avg_sq, const std::vector<double>& steps,
+            const std::vector<Buffer>& out, double lr, double beta1, double beta2, double eps,
+            double weight_decay, bool decoupled, bool amsgrad, bool maximize, double grad_scale,
+            bool check_finite, std::optional<double> max_grad_norm, double clip_coef) {
+          cpu::AdamHyper hp{lr, beta1, beta2, eps, weight_decay, decoupled, amsgrad, maximize};
+          const cpu::GradOptions go = grad_options(grad_scale, check_finite, max_grad_norm, clip_coef);
+          cpu::StepResult r;
+          {
+            py::gil_scoped_release nogil;
+            r = cpu::adam_step(params, grads, exp_avg, exp_avg_sq, max_exp_avg_sq, steps, out, hp, go);
+          }
+          return step_dict(r);
+        },
+        py::arg("params"), py::arg("grads"), py::arg("exp_avg"), py::arg("exp_avg_sq"),
+        py::arg("max_exp_avg_sq"), py::arg("steps"), py::arg("out"), py::arg("lr"), py::arg("beta1"),
+        py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"), py::arg("decoupled") = true,
+        py::arg("amsgrad") = false, py::arg("maximize") = false, py::arg("grad_scale") = 1.0,
+        py::arg("check_finite") = false, py::arg("max_grad_norm") = py::none(), py::arg("clip_coef") = 1.0,
+        "Fused AdamW (decoupled=True) / Adam step over fp32 segments; grads[tower][segment] averaged on "
+        "the fly. Returns {skipped, stats_computed, grad_norm, clip_coef}.");
+  m.def("sgd_step",
+        [=](const std::vector<Buffer>& params, const std::vector<std::vector<Buffer>>& grads,
+            const std::vector<Buffer>& momentum_buffers, const std::vector<bool>& first,
+            const std::vector<Buffer>& out, double lr, double momentum, double dampening,
+            double weight_decay, bool nesterov, bool maximize, double grad_scale, bool check_finite,
+            std::optional<double> max_grad_norm, double clip_coef) {
+          cpu::SgdHyper hp{lr, momentum, dampening, weight_decay, nesterov, maximize};
+          const cpu::GradOptions go = grad_options(grad_scale, check_finite, max_grad_norm, clip_coef);
+          cpu::StepResult r;
+          {
+            py::gil_scoped_release nogil;
+            r = cpu::sgd_step(params, grads, momentum_buffers, first, out, hp, go);
+          }
+          return step_dict(r);
+        },
+        py::arg("params"), py::arg("grads"), py::arg("momentum_buffers"), py::arg("first"), py::arg("out"),
+        py::arg("lr"), py::arg("momentum") = 0.0, py::arg("dampening") = 0.0, py::arg("weight_decay") = 0.0,
+        py::arg("nesterov") = false, py::arg("maximize") = false, py::arg("grad_scale") = 1.0,
+        py::arg("check_finite") = false, py::arg("max_grad_norm") = py::none(), py::arg("clip_coef") = 1.0,
+        "Fused SGD (momentum, dampening, Nesterov) step over fp32 segments.");
+  m.def("grad_stats",
+        [](const std::vector<std::vector<Buffer>>& grads, double grad_scale, std::optional<double> max_grad_norm) {
+          cpu::GradStats st;
+          {
+            py::gil_scoped_release nogil;
+            st = cpu::grad_stats(grads, grad_scale, max_grad_norm);
+          }
+          py::dict d;
+          d["sumsq"] = st.sumsq;
+          d["grad_norm"] = st.norm;
+          d["finite"] = st.finite;
+          d["clip_coef"] = st.clip_coef;
+          return d;
+        },
+        py::arg("grads"), py::arg("grad_scale") = 1.0, py::arg("max_grad_norm") = py::none(),
+        "Global L2 norm (float64 accumulation) and finiteness of the averaged, unscaled grads[tower][segment].");
+  m.def("cast_copy", &cpu::cast_copy, py::arg("srcs"), py::arg("dsts"),
+        py::call_guard<py::gil_scoped_release>(),
+        "dsts[i] = srcs[i] (float32) rounded to dsts[i]'s dtype (nearest even).");
 
 #ifdef NCCLAVG_WITH_CUDA
   // ---- NCCL communicator (csrc/cuda/comm.h). Present only in CUDA builds: hasattr(_C, "NcclComm").

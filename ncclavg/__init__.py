@@ -7,9 +7,12 @@ from . import ops
 from .bucketing import Bucket, BucketPlan, ParamSlot
 from .comm import Communicator, Work
 from .averager import GradientAverager
+from . import optim
+from .master import MasterWeights
+from .trainer import TowerTrainer
 
 __all__ = [
-    "__version__", "build_info", "cuda_available", "cuda_built", "ops",
+    "__version__", "build_info", "cuda_available", "cuda_built", "ops", "optim", "MasterWeights", "TowerTrainer",
     "NcclError", "CudaError", "CommTimeoutError", "LayoutMismatchError",
     "Bucket", "BucketPlan", "ParamSlot", "Communicator", "Work", "GradientAverager",
 ]
