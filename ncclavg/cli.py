@@ -27,7 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
     pi = sub.add_parser("info", help="show build options, devices, NCCL and SIMD level")
     pi.add_argument("--json", action="store_true", help="print the build_info() dict as JSON")
     pi.set_defaults(func=_cmd_info)
-    # Subcommands with heavier imports register themselves; their modules load only when parsed.
+    # `bench` and `train` live in their own modules, each adding its subparser.
     from . import bench, train_cli
 
     bench.add_parser(sub)
