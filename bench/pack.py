@@ -193,7 +193,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--quick", action="store_true", help="100 grads, 3 reps (smoke test)")
-    ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "pack.json"))
+    ap.add_argument("--json", "--out", dest="out", default=str(Path(__file__).resolve().parent / "results" / "pack.json"))
     args = ap.parse_args(argv)
     reps = 3 if args.quick else args.reps
     result = {"machine": machine(), "pack": bench_pack(100 if args.quick else 1000, reps),

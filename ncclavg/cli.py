@@ -22,12 +22,16 @@ def _cmd_info(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ncclavg", description="Fused gradient averaging for data-parallel training.")
-    sub = p.add_subparsers(dest="command", metavar="{info}")
+    sub = p.add_subparsers(dest="command", metavar="{info,bench,train}")
     sub.required = True
     pi = sub.add_parser("info", help="show build options, devices, NCCL and SIMD level")
     pi.add_argument("--json", action="store_true", help="print the build_info() dict as JSON")
     pi.set_defaults(func=_cmd_info)
-    from . import train_cli; train_cli.add_parser(sub)  # noqa: E702  `ncclavg train`
+    # `bench` and `train` live in their own modules, each adding its subparser.
+    from . import bench, train_cli
+
+    bench.add_parser(sub)
+    train_cli.add_parser(sub)
     return p
 
 
