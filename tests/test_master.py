@@ -284,3 +284,25 @@ def test_bad_arguments():
     assert mw.steps == [0] * mw.num_buckets
     with pytest.raises(ValueError, match="state_dict"):
         mw.load_state_dict({"params": [torch.zeros(1)], "optimizer": {"state": {}, "param_groups": [{}]}})
+
+
+def test_sgd_state_dict_into_torch_sgd():
+    params = make_params(16)
+    hp = dict(lr=0.05, momentum=0.9, dampening=0.1, weight_decay=1e-3)
+    mw = MasterWeights(params, FakePlan(SHAPES), optimizer="sgd", **hp)
+    gen = torch.Generator().manual_seed(17)
+    for _ in range(3):
+        grads, _ = tower_grads(mw.plan, 2, torch.bfloat16, gen)
+        mw.step(grads)
+    sd = copy.deepcopy(mw.state_dict())
+    ref = [torch.nn.Parameter(p.clone()) for p in sd["params"]]
+    opt = torch.optim.SGD(ref, **hp)
+    opt.load_state_dict(sd["optimizer"])
+    for _ in range(3):
+        grads, mean = tower_grads(mw.plan, 2, torch.bfloat16, gen)
+        mw.step(grads)
+        for r, g in zip(ref, mean):
+            r.grad = g
+        opt.step()
+    for v, r in zip(mw.param_views(), ref):
+        assert rel_err(v, r) < 1e-6
