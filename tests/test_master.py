@@ -306,3 +306,22 @@ def test_sgd_state_dict_into_torch_sgd():
         opt.step()
     for v, r in zip(mw.param_views(), ref):
         assert rel_err(v, r) < 1e-6
+
+
+@pytest.mark.gpu
+def test_pinned_storage_and_device_gradients():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    params = make_params(18)
+    plan = FakePlan(SHAPES)
+    mw = MasterWeights(params, plan, lr=1e-2)
+    assert all(f.is_pinned() for f in mw.flat)
+    ref = MasterWeights(params, plan, lr=1e-2, pin=False)
+    gen = torch.Generator().manual_seed(19)
+    grads, _ = tower_grads(plan, 2, torch.bfloat16, gen)
+    mw.step([[g.cuda() for g in row] for row in grads])
+    ref.step(grads)
+    for a, b in zip(mw.flat, ref.flat):
+        assert bits_equal(a, b)
+    out = mw.copy_out(torch.bfloat16)
+    assert all(o.is_pinned() for o in out)
