@@ -85,6 +85,15 @@ def machine_slug() -> str:
     return f"{slug[:40].strip('-')}-{os.cpu_count()}c"
 
 
+def timed(contenders: dict, isolated: tuple = ()) -> dict:
+    """Medians: the contenders run interleaved, except those in `isolated` (they allocate and free large
+    temporaries every step, which slows whatever runs next), which are timed after, one at a time."""
+    med = interleaved({k: f for k, f in contenders.items() if k not in isolated}, args.reps, args.warmup)
+    for k in isolated:
+        med.update(interleaved({k: contenders[k]}, args.reps, args.warmup))
+    return med
+
+
 def interleaved(contenders: dict, reps: int, warmup: int) -> dict:
     """Median seconds per contender, each round running every contender once (outside load hits all)."""
     for _ in range(warmup):
@@ -156,7 +165,7 @@ def case_adamw(size: int, ds_cls) -> dict:
     }
     if ds_cls is not None:
         opts["deepspeed"] = ds_cls(params(), adamw_mode=True, **hp)
-    med = interleaved({k: o.step for k, o in opts.items()}, args.reps, args.warmup)
+    med = timed({k: o.step for k, o in opts.items()}, isolated=("torch_foreach",))
     bytes_nocheck = size * 28  # param r/w, exp_avg r/w, exp_avg_sq r/w, grad r (fp32)
     bytes_check = size * 32    # + the first pass reading the grads again
     copy_s = copy_seconds(bytes_nocheck, args.reps)
@@ -216,12 +225,12 @@ def case_avg_step_cast(size: int) -> list:
         opt.step()
         tout.copy_(p.detach())
 
-    med = interleaved({
+    med = timed({
         "ncclavg": lambda: mw.step(tower_lists, out=out),
         "ncclavg_nocheck": lambda: mw_nocheck.step(tower_lists, out=out2),
         "torch_add_chain": torch_add_chain,
         "torch_stack_sum": torch_stack_sum,
-    }, args.reps, args.warmup)
+    }, isolated=("torch_stack_sum",))
     best_name = min(("torch_add_chain", "torch_stack_sum"), key=med.get)
     best = med[best_name]
     bytes_nocheck = size * (24 + 2 * n + 2)  # p, m, v r/w (fp32), n bf16 grads read, bf16 copy-out written
@@ -257,8 +266,14 @@ def main() -> int:
         "python": platform.python_version(), "torch": torch.__version__, "ncclavg": ncclavg.__version__,
         "simd_level": info.get("simd_level") if isinstance(info, dict) else None,
         "deepspeed": ds_note, "reps": args.reps, "warmup": args.warmup, "sizes": args.size_list,
-        "bytes_convention": "bytes read + bytes written per step, each stream once; copy_gbps: torch copy_ "
-                            "of fp32 moving the same bytes (half read, half written), same threads, same run",
+        "bytes_convention": "bytes read + bytes written per step, each stream once; copy_gbps: the fastest of "
+                            "torch copy_, numpy copyto and ncclavg cast_copy on fp32 moving the same bytes (half "
+                            "read, half written), same threads, same run. A copy's stores cost a read for "
+                            "ownership on x86 while the optimizer rewrites lines it has just read, so a step can "
+                            "exceed 100% of copy",
+        "timing": "medians of --reps rounds after --warmup; contenders interleaved round by round, except "
+                  "torch foreach AdamW and torch.stack (they allocate and free large temporaries each step, "
+                  "which slows whatever runs next), timed alone after",
         "argv": sys.argv[1:],
         "loadavg_start": list(os.getloadavg()),
     }

@@ -231,13 +231,15 @@ PYBIND11_MODULE(_C, m) {
             const std::vector<Buffer>& max_exp_avg_sq, const std::vector<double>& steps,
             const std::vector<Buffer>& out, double lr, double beta1, double beta2, double eps,
             double weight_decay, bool decoupled, bool amsgrad, bool maximize, double grad_scale,
-            bool check_finite, std::optional<double> max_grad_norm, double clip_coef) {
+            bool check_finite, std::optional<double> max_grad_norm, double clip_coef,
+            const std::vector<Buffer>& step_tensors) {
           cpu::AdamHyper hp{lr, beta1, beta2, eps, weight_decay, decoupled, amsgrad, maximize};
           const cpu::GradOptions go = grad_options(grad_scale, check_finite, max_grad_norm, clip_coef);
           cpu::StepResult r;
           {
             py::gil_scoped_release nogil;
-            r = cpu::adam_step(params, grads, exp_avg, exp_avg_sq, max_exp_avg_sq, steps, out, hp, go);
+            r = cpu::adam_step(params, grads, exp_avg, exp_avg_sq, max_exp_avg_sq, steps, out, hp, go,
+                               step_tensors);
           }
           return step_dict(r);
         },
@@ -246,8 +248,10 @@ PYBIND11_MODULE(_C, m) {
         py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"), py::arg("decoupled") = true,
         py::arg("amsgrad") = false, py::arg("maximize") = false, py::arg("grad_scale") = 1.0,
         py::arg("check_finite") = false, py::arg("max_grad_norm") = py::none(), py::arg("clip_coef") = 1.0,
+        py::arg("step_tensors") = std::vector<Buffer>{},
         "Fused AdamW (decoupled=True) / Adam step over fp32 segments; grads[tower][segment] averaged on "
-        "the fly. Returns {skipped, stats_computed, grad_norm, clip_coef}.");
+        "the fly; steps (step numbers) or step_tensors (float32 counters, incremented unless skipped). "
+        "Returns {skipped, stats_computed, grad_norm, clip_coef}.");
   m.def("sgd_step",
         [=](const std::vector<Buffer>& params, const std::vector<std::vector<Buffer>>& grads,
             const std::vector<Buffer>& momentum_buffers, const std::vector<bool>& first,

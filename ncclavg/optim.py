@@ -23,7 +23,6 @@ from typing import Any, Callable, Optional
 import torch
 
 from ._ext import _C
-from .buffers import as_buffer
 
 __all__ = ["CPUAdamW", "CPUAdam", "CPUSGD"]
 
@@ -135,6 +134,37 @@ def clip_coef_f32(norm: float, max_norm: float) -> float:
     return float(min(coef, f(1.0)))
 
 
+# ---- per-step fast path: Buffers without the general checks when a tensor is what the core expects
+
+_F32 = torch.float32
+_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+
+
+def _where(gi: int, pi: int) -> str:
+    return f"param_groups[{gi}]['params'][{pi}]"
+
+
+def _param_buffer(p: torch.Tensor, gi: int, pi: int):
+    if p.dtype is not _F32 or not p.is_cpu or p.layout is not torch.strided or not p.is_contiguous():
+        check_master_param(p, _where(gi, pi))  # raises with the precise reason
+    return _C.Buffer(p.data_ptr(), p.numel(), 0, -1, False)
+
+
+def _grad_buffer(g: torch.Tensor, numel: int, gi: int, pi: int, keep: list):
+    code = _CODES.get(g.dtype)
+    if code is None or not g.is_cpu or g.layout is not torch.strided or g.numel() != numel:
+        check_grad(g, numel, _where(gi, pi) + ".grad")  # raises with the precise reason
+    if not g.is_contiguous():
+        g = g.contiguous()
+        keep.append(g)  # alive until the core has read it
+    return _C.Buffer(g.data_ptr(), numel, code, -1, True)
+
+
+def _state_ok(t: Any, numel: int) -> bool:
+    return (isinstance(t, torch.Tensor) and t.dtype is _F32 and t.is_cpu and t.layout is torch.strided
+            and t.is_contiguous() and t.numel() == numel)
+
+
 # ---- the optimizers
 
 class _FusedOptimizer(torch.optim.Optimizer):
@@ -164,13 +194,6 @@ class _FusedOptimizer(torch.optim.Optimizer):
         self._check_group(merged, "" if index == 0 else f"param_groups[{index}]")
         super().add_param_group(param_group)
 
-    def __setstate__(self, state: dict) -> None:
-        super().__setstate__(state)
-        for key, value in self._torch_group_keys.items():
-            for group in self.param_groups:
-                group.setdefault(key, value)
-        self._after_setstate()
-
     def _after_setstate(self) -> None:
         pass
 
@@ -195,25 +218,27 @@ class _FusedOptimizer(torch.optim.Optimizer):
         self.last_step_info = info
         return loss if closure is not None else info
 
-    def _collect(self) -> list[tuple[dict, list[torch.Tensor], list[torch.Tensor]]]:
-        work = []
+    def _collect(self) -> list:
+        """Per group: (group, params with a gradient, their Buffers, their gradients' Buffers). Every
+        check happens here, before anything is written."""
+        work, keep = [], []
         for gi, group in enumerate(self.param_groups):
             self._check_group(group, "" if gi == 0 else f"param_groups[{gi}]")
-            ps, gs = [], []
+            ps, pbufs, gbufs = [], [], []
             for pi, p in enumerate(group["params"]):
-                if p.grad is None:
+                g = p.grad
+                if g is None:
                     continue
-                where = f"param_groups[{gi}]['params'][{pi}]"
-                check_master_param(p, where)
-                gs.append(check_grad(p.grad, p.numel(), where + ".grad"))
+                pbufs.append(_param_buffer(p, gi, pi))
+                gbufs.append(_grad_buffer(g, p.numel(), gi, pi, keep))
                 ps.append(p)
-            work.append((group, ps, gs))
-        return work
+            work.append((group, ps, pbufs, gbufs))
+        return work, keep
 
     def _fused_step(self, grad_scale: float, max_grad_norm: Optional[float]) -> dict:
-        work = self._collect()
+        work, keep = self._collect()
         info = {"skipped": False, "grad_norm": None, "clip_coef": 1.0}
-        all_grads = [as_buffer(g, "grad") for _, _, gs in work for g in gs]
+        all_grads = [b for w in work for b in w[3]]
         if not all_grads:
             return info
         clip = 1.0
@@ -225,23 +250,55 @@ class _FusedOptimizer(torch.optim.Optimizer):
                 return info
             clip = st["clip_coef"] if max_grad_norm is not None else 1.0
         info["clip_coef"] = clip
-        for group, ps, gs in work:
+        for group, ps, pbufs, gbufs in work:
             if ps:
-                self._group_step(group, ps, gs, grad_scale, clip)
+                self._group_step(group, ps, pbufs, gbufs, grad_scale, clip)
+        del keep
         return info
 
-    def _group_step(self, group, params, grads, grad_scale, clip) -> None:  # pragma: no cover
+    def _group_step(self, group, params, pbufs, gbufs, grad_scale, clip) -> None:  # pragma: no cover
         raise NotImplementedError
 
-    def _state_tensor(self, state: dict, key: str, p: torch.Tensor, where: str) -> torch.Tensor:
-        t = state[key]
-        if not isinstance(t, torch.Tensor) or t.shape != p.shape:
-            got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-            raise ValueError(f"{where}: state['{key}'] has shape {got}, expected {tuple(p.shape)}")
-        if t.device.type != "cpu" or t.dtype != torch.float32 or not t.is_contiguous():
-            t = t.to(device="cpu", dtype=torch.float32).contiguous()
-            state[key] = t
-        return t
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        for key, value in self._torch_group_keys.items():
+            for group in self.param_groups:
+                group.setdefault(key, value)
+        self._core_buffers = {}
+        self._after_setstate()
+
+    def _state_buffers(self, p: torch.Tensor, state: dict, keys: tuple, where: str) -> tuple:
+        """Buffers of the state tensors `keys` of p, cached (by id, checked by identity and storage
+        pointer) while the tensors stay the same. A state tensor of another dtype/device/layout (e.g.
+        loaded from elsewhere) is converted once; one of the wrong size raises ValueError naming it."""
+        cache = self.__dict__.setdefault("_core_buffers", {})
+        hit = cache.get(id(p))
+        if hit is not None and hit[0] is p and hit[1] == keys:
+            tensors, ptrs = hit[2], hit[3]
+            ok = True
+            for k in range(len(keys)):
+                t = state.get(keys[k])
+                if t is not tensors[k] or t.data_ptr() != ptrs[k]:
+                    ok = False
+                    break
+            if ok:
+                return hit[4]
+        tensors = []
+        for key in keys:
+            t = state[key]
+            if key == "step":
+                if not torch.is_tensor(t) or not _state_ok(t, 1):
+                    t = state[key] = torch.tensor(float(t), dtype=_F32)
+            elif not _state_ok(t, p.numel()):
+                if not isinstance(t, torch.Tensor) or t.shape != p.shape:
+                    got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                    raise ValueError(f"{where}: state['{key}'] has shape {got}, expected {tuple(p.shape)}")
+                t = state[key] = t.to(device="cpu", dtype=_F32).contiguous()
+            tensors.append(t)
+        ptrs = [t.data_ptr() for t in tensors]
+        bufs = tuple(_C.Buffer(ptr, t.numel(), 0, -1, False) for t, ptr in zip(tensors, ptrs))
+        cache[id(p)] = (p, keys, tensors, ptrs, bufs)
+        return bufs
 
 
 class CPUAdamW(_FusedOptimizer):
@@ -280,39 +337,35 @@ class CPUAdamW(_FusedOptimizer):
         check_eps(group["eps"], self._name(prefix, "eps"))
         check_nonneg(group["weight_decay"], self._name(prefix, "weight_decay"))
 
-    def _group_step(self, group, params, grads, grad_scale, clip) -> None:
+    def _group_step(self, group, params, pbufs, gbufs, grad_scale, clip) -> None:
         amsgrad = bool(group.get("amsgrad", False))
         beta1, beta2 = check_betas(group["betas"])
-        new_states, steps = {}, []
-        exp_avg, exp_avg_sq, max_sq = [], [], []
+        keys = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "step") if amsgrad else ("exp_avg", "exp_avg_sq", "step")
+        new_states = {}
+        exp_avg, exp_avg_sq, max_sq, steps = [], [], [], []
         for i, p in enumerate(params):
-            where = f"params[{i}]"
-            state = self.state[p]
-            if len(state) == 0:
-                state = {"step": torch.tensor(0.0, dtype=torch.float32),
+            state = self.state.get(p)
+            if not state:
+                state = {"step": torch.tensor(0.0, dtype=_F32),
                          "exp_avg": torch.zeros_like(p, memory_format=torch.contiguous_format),
                          "exp_avg_sq": torch.zeros_like(p, memory_format=torch.contiguous_format)}
                 new_states[p] = state
             if amsgrad and "max_exp_avg_sq" not in state:
                 state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
-            step_t = state["step"]
-            if not torch.is_tensor(step_t):
-                step_t = state["step"] = torch.tensor(float(step_t), dtype=torch.float32)
-            # torch increments a float32 tensor and reads it back: mirror that exactly.
-            steps.append(float(step_t.to(torch.float32) + 1))
-            exp_avg.append(as_buffer(self._state_tensor(state, "exp_avg", p, where)))
-            exp_avg_sq.append(as_buffer(self._state_tensor(state, "exp_avg_sq", p, where)))
+            bufs = self._state_buffers(p, state, keys, f"params[{i}]")
+            exp_avg.append(bufs[0])
+            exp_avg_sq.append(bufs[1])
             if amsgrad:
-                max_sq.append(as_buffer(self._state_tensor(state, "max_exp_avg_sq", p, where)))
-        _C.adam_step([as_buffer(p) for p in params], [[as_buffer(g) for g in grads]], exp_avg, exp_avg_sq,
-                     max_sq, steps, [], lr=check_lr(group["lr"]), beta1=beta1, beta2=beta2,
-                     eps=float(group["eps"]), weight_decay=float(group["weight_decay"]),
+                max_sq.append(bufs[2])
+            steps.append(bufs[-1])
+        # The core increments the float32 step counters itself (see Note [Step counters as tensors]).
+        _C.adam_step(pbufs, [gbufs], exp_avg, exp_avg_sq, max_sq, [], [], lr=check_lr(group["lr"]),
+                     beta1=beta1, beta2=beta2, eps=float(group["eps"]), weight_decay=float(group["weight_decay"]),
                      decoupled=self._decoupled, amsgrad=amsgrad, maximize=bool(group.get("maximize", False)),
-                     grad_scale=grad_scale, check_finite=False, max_grad_norm=None, clip_coef=clip)
+                     grad_scale=grad_scale, check_finite=False, max_grad_norm=None, clip_coef=clip,
+                     step_tensors=steps)
         for p, st in new_states.items():
             self.state[p] = st
-        for p in params:
-            self.state[p]["step"] += 1
 
 
 class CPUAdam(CPUAdamW):
@@ -354,26 +407,23 @@ class CPUSGD(_FusedOptimizer):
             raise ValueError(f"{self._name(prefix, 'nesterov')}: Nesterov momentum needs momentum > 0 and "
                              "dampening == 0")
 
-    def _group_step(self, group, params, grads, grad_scale, clip) -> None:
+    def _group_step(self, group, params, pbufs, gbufs, grad_scale, clip) -> None:
         momentum = float(group["momentum"])
         bufs, first, new_bufs = [], [], {}
         if momentum != 0:
             for i, p in enumerate(params):
-                state = self.state[p]
-                buf = state.get("momentum_buffer")
-                if buf is None:
+                state = self.state.get(p)
+                if state is None or state.get("momentum_buffer") is None:
                     buf = torch.empty_like(p, memory_format=torch.contiguous_format)
                     new_bufs[p] = buf
                     first.append(True)
+                    bufs.append(_C.Buffer(buf.data_ptr(), buf.numel(), 0, -1, False))
                 else:
-                    buf = self._state_tensor(state, "momentum_buffer", p, f"params[{i}]")
                     first.append(False)
-                bufs.append(as_buffer(buf))
-        _C.sgd_step([as_buffer(p) for p in params], [[as_buffer(g) for g in grads]], bufs, first, [],
-                    lr=check_lr(group["lr"]), momentum=momentum, dampening=float(group["dampening"]),
-                    weight_decay=float(group["weight_decay"]), nesterov=bool(group.get("nesterov", False)),
-                    maximize=bool(group.get("maximize", False)), grad_scale=grad_scale, check_finite=False,
-                    max_grad_norm=None, clip_coef=clip)
+                    bufs.append(self._state_buffers(p, state, ("momentum_buffer",), f"params[{i}]")[0])
+        _C.sgd_step(pbufs, [gbufs], bufs, first, [], lr=check_lr(group["lr"]), momentum=momentum,
+                    dampening=float(group["dampening"]), weight_decay=float(group["weight_decay"]),
+                    nesterov=bool(group.get("nesterov", False)), maximize=bool(group.get("maximize", False)),
+                    grad_scale=grad_scale, check_finite=False, max_grad_norm=None, clip_coef=clip)
         for p, buf in new_bufs.items():
             self.state[p]["momentum_buffer"] = buf
-

@@ -284,3 +284,44 @@ def test_bad_arguments():
     assert mw.steps == [0] * mw.num_buckets
     with pytest.raises(ValueError, match="state_dict"):
         mw.load_state_dict({"params": [torch.zeros(1)], "optimizer": {"state": {}, "param_groups": [{}]}})
+
+
+def test_sgd_state_dict_into_torch_sgd():
+    params = make_params(16)
+    hp = dict(lr=0.05, momentum=0.9, dampening=0.1, weight_decay=1e-3)
+    mw = MasterWeights(params, FakePlan(SHAPES), optimizer="sgd", **hp)
+    gen = torch.Generator().manual_seed(17)
+    for _ in range(3):
+        grads, _ = tower_grads(mw.plan, 2, torch.bfloat16, gen)
+        mw.step(grads)
+    sd = copy.deepcopy(mw.state_dict())
+    ref = [torch.nn.Parameter(p.clone()) for p in sd["params"]]
+    opt = torch.optim.SGD(ref, **hp)
+    opt.load_state_dict(sd["optimizer"])
+    for _ in range(3):
+        grads, mean = tower_grads(mw.plan, 2, torch.bfloat16, gen)
+        mw.step(grads)
+        for r, g in zip(ref, mean):
+            r.grad = g
+        opt.step()
+    for v, r in zip(mw.param_views(), ref):
+        assert rel_err(v, r) < 1e-6
+
+
+@pytest.mark.gpu
+def test_pinned_storage_and_device_gradients():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    params = make_params(18)
+    plan = FakePlan(SHAPES)
+    mw = MasterWeights(params, plan, lr=1e-2)
+    assert all(f.is_pinned() for f in mw.flat)
+    ref = MasterWeights(params, plan, lr=1e-2, pin=False)
+    gen = torch.Generator().manual_seed(19)
+    grads, _ = tower_grads(plan, 2, torch.bfloat16, gen)
+    mw.step([[g.cuda() for g in row] for row in grads])
+    ref.step(grads)
+    for a, b in zip(mw.flat, ref.flat):
+        assert bits_equal(a, b)
+    out = mw.copy_out(torch.bfloat16)
+    assert all(o.is_pinned() for o in out)

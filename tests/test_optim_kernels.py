@@ -306,6 +306,21 @@ def test_cast_copy_matches_torch_rounding(dtype):
             assert bits_equal(dst[~nan], expect[~nan])
 
 
+def test_step_tensors_count_like_torch_and_not_when_skipped():
+    n = 100
+    p, m, v = torch.randn(n), torch.zeros(n), torch.zeros(n)
+    p2, m2, v2 = p.clone(), m.clone(), v.clone()
+    counter = torch.tensor(41.0)
+    g = torch.randn(n)
+    _C.adam_step([B(p)], [[B(g)]], [B(m)], [B(v)], [], [], [], step_tensors=[B(counter)], **ADAM)
+    _C.adam_step([B(p2)], [[B(g)]], [B(m2)], [B(v2)], [], [42.0], [], **ADAM)
+    assert counter.item() == 42.0 and bits_equal(p, p2)
+    g[3] = math.nan
+    r = _C.adam_step([B(p)], [[B(g)]], [B(m)], [B(v)], [], [], [], step_tensors=[B(counter)], check_finite=True,
+                     **ADAM)
+    assert r["skipped"] and counter.item() == 42.0 and bits_equal(p, p2)
+
+
 def test_fused_copy_out_equals_cast_of_new_params():
     gen = torch.Generator().manual_seed(6)
     n = 1234
@@ -356,6 +371,9 @@ def test_bad_buffers():
         (dict(max_exp_avg_sq=[B(torch.zeros(10))]), "max_exp_avg_sq"),
         (dict(amsgrad=True), "max_exp_avg_sq"),
         (dict(params=[_C.Buffer(p.data_ptr(), 10, 0, -1, True)]), "params\\[0\\]"),
+        (dict(steps=[], step_tensors=[B(torch.zeros(2))]), "step_tensors\\[0\\]"),
+        (dict(step_tensors=[B(torch.zeros(1))]), "steps"),
+        (dict(steps=[], step_tensors=[B(m[:1])]), "shares memory"),
     ]
     for over, pattern in cases:
         with pytest.raises(ValueError, match=pattern):

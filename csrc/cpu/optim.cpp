@@ -328,8 +328,9 @@ GradStats grad_stats(const std::vector<std::vector<Buffer>>& grads, double grad_
 
 StepResult adam_step(const std::vector<Buffer>& params, const std::vector<std::vector<Buffer>>& grads,
                      const std::vector<Buffer>& exp_avg, const std::vector<Buffer>& exp_avg_sq,
-                     const std::vector<Buffer>& max_exp_avg_sq, const std::vector<double>& steps,
-                     const std::vector<Buffer>& out, const AdamHyper& hp, const GradOptions& go) {
+                     const std::vector<Buffer>& max_exp_avg_sq, const std::vector<double>& steps_arg,
+                     const std::vector<Buffer>& out, const AdamHyper& hp, const GradOptions& go,
+                     const std::vector<Buffer>& step_tensors) {
   check_adam_hyper(hp);
   check_grad_options(go);
   std::vector<Region> regions;
@@ -341,6 +342,23 @@ StepResult adam_step(const std::vector<Buffer>& params, const std::vector<std::v
     check_state_list(max_exp_avg_sq, "max_exp_avg_sq", params, regions);
   } else {
     NCCLAVG_CHECK_ARG(max_exp_avg_sq.empty(), "max_exp_avg_sq", "must be empty unless amsgrad=True");
+  }
+  // See Note [Step counters as tensors].
+  std::vector<double> steps = steps_arg;
+  std::vector<float> new_counts;
+  if (!step_tensors.empty()) {
+    NCCLAVG_CHECK_ARG(steps_arg.empty(), "steps", "pass either steps or step_tensors, not both");
+    NCCLAVG_CHECK_ARG(step_tensors.size() == params.size(), "step_tensors", "has ", step_tensors.size(),
+                      " entries but params has ", params.size());
+    for (size_t s = 0; s < step_tensors.size(); ++s) {
+      const Buffer& b = step_tensors[s];
+      const std::string name = idx("step_tensors", s);
+      check_host_f32(b, name, 1);
+      add_region(regions, b, name, true);
+      const float next = *reinterpret_cast<const float*>(b.ptr) + 1.0f;  // torch: step_t += 1 (float32)
+      new_counts.push_back(next);
+      steps.push_back(static_cast<double>(next));
+    }
   }
   NCCLAVG_CHECK_ARG(steps.size() == params.size(), "steps", "has ", steps.size(), " entries but params has ",
                     params.size());
@@ -372,6 +390,7 @@ StepResult adam_step(const std::vector<Buffer>& params, const std::vector<std::v
                      out.empty() ? DType::kFloat32 : out[s].dtype};
     kt.adam(slice, g.slice(s), o, coef[s], gc, c.begin, c.end);
   });
+  for (size_t s = 0; s < new_counts.size(); ++s) *reinterpret_cast<float*>(step_tensors[s].ptr) = new_counts[s];
   return r;
 }
 

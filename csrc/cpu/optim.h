@@ -66,13 +66,20 @@ struct StepResult {
 GradStats grad_stats(const std::vector<std::vector<Buffer>>& grads, double grad_scale,
                      std::optional<double> max_grad_norm);
 
+// Note [Step counters as tensors]
+// torch keeps Adam's step count per tensor as a float32 scalar tensor and increments it before the
+// update. Callers either pass the step numbers this update makes (`steps`, >= 1), or the counters
+// themselves (`step_tensors`: float32 buffers of one element): then the core reads each, adds 1 in
+// float32 as torch does, uses that, and writes it back only when the step is not skipped. The second
+// form saves the Python optimizers two tensor ops per parameter per step.
+//
 // params[s], exp_avg[s], exp_avg_sq[s] (, max_exp_avg_sq[s] with amsgrad): float32, same numel;
-// grads[t][s]: numel of params[s]; steps[s]: the step number this update makes (>= 1, as torch's
-// state['step'] after its increment); out: empty or one buffer per segment.
+// grads[t][s]: numel of params[s]; out: empty or one buffer per segment.
 StepResult adam_step(const std::vector<Buffer>& params, const std::vector<std::vector<Buffer>>& grads,
                      const std::vector<Buffer>& exp_avg, const std::vector<Buffer>& exp_avg_sq,
                      const std::vector<Buffer>& max_exp_avg_sq, const std::vector<double>& steps,
-                     const std::vector<Buffer>& out, const AdamHyper& hp, const GradOptions& go);
+                     const std::vector<Buffer>& out, const AdamHyper& hp, const GradOptions& go,
+                     const std::vector<Buffer>& step_tensors = {});
 
 // momentum_buffers: empty when momentum == 0, else one per segment; first[s]: segment s has no momentum
 // buffer yet (torch's `buf is None`): it becomes the gradient.
