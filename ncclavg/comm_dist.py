@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime
 import pickle
+import time
 from typing import Any, Callable
 
 import torch
@@ -20,11 +21,16 @@ def _is_timeout(e: BaseException) -> bool:
 def _wait_dist(comm: Any, work: Any, timeout: float, what: str) -> None:
     """Bounded wait for a torch.distributed work; every failure marks `comm` unusable. See Note [A failed
     communicator stays failed]."""
+    t0 = time.monotonic()
     try:
         work.wait(timeout=datetime.timedelta(seconds=timeout))
     except RuntimeError as e:
         if _is_timeout(e):
-            msg = f"{what} did not complete within {timeout:g} s"
+            elapsed = time.monotonic() - t0
+            # the process group's own (shorter) timeout may fire first: say which one did
+            msg = (f"{what} did not complete within {timeout:g} s" if elapsed >= 0.9 * timeout else
+                   f"{what} timed out after {elapsed:.1f} s in torch.distributed (the process group's own "
+                   f"timeout, shorter than this communicator's {timeout:g} s)")
             comm._fail(msg)
             raise CommTimeoutError(f"{msg}; the communicator is unusable now (torch.distributed: {e})") from None
         msg = f"{what} failed: {e}"
