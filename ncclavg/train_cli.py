@@ -46,8 +46,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     t.add_argument("--momentum", type=float, help="SGD momentum (default 0.9)")
     t.add_argument("--nesterov", action="store_true", default=None, help="SGD with Nesterov momentum")
     t.add_argument("--grad-clip", type=float, help="clip the global gradient norm to this value")
-    t.add_argument("--on-nonfinite", choices=("skip", "raise"),
-                   help="a step with an inf/NaN gradient: skip it and go on (default), or stop with an error")
+    t.add_argument("--on-nonfinite", choices=("skip", "raise", "ignore"),
+                   help="a step with an inf/NaN gradient: skip it and go on (default), stop with an error, or "
+                        "ignore (no check, one pass less)")
     t.add_argument("--seed", type=int, help="seed of the model init, data split and shuffling (default 0)")
     t.add_argument("--max-steps", type=int, help="stop after this many optimizer steps in total")
     t.add_argument("--threads", type=int, help="torch intra-op threads (default: cores / CPU towers)")

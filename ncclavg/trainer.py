@@ -35,7 +35,7 @@ from .trainer_state import (CHECKPOINT_FORMAT, CHECKPOINT_KIND, check_signature,
 
 OPTIMIZERS = ("adamw", "adam", "sgd")
 MASTERS = ("cpu", "device")
-NONFINITE_POLICIES = ("skip", "raise")
+NONFINITE_POLICIES = ("skip", "raise", "ignore")
 
 log = logging.getLogger("ncclavg.trainer")
 
@@ -166,16 +166,17 @@ class TowerTrainer:
 
     # ------------------------------------------------------------------ construction helpers
     def _make_engine(self, opt: OptimConfig, bucket_cap_mb: float, first_bucket_mb: float, overlap: bool):
+        check = self.on_nonfinite != "ignore"   # See Note [Non-finite gradients]
         if self.master == "device":
             return DeviceMasterEngine(self.tower_params, self.names, self.devices, opt, bucket_cap_mb,
-                                      first_bucket_mb, overlap=overlap)
+                                      first_bucket_mb, overlap=overlap, check_finite=check)
         if self.devices[0].type == "cpu":
             return CpuMasterEngine(self.tower_params, self.names, self.devices, opt, bucket_cap_mb,
-                                   first_bucket_mb, skip_nonfinite=True)
+                                   first_bucket_mb, skip_nonfinite=check or self.amp == "fp16")
         from .offload import GpuOffloadEngine  # see Note [Pipelined CPU master] there
 
         return GpuOffloadEngine(self.tower_params, self.names, self.devices, opt, bucket_cap_mb,
-                                first_bucket_mb)
+                                first_bucket_mb, check_finite=check)
 
     @property
     def model(self) -> nn.Module:
@@ -292,6 +293,9 @@ class TowerTrainer:
         the schedule still advance (as with torch's GradScaler). With amp="fp16" an overflow is part of
         dynamic loss scaling (the scale halves); on_nonfinite="raise" raises only once the scale is at
         its minimum, where an inf/NaN can no longer be an overflow of the scaled loss.
+        on_nonfinite="ignore" turns the check off (an inf/NaN then reaches the weights, as with
+        torch.optim): it saves one read pass over the gradients per step (about +20% on the fused CPU
+        optimizer step alone); fp16 keeps its overflow check.
         """
         self.nonfinite_steps += 1
         where = info.get("nonfinite") or []

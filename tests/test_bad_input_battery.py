@@ -151,7 +151,7 @@ CASES = [
     # ---- TowerTrainer
     ("trainer lr", ValueError, "^lr: must be > 0", lambda c: TowerTrainer(_net(), devices=["cpu"], lr=0)),
     ("trainer on_nonfinite", ValueError, "^on_nonfinite: must be one of",
-     lambda c: TowerTrainer(_net(), devices=["cpu"], on_nonfinite="ignore")),
+     lambda c: TowerTrainer(_net(), devices=["cpu"], on_nonfinite="warn")),
     ("trainer devices", ValueError, r"^devices\[1\]: unknown device 'tpu'",
      lambda c: TowerTrainer(_net(), devices=["cpu", "tpu"])),
     ("trainer batch dict", TypeError, "^batch: expected a tuple/list", lambda c: c.trainer.train_step({"x": 1})),
@@ -168,7 +168,7 @@ CLI_CASES = [
     ("--test-fraction", ["train", "--test-fraction", "1.5"]),
     ("--batch-size", ["train", "--batch-size", "1", "--towers", "2"]),
     ("--optimizer", ["train", "--optimizer", "lamb"]),
-    ("--on-nonfinite", ["train", "--on-nonfinite", "ignore"]),
+    ("--on-nonfinite", ["train", "--on-nonfinite", "warn"]),
     ("--towers", ["train", "--towers", "3", "--devices", "cpu,cpu"]),
     ("--synthetic-samples", ["train", "--synthetic-samples", "100"]),
 ]

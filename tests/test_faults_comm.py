@@ -147,3 +147,22 @@ def test_nccl_backend_python_layer_records_core_failures():
     fake2.abort()
     with pytest.raises(CommError, match="unusable: abort"):
         comm2.allgather_object(1)
+
+
+def test_debug_mode_switch_and_record_encoding(monkeypatch):
+    import torch
+
+    from ncclavg import Communicator, comm_debug
+
+    for value, on in (("1", True), ("yes", True), ("0", False), ("", False), ("off", False)):
+        monkeypatch.setenv("NCCLAVG_DEBUG", value)
+        assert Communicator.local(2).debug is on, value
+    for record in ([1, 1, 0, 0, -1, -1, 0], [2**40 + 3, 3, 123456789, 2, 7, 12, 2**63 - 1],
+                   [5, 2, 1, 1, 0, 0, -(2**63)]):
+        enc = comm_debug.encode(record)
+        assert enc.dtype == torch.float32 and enc.numel() == comm_debug.RECORD_LEN
+        assert comm_debug.decode(enc) == record
+    rows = [[3, 1, 64, 0, 2, 1, 99], [3, 1, 64, 0, 2, 2, 98]]
+    msg = comm_debug.compare(rows, 1, "gloo")
+    assert "rank 0: #3 all_reduce_avg of 64 x float32 (step 2, bucket 1" in msg and "this is rank 1" in msg
+    assert comm_debug.compare([rows[0], rows[0]], 0, "gloo") is None

@@ -109,8 +109,8 @@ def test_on_nonfinite_raise_names_tower_and_bucket(master):
 
 
 def test_on_nonfinite_is_validated():
-    with pytest.raises(ValueError, match="on_nonfinite: must be one of 'skip', 'raise', got 'ignore'"):
-        make("cpu", on_nonfinite="ignore")
+    with pytest.raises(ValueError, match="on_nonfinite: must be one of 'skip', 'raise', 'ignore', got 'warn'"):
+        make("cpu", on_nonfinite="warn")
 
 
 def test_averager_check_finite_names_local_tower_and_bucket():
@@ -133,3 +133,16 @@ def test_averager_check_finite_names_local_tower_and_bucket():
         GradientAverager(comm, towers, check_finite="yes")
     with pytest.raises(RuntimeError, match="check_finite=True"):
         GradientAverager(comm, [[torch.zeros(3, requires_grad=True)] for _ in range(3)]).nonfinite()
+
+
+@pytest.mark.parametrize("master", ["cpu", "device"])
+def test_on_nonfinite_ignore_lets_the_nan_through_like_torch_optim(master):
+    data = batches(2)
+    tr = make(master, optimizer="sgd", on_nonfinite="ignore")
+    armed = poison(tr, 0, "fc3.bias", math.nan)
+    tr.train_step(data[0])
+    armed.append(True)
+    rec = tr.train_step(data[1])
+    assert not rec["skipped"] and tr.nonfinite_steps == 0
+    bias = tr.master_params()[tr.names.index("fc3.bias")]
+    assert torch.isnan(bias).all()
