@@ -231,7 +231,8 @@ class Communicator:
     def all_reduce_avg(self, tensors: Sequence[torch.Tensor], *, tag: Optional[str] = None,
                        debug_key: Optional[Sequence[int]] = None, timeout: Optional[float] = None) -> None:
         """In place: every tensor (one per local tower) becomes the mean over all towers."""
-        self.all_reduce_avg_async(tensors, tag=tag, debug_key=debug_key).wait(timeout)
+        limit = self._timeout_arg(timeout)   # before anything starts: a bad timeout must not desync ranks
+        self.all_reduce_avg_async(tensors, tag=tag, debug_key=debug_key).wait(limit)
 
     def all_reduce_avg_async(self, tensors: Sequence[torch.Tensor], defer_scale: bool = False, *,
                              tag: Optional[str] = None, debug_key: Optional[Sequence[int]] = None) -> Work:
@@ -276,6 +277,7 @@ class Communicator:
 
     def close(self) -> None:
         self._closed = True
+
     def __enter__(self) -> "Communicator":
         return self
 
