@@ -114,7 +114,23 @@ def layout_and_debug(rank, world, port, outdir):
     from ncclavg import CollectiveMismatchError, Communicator, GradientAverager, LayoutMismatchError
 
     comm = Communicator.from_torch_distributed(device="cpu", timeout=20)
-    out = {}
+    out = {"bad_input": []}
+    if rank == 1:   # bad arguments on one rank only: refused before anything starts, so no rank desyncs
+        for call in (lambda: comm.all_reduce_avg([torch.ones(4)], timeout=-1),
+                     lambda: comm.all_reduce_avg([torch.ones(4, dtype=torch.int32)]),
+                     lambda: comm.all_reduce_avg([torch.ones(4), torch.ones(4)]),
+                     lambda: comm.all_reduce_avg_async([torch.ones(4, 4).t()]),
+                     lambda: comm.reduce_scatter_avg([torch.ones(7)], [torch.ones(2)]),
+                     lambda: comm.all_gather([torch.ones(2)], [torch.ones(5)]),
+                     lambda: comm.allgather_object(1, timeout=0)):
+            try:
+                call()
+                out["bad_input"].append("no error")
+            except (ValueError, TypeError) as e:
+                out["bad_input"].append(f"{type(e).__name__}: {e}")
+    x = torch.full((4,), float(rank))
+    comm.all_reduce_avg([x])
+    out["after_bad_input"] = x.tolist()
 
     class Deeper(MLP):
         def __init__(self):

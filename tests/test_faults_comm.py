@@ -56,7 +56,13 @@ def test_layout_mismatch_and_skipped_bucket_fail_on_every_rank(tmp_path):
     assert codes == [0] * world, codes
     reports = read_reports(tmp_path, world)
     assert sorted(reports) == list(range(world))
+    bad = reports[1]["bad_input"]
+    names = ["timeout", r"tensors\[0\]", "tensors", r"tensors\[0\]", "inputs", r"outputs\[0\]", "timeout"]
+    assert len(bad) == len(names), bad
+    for msg, name in zip(bad, names):
+        assert re.match(rf"(ValueError|TypeError): {name}:", msg), (name, msg)
     for r, rep in reports.items():
+        assert rep["after_bad_input"] == [1.0] * 4, rep["after_bad_input"]   # still in step, still usable
         # the same verdict on every rank, naming the first differing parameter
         m = rep["extra_param_on_rank1"]
         assert m.startswith("LayoutMismatchError") and "rank 1" in m and "parameter 6 ('head.weight')" in m, m
