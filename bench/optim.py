@@ -13,7 +13,9 @@ Cases, per size:
       MasterWeights.step(towers, out=bf16) vs the best of several torch sequences doing the same work
       (sum the towers into an fp32 grad, fused AdamW, cast the params to bf16).
   (c) every ncclavg row relates its achieved bandwidth (bytes read + written, each stream counted once)
-      to a plain copy moving as many bytes (torch copy_ of fp32, same threads), measured in the same run.
+      to a plain copy moving as many bytes (the fastest of torch copy_, numpy copyto and ncclavg's cast_copy,
+      same threads), to a plain read of as many bytes (torch.sum, ncclavg grad_stats) and to a STREAM
+      triad (torch.add(b, c, alpha, out=a)), all measured in the same run.
 """
 from __future__ import annotations
 
@@ -123,6 +125,25 @@ def copy_seconds(nbytes_moved: int, reps: int) -> float:
     return min(med.values())
 
 
+def read_seconds(nbytes_read: int, reps: int) -> float:
+    """Time of the fastest plain read of `nbytes_read` bytes of fp32 (torch.sum, ncclavg grad_stats):
+    a second reference, closer to a step's mix (mostly reads, stores to lines just read)."""
+    n = max(1, nbytes_read // 4)
+    src = torch.ones(n, dtype=torch.float32)
+    bs = as_buffer(src)
+    med = interleaved({"torch": lambda: src.sum(), "ncclavg": lambda: ncclavg._C.grad_stats([[bs]])}, reps, 2)
+    return min(med.values())
+
+
+def triad_seconds(nbytes_moved: int, reps: int) -> float:
+    """Time of a STREAM-triad a = b + s*c (two read streams, one write) moving `nbytes_moved` bytes:
+    several streams in flight, the access pattern closest to an optimizer step."""
+    n = max(1, nbytes_moved // 12)
+    b, c = torch.ones(n), torch.ones(n)
+    a = torch.empty(n)
+    return interleaved({"triad": lambda: torch.add(b, c, alpha=0.5, out=a)}, reps, 2)["triad"]
+
+
 def shapes_for(total: int) -> list:
     """A model-like mix: 1M-element matrices, a remainder, and small odd-sized vectors."""
     small = [4097, 1000, 768, 17, 3]
@@ -169,6 +190,8 @@ def case_adamw(size: int, ds_cls) -> dict:
     bytes_nocheck = size * 28  # param r/w, exp_avg r/w, exp_avg_sq r/w, grad r (fp32)
     bytes_check = size * 32    # + the first pass reading the grads again
     copy_s = copy_seconds(bytes_nocheck, args.reps)
+    read_s = read_seconds(bytes_nocheck, args.reps)
+    triad_s = triad_seconds(bytes_nocheck, args.reps)
     best_torch = min(med["torch_fused"], med["torch_foreach"])
     rows = []
     for name, nbytes in (("ncclavg", bytes_check), ("ncclavg_nocheck", bytes_nocheck)):
@@ -184,6 +207,10 @@ def case_adamw(size: int, ds_cls) -> dict:
             "copy_time_us": copy_s * nbytes / bytes_nocheck * 1e6,
             "copy_gbps": bytes_nocheck / copy_s / 1e9,
             "fraction_of_copy_bw": (nbytes / t) / (bytes_nocheck / copy_s),
+            "read_gbps": bytes_nocheck / read_s / 1e9,
+            "fraction_of_read_bw": (nbytes / t) / (bytes_nocheck / read_s),
+            "triad_gbps": bytes_nocheck / triad_s / 1e9,
+            "fraction_of_triad_bw": (nbytes / t) / (bytes_nocheck / triad_s),
         }
         if "deepspeed" in med:
             row["deepspeed_us"] = med["deepspeed"] * 1e6
@@ -236,6 +263,8 @@ def case_avg_step_cast(size: int) -> list:
     bytes_nocheck = size * (24 + 2 * n + 2)  # p, m, v r/w (fp32), n bf16 grads read, bf16 copy-out written
     bytes_check = bytes_nocheck + size * 2 * n
     copy_s = copy_seconds(bytes_nocheck, args.reps)
+    read_s = read_seconds(bytes_nocheck, args.reps)
+    triad_s = triad_seconds(bytes_nocheck, args.reps)
     rows = []
     for name, nbytes in (("ncclavg", bytes_check), ("ncclavg_nocheck", bytes_nocheck)):
         t = med[name]
@@ -247,6 +276,9 @@ def case_avg_step_cast(size: int) -> list:
             "torch_stack_sum_us": med["torch_stack_sum"] * 1e6, "speedup_vs_torch": best / t,
             "bytes": nbytes, "gbps": nbytes / t / 1e9, "copy_time_us": copy_s * nbytes / bytes_nocheck * 1e6,
             "copy_gbps": bytes_nocheck / copy_s / 1e9, "fraction_of_copy_bw": (nbytes / t) / (bytes_nocheck / copy_s),
+            "read_gbps": bytes_nocheck / read_s / 1e9, "fraction_of_read_bw": (nbytes / t) / (bytes_nocheck / read_s),
+            "triad_gbps": bytes_nocheck / triad_s / 1e9,
+            "fraction_of_triad_bw": (nbytes / t) / (bytes_nocheck / triad_s),
         })
     return rows
 
@@ -287,7 +319,7 @@ def main() -> int:
 
     print(f"# ncclavg bench/optim.py  {header['cpu']}  threads={args.threads}  torch {torch.__version__}  "
           f"simd={header['simd_level']}  {ds_note}  load {header['loadavg_start'][0]:.1f}")
-    print(f"{'case':<78} {'ncclavg ms':>10} {'torch ms':>9} {'x torch':>8} {'GB/s':>7} {'of copy':>8}")
+    print(f"{'case':<78} {'ncclavg ms':>10} {'torch ms':>9} {'x torch':>8} {'GB/s':>7} {'of copy':>8} {'of read':>8} {'of triad':>8}")
     for r in rows:
         extra = ""
         if "torch_fused_us" in r:
@@ -296,7 +328,8 @@ def main() -> int:
             if "deepspeed_us" in r:
                 extra += f"  deepspeed {r['deepspeed_us'] / 1e3:.2f} ms ({r['speedup_vs_deepspeed']:.2f}x)"
         print(f"{r['case']:<78} {r['time_us'] / 1e3:>10.2f} {r['torch_time_us'] / 1e3:>9.2f} "
-              f"{r['speedup_vs_torch']:>7.2f}x {r['gbps']:>7.1f} {r['fraction_of_copy_bw']:>7.0%}{extra}")
+              f"{r['speedup_vs_torch']:>7.2f}x {r['gbps']:>7.1f} {r['fraction_of_copy_bw']:>7.0%} "
+              f"{r['fraction_of_read_bw']:>7.0%} {r['fraction_of_triad_bw']:>7.0%}{extra}")
     path = Path(args.json) if args.json else (
         ROOT / "bench" / "results" / f"optim-{header['machine']}-{_dt.date.today().isoformat()}.json")
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -12,7 +12,7 @@ import torch
 from ncclavg import _C
 from ncclavg.buffers import as_buffer as B
 from optim_reference import (bits_equal, effective_grad, f32, norm64, ref_adam, ref_sgd, simd_level, simd_levels,
-                             to_np, tower_mean)
+                             to_np)
 
 SIZES = [0, 1, 7, 15, 16, 17, 33, 100, 4097]
 GRAD_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
