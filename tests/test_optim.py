@@ -171,7 +171,7 @@ def test_closure_returns_loss():
 @pytest.mark.parametrize("bad", [math.inf, math.nan])
 def test_nonfinite_grad_skips_step(opt_cls, kw, bad):
     pa = make_params(13)
-    opt = opt_cls(pa, **kw)
+    opt = opt_cls(pa, skip_nonfinite=True, **kw)
     gen = torch.Generator().manual_seed(14)
     for p in pa:
         p.grad = torch.randn(p.shape, generator=gen)
@@ -191,6 +191,23 @@ def test_nonfinite_grad_skips_step(opt_cls, kw, bad):
     for i, st in sd_before["state"].items():
         for k, v in st.items():
             assert bits_equal(sd_after["state"][i][k], v), k
+
+
+@pytest.mark.parametrize("opt_cls,torch_cls,kw", [(CPUAdamW, torch.optim.AdamW, dict(lr=1e-2)),
+                                                  (CPUSGD, torch.optim.SGD, dict(lr=0.1, momentum=0.9))])
+def test_default_does_what_torch_does_with_a_nan(opt_cls, torch_cls, kw):
+    # Off by default, as in torch.optim: the NaN reaches the parameter it belongs to, like torch's.
+    ours, theirs = make_params(3), make_params(3)
+    for p, q in zip(ours, theirs):
+        p.grad = torch.ones_like(p)
+        q.grad = torch.ones_like(q)
+        p.grad.view(-1)[0] = q.grad.view(-1)[0] = math.nan
+    info = opt_cls(ours, **kw).step()
+    torch_cls(theirs, **kw).step()
+    assert not info["skipped"]
+    for p, q in zip(ours, theirs):
+        assert torch.equal(torch.isnan(p.detach()), torch.isnan(q.detach()))
+        assert torch.isnan(p.detach()).any()
 
 
 def test_state_dict_round_trip_with_torch_both_ways():
