@@ -4,8 +4,8 @@
     python bench/cpu_suite.py --quick         # smaller sweeps, for a smoke run
     python bench/cpu_suite.py --only average sweep-local
 
-What runs: bench/average.py, bench/pack.py, bench/optim.py, bench/pipeline.py (fused average + optimizer
-step + cast), any other bench/*.py that follows the contract below (except gpu_* scripts), and the
+What runs: bench/average.py, bench/pack.py, bench/optim.py (its case (b) is the fused average + optimizer
+step + cast pipeline), any other bench/*.py that follows the contract below (except gpu_* scripts), and the
 `ncclavg bench` sweeps for the local (4 towers) and gloo (2 ranks) backends. A script that does not exist
 yet is listed as "missing" with a note; one that fails is listed with its exit code and last stderr line.
 The suite also measures the machine's copy bandwidth itself, at its start and at its end, and reports
@@ -48,7 +48,6 @@ KNOWN_SCRIPTS = [
     ("average", "average.py", "ncclavg.ops.average_ (one-pass host average) vs torch"),
     ("pack", "pack.py", "pack/unpack of gradients into flat buckets vs torch.cat / split copies"),
     ("optim", "optim.py", "CPUAdamW / CPUSGD vs torch.optim (foreach / fused)"),
-    ("pipeline", "pipeline.py", "fused average + optimizer step + cast (MasterWeights) vs torch"),
 ]
 SCRIPT_TIMEOUT_S = 300
 TORCH_TIME_KEYS = ("torch_time_us", "torch_us", "time_torch_us")

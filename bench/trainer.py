@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--width", type=int, default=None, help="hidden width of the MLP")
     ap.add_argument("--layers", type=int, default=None, help="hidden layers of the MLP")
     ap.add_argument("--towers", type=int, default=None, help="CPU towers when there is no GPU (default 2)")
-    ap.add_argument("--out", default=None, help="JSON file (default bench/results/trainer_<cpu|gpu>.json)")
+    ap.add_argument("--json", "--out", dest="out", default=None, help="JSON file (default bench/results/trainer_<cpu|gpu>.json)")
     args = ap.parse_args(argv)
 
     devices = default_devices(cpu_towers=args.towers or 2)
