@@ -123,6 +123,23 @@ void check_distinct(const std::vector<Buffer>& bufs, const char* argname) {
   }
 }
 
+// Reduce-scatter (full in, shard out) and all-gather (shard in, full out) share one layout rule: each
+// device's full buffer holds `size` shards, and the two may overlap only when the shard IS this rank's
+// slice of the full buffer (NCCL's in-place form).
+void check_full_and_shard(const std::vector<Buffer>& full, const char* full_name, const std::vector<Buffer>& shard,
+                          const char* shard_name, int size, const std::vector<int>& ranks) {
+  NCCLAVG_CHECK_ARG(full[0].numel == shard[0].numel * size, full_name, "has ", full[0].numel,
+                    " elements per device; it must be the communicator size (", size, ") times ", shard_name,
+                    "' ", shard[0].numel);
+  for (size_t i = 0; i < full.size(); ++i) {
+    const size_t offset = static_cast<size_t>(ranks[i]) * shard[i].nbytes();
+    const bool in_place = shard[i].ptr == full[i].ptr + offset;
+    NCCLAVG_CHECK_ARG(in_place || !overlaps(full[i], shard[i]), std::string(shard_name) + "[" + std::to_string(i) + "]",
+                      "overlaps ", full_name, "[", i, "]; the only overlap allowed is the in-place shard at byte offset ",
+                      offset, " of ", full_name, "[", i, "] (rank ", ranks[i], ")");
+  }
+}
+
 std::vector<uintptr_t> checked_streams(const std::vector<uintptr_t>& after, size_t n) {
   if (after.empty()) return std::vector<uintptr_t>(n, 0);  // the legacy default stream of each device
   NCCLAVG_CHECK_ARG(after.size() == n, "after_streams", "needs one stream per local device (", n, "), got ",
@@ -337,17 +354,7 @@ uint64_t NcclComm::reduce_scatter(const std::vector<Buffer>& inputs, const std::
   check_distinct(outputs, "outputs");
   NCCLAVG_CHECK_TYPE(outputs[0].dtype == inputs[0].dtype, "outputs", "dtype ", dtype_name(outputs[0].dtype),
                      " differs from inputs dtype ", dtype_name(inputs[0].dtype));
-  NCCLAVG_CHECK_ARG(inputs[0].numel == outputs[0].numel * size_, "inputs", "has ", inputs[0].numel,
-                    " elements per device; it must be the communicator size (", size_, ") times outputs' ",
-                    outputs[0].numel);
-  for (size_t i = 0; i < inputs.size(); ++i) {
-    const Buffer& in = inputs[i];
-    const Buffer& out = outputs[i];
-    const bool in_place = out.ptr == in.ptr + static_cast<uintptr_t>(ranks_[i]) * out.nbytes();
-    NCCLAVG_CHECK_ARG(in_place || !overlaps(in, out), "outputs[" + std::to_string(i) + "]",
-                      "overlaps inputs[", i, "]; the only overlap allowed is the in-place shard at byte offset ",
-                      static_cast<size_t>(ranks_[i]) * out.nbytes(), " (rank ", ranks_[i], ")");
-  }
+  check_full_and_shard(inputs, "inputs", outputs, "outputs", size_, ranks_);
   check_dtype_supported(inputs[0].dtype, "inputs");
   checked_streams(after_streams, dev_.size());
   if (timeout_s) checked_timeout(*timeout_s, "timeout_s");
@@ -377,17 +384,7 @@ uint64_t NcclComm::all_gather(const std::vector<Buffer>& inputs, const std::vect
   check_distinct(outputs, "outputs");
   NCCLAVG_CHECK_TYPE(outputs[0].dtype == inputs[0].dtype, "outputs", "dtype ", dtype_name(outputs[0].dtype),
                      " differs from inputs dtype ", dtype_name(inputs[0].dtype));
-  NCCLAVG_CHECK_ARG(outputs[0].numel == inputs[0].numel * size_, "outputs", "has ", outputs[0].numel,
-                    " elements per device; it must be the communicator size (", size_, ") times inputs' ",
-                    inputs[0].numel);
-  for (size_t i = 0; i < inputs.size(); ++i) {
-    const Buffer& in = inputs[i];
-    const Buffer& out = outputs[i];
-    const bool in_place = in.ptr == out.ptr + static_cast<uintptr_t>(ranks_[i]) * in.nbytes();
-    NCCLAVG_CHECK_ARG(in_place || !overlaps(in, out), "inputs[" + std::to_string(i) + "]",
-                      "overlaps outputs[", i, "]; the only overlap allowed is the in-place shard at byte offset ",
-                      static_cast<size_t>(ranks_[i]) * in.nbytes(), " of outputs[", i, "] (rank ", ranks_[i], ")");
-  }
+  check_full_and_shard(outputs, "outputs", inputs, "inputs", size_, ranks_);
   check_dtype_supported(inputs[0].dtype, "inputs");
   checked_streams(after_streams, dev_.size());
   if (timeout_s) checked_timeout(*timeout_s, "timeout_s");
