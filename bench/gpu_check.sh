@@ -2,7 +2,8 @@
 # bench/gpu_check.sh: everything ncclavg needs checked on a GPU machine, in one command of <= 8 minutes.
 #
 #   bench/gpu_check.sh            build for sm_90 (NCCLAVG_CUDA=1), `ncclavg info`, `pytest -m gpu`,
-#                                 the GPU benchmarks (bench/gpu_bench.py), compute-sanitizer memcheck over
+#                                 the GPU benchmarks (bench/gpu_bench.py, the `ncclavg bench --backend nccl`
+#                                 sweep, bench/trainer.py), compute-sanitizer memcheck over
 #                                 the kernel tests, and a wheel built with --no-build-isolation
 #   bench/gpu_check.sh --dry-run  walks every step without a GPU: the CUDA build (when a toolkit is
 #                                 present) into a scratch folder, import + info of that build, the GPU
@@ -146,6 +147,10 @@ if ((DRY)); then
   step tests 240 "$PY" -m pytest -m gpu -q -rs -p no:cacheprovider --continue-on-collection-errors tests
   step sanitizer 30 dry_sanitizer
   step bench 120 "$PY" bench/gpu_bench.py --dry-run --out "$OUT_DIR/gpu_bench.json"
+  # The sweep and trainer steps on the CPU path, small: checks their arguments and outputs.
+  step sweep 90 "$PY" -m ncclavg bench --backend local --towers 2 -b 8 -e 64K --quiet \
+    --json "$OUT_DIR/bench-local.json"
+  step trainer 90 "$PY" bench/trainer.py --quick --json "$OUT_DIR/trainer_cpu.json"
   step wheel 60 dry_wheel
 else
   echo "gpu_check.sh: $ROOT -> $OUT_DIR (budget ${BUDGET}s)"
@@ -159,6 +164,9 @@ else
   step tests 270 "$PY" -m pytest -m gpu -q -rs -p no:cacheprovider --continue-on-collection-errors \
     --junitxml="$OUT_DIR/pytest-gpu.xml" tests
   step bench 150 "$PY" bench/gpu_bench.py --out "$OUT_DIR/gpu_bench.json"
+  step sweep 90 "$PY" -m ncclavg bench --backend nccl --towers 1 --compare -b 8 -e 256M \
+    --json "$OUT_DIR/bench-nccl.json" --plot "$OUT_DIR/bench-nccl.png"
+  step trainer 90 "$PY" bench/trainer.py --json "$OUT_DIR/trainer_gpu.json"
   step sanitizer 90 run_sanitizer
   step wheel 120 env NCCLAVG_CUDA=1 NCCLAVG_CUDA_ARCHS="$ARCHS" "$PY" -m pip wheel --no-build-isolation \
     --no-deps --no-index -w "$OUT_DIR/wheel" .
