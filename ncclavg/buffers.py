@@ -42,24 +42,36 @@ def _kind(x: Any) -> str:
     return "unknown"
 
 
-def _from_torch(t: Any, name: str) -> Buffer:
-    import torch
+_TORCH_CODES: dict = {}
 
-    codes = {torch.float32: FLOAT32, torch.float16: FLOAT16, torch.bfloat16: BFLOAT16}
-    if t.dtype not in codes:
+
+def _from_torch(t: Any, name: str) -> Buffer:
+    # On the per-bucket hot path: one attribute read per check, the dtype table built once.
+    if not _TORCH_CODES:
+        import torch
+
+        _TORCH_CODES.update({torch.float32: FLOAT32, torch.float16: FLOAT16, torch.bfloat16: BFLOAT16})
+    code = _TORCH_CODES.get(t.dtype)
+    if code is None:
         raise TypeError(f"{name}: dtype {t.dtype} is not supported; use float32, float16 or bfloat16")
     if not t.is_contiguous():
         raise ValueError(f"{name}: tensor is not contiguous (shape {tuple(t.shape)}, stride {t.stride()}); "
                          "call .contiguous() or pass the flat bucket")
-    if t.device.type == "cpu":
+    dev = t.device
+    if dev.type == "cpu":
         device = CPU
-    elif t.device.type == "cuda":
-        device = t.device.index if t.device.index is not None else torch.cuda.current_device()
+    elif dev.type == "cuda":
+        if dev.index is None:
+            import torch
+
+            device = torch.cuda.current_device()
+        else:
+            device = dev.index
     else:
-        raise ValueError(f"{name}: device {t.device} is not supported; use cpu or cuda tensors")
-    if t.is_conj() or t.is_neg():
-        raise ValueError(f"{name}: tensor has a lazy conj/neg bit; call .resolve_conj()/.resolve_neg()")
-    return Buffer(t.data_ptr(), t.numel(), codes[t.dtype], device, False)
+        raise ValueError(f"{name}: device {dev} is not supported; use cpu or cuda tensors")
+    if t.is_neg():
+        raise ValueError(f"{name}: tensor has a lazy negation bit; call .resolve_neg()")
+    return Buffer(t.data_ptr(), t.numel(), code, device, False)
 
 
 def _numpy_code(dtype: Any, name: str) -> int:

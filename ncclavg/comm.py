@@ -23,6 +23,7 @@ restart of every rank from the last checkpoint).
 from __future__ import annotations
 
 import datetime
+import functools
 import os
 import threading
 import time
@@ -328,6 +329,11 @@ class Communicator:
         """[world_size, len(record)] float32 CPU tensor: every process's record (bounded)."""
         raise NotImplementedError
 
+    @functools.cached_property
+    def _torch_devices(self) -> list:
+        """torch.device of each local tower (devices never change after construction)."""
+        return [torch.device(d) for d in self.devices]
+
     def _check_group(self, tensors: Any, argname: str, numel: Optional[int] = None) -> list:
         """One tensor per local tower, same numel/dtype, each on its tower's device, no shared memory."""
         self._check_open()
@@ -340,7 +346,7 @@ class Communicator:
         for i, t in enumerate(tensors):
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"{argname}[{i}]: expected a torch.Tensor, got {type(t).__name__}")
-            if t.device != torch.device(self.devices[i]):
+            if t.device != self._torch_devices[i]:
                 raise ValueError(f"{argname}[{i}]: is on {t.device} but local tower {i} of this communicator is "
                                  f"on {self.devices[i]}")
             if t.dtype != tensors[0].dtype:
@@ -348,7 +354,7 @@ class Communicator:
             want = tensors[0].numel() if numel is None else numel
             if t.numel() != want:
                 raise ValueError(f"{argname}[{i}]: has {t.numel()} elements, expected {want}")
-        spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), i, str(t.device))
+        spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), i, t.device)
                        for i, t in enumerate(tensors) if t.numel() > 0)
         for a, b in zip(spans, spans[1:]):
             if a[3] == b[3] and a[1] > b[0]:
