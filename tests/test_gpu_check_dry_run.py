@@ -30,8 +30,11 @@ def test_gpu_check_dry_run(tmp_path):
     doc = json.loads((tmp_path / "gpu_check.json").read_text())
     assert doc["dry_run"] is True
     assert [s["step"] for s in doc["steps"]] == ["env", "build", "import", "tests_list", "tests", "sanitizer",
-                                                  "bench", "wheel"]
+                                                  "bench", "sweep", "trainer", "wheel"]
     assert all(s["status"] == "pass" for s in doc["steps"]), doc["steps"]
+    sweep = json.loads((tmp_path / "bench-local.json").read_text())
+    assert sweep["rows"] and all(row["wrong"] == 0 for row in sweep["rows"])
+    assert json.loads((tmp_path / "trainer_cpu.json").read_text())
     bench = json.loads((tmp_path / "gpu_bench.json").read_text())
     assert bench["header"]["dry_run"] is True
     assert set(bench["sections"]) == {"copy", "average", "pack", "allreduce", "pinned"}
