@@ -1,16 +1,48 @@
-"""ncclavg: fused all-reduce averaging of gradient buckets, CPU master weights, multi-tower training."""
+"""ncclavg: fused all-reduce averaging of gradient buckets, CPU master weights, multi-tower training.
+
+The compiled core, `ops`, `build_info()` and `ncclavg info` need only numpy. Everything that works on
+torch modules (bucket plans, communicators, the averager, optimizers, the trainer) is imported on first
+use, so `import ncclavg` works, and says what it has, on a machine without torch.
+"""
+from importlib import import_module as _import_module
+
 from ._version import __version__
 from ._ext import cuda_available, cuda_built
-from .errors import CommTimeoutError, CudaError, LayoutMismatchError, NcclError
-from .errors import CollectiveMismatchError, CommError
+from .errors import CollectiveMismatchError, CommError, CommTimeoutError, CudaError, LayoutMismatchError, NcclError
 from .info import build_info
 from . import ops
-from .bucketing import Bucket, BucketPlan, ParamSlot
-from .comm import Communicator, Work
-from .averager import GradientAverager
-from . import optim
-from .master import MasterWeights
-from .trainer import TowerTrainer
+
+# name -> module that defines it; loaded by __getattr__ on first access (PEP 562).
+_LAZY = {
+    "Bucket": "bucketing", "BucketPlan": "bucketing", "ParamSlot": "bucketing",
+    "Communicator": "comm", "Work": "comm",
+    "GradientAverager": "averager",
+    "MasterWeights": "master",
+    "TowerTrainer": "trainer",
+}
+_LAZY_MODULES = ("optim",)
+
+
+def __getattr__(name):
+    if name in _LAZY_MODULES:
+        return _import_module(f".{name}", __name__)
+    if name in _LAZY:
+        try:
+            value = getattr(_import_module(f".{_LAZY[name]}", __name__), name)
+        except ModuleNotFoundError as e:
+            if e.name == "torch":
+                raise ModuleNotFoundError(
+                    f"ncclavg.{name} needs PyTorch, which is not installed: install the torch build for your "
+                    "machine (e.g. `pip install torch`), then retry", name="torch") from e
+            raise
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'ncclavg' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(list(globals()) + list(_LAZY) + list(_LAZY_MODULES))
+
 
 __all__ = [
     "__version__", "build_info", "cuda_available", "cuda_built", "ops", "optim", "MasterWeights", "TowerTrainer",

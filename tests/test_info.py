@@ -60,3 +60,26 @@ def test_nccl_missing_is_reported_with_install_hint():
     assert r.returncode == 0, r.stderr
     nccl = json.loads(r.stdout)["nccl"]
     assert not nccl["loaded"] and "NCCLAVG_NCCL_LIBRARY" in nccl["error"]
+
+
+def test_import_info_and_numpy_ops_work_without_torch():
+    # torch is an optional dependency: block it and check what must still work, and what must say why not.
+    code = """
+import sys
+sys.modules["torch"] = None   # any `import torch` now raises ModuleNotFoundError
+import numpy as np
+import ncclavg
+assert ncclavg.build_info()["torch"] is None
+a = [np.full(7, 1.0, np.float32), np.full(7, 3.0, np.float32)]
+ncclavg.ops.average_(a)
+assert (a[1] == 2.0).all()
+try:
+    ncclavg.GradientAverager
+except ModuleNotFoundError as e:
+    assert "needs PyTorch" in str(e), e
+else:
+    raise AssertionError("GradientAverager without torch must raise")
+print("ok")
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
