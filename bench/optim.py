@@ -68,17 +68,10 @@ from ncclavg import MasterWeights  # noqa: E402
 from ncclavg.buffers import as_buffer  # noqa: E402
 from ncclavg.optim import CPUAdamW  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import cpu_model  # noqa: E402
+
 torch.set_num_threads(args.threads)
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def machine_slug() -> str:

@@ -140,6 +140,24 @@ void check_full_and_shard(const std::vector<Buffer>& full, const char* full_name
   }
 }
 
+// Every check a reduce-scatter (inputs full, outputs shards) or an all-gather (inputs shards, outputs
+// full) makes on its buffers, in one place so the two collectives cannot drift apart.
+void check_sharded_pair(const std::vector<Buffer>& inputs, const std::vector<Buffer>& outputs, bool inputs_full,
+                        const std::vector<int>& devices, int size, const std::vector<int>& ranks) {
+  check_per_device(inputs, "inputs", devices, false);
+  check_per_device(outputs, "outputs", devices, true);
+  check_distinct(inputs, "inputs");
+  check_distinct(outputs, "outputs");
+  NCCLAVG_CHECK_TYPE(outputs[0].dtype == inputs[0].dtype, "outputs", "dtype ", dtype_name(outputs[0].dtype),
+                     " differs from inputs dtype ", dtype_name(inputs[0].dtype));
+  if (inputs_full) {
+    check_full_and_shard(inputs, "inputs", outputs, "outputs", size, ranks);
+  } else {
+    check_full_and_shard(outputs, "outputs", inputs, "inputs", size, ranks);
+  }
+  check_dtype_supported(inputs[0].dtype, "inputs");
+}
+
 std::vector<uintptr_t> checked_streams(const std::vector<uintptr_t>& after, size_t n) {
   if (after.empty()) return std::vector<uintptr_t>(n, 0);  // the legacy default stream of each device
   NCCLAVG_CHECK_ARG(after.size() == n, "after_streams", "needs one stream per local device (", n, "), got ",
@@ -348,14 +366,7 @@ uint64_t NcclComm::reduce_scatter(const std::vector<Buffer>& inputs, const std::
   std::lock_guard<std::mutex> lock(mu_);
   const bool average = parse_average(op);
   check_usable_locked(average ? "reduce_scatter_avg" : "reduce_scatter_sum");
-  check_per_device(inputs, "inputs", devices_, false);
-  check_per_device(outputs, "outputs", devices_, true);
-  check_distinct(inputs, "inputs");
-  check_distinct(outputs, "outputs");
-  NCCLAVG_CHECK_TYPE(outputs[0].dtype == inputs[0].dtype, "outputs", "dtype ", dtype_name(outputs[0].dtype),
-                     " differs from inputs dtype ", dtype_name(inputs[0].dtype));
-  check_full_and_shard(inputs, "inputs", outputs, "outputs", size_, ranks_);
-  check_dtype_supported(inputs[0].dtype, "inputs");
+  check_sharded_pair(inputs, outputs, /*inputs_full=*/true, devices_, size_, ranks_);
   checked_streams(after_streams, dev_.size());
   if (timeout_s) checked_timeout(*timeout_s, "timeout_s");
   if (outputs[0].numel == 0) return 0;
@@ -378,14 +389,7 @@ uint64_t NcclComm::all_gather(const std::vector<Buffer>& inputs, const std::vect
                               const std::string& tag) {
   std::lock_guard<std::mutex> lock(mu_);
   check_usable_locked("all_gather");
-  check_per_device(inputs, "inputs", devices_, false);
-  check_per_device(outputs, "outputs", devices_, true);
-  check_distinct(inputs, "inputs");
-  check_distinct(outputs, "outputs");
-  NCCLAVG_CHECK_TYPE(outputs[0].dtype == inputs[0].dtype, "outputs", "dtype ", dtype_name(outputs[0].dtype),
-                     " differs from inputs dtype ", dtype_name(inputs[0].dtype));
-  check_full_and_shard(outputs, "outputs", inputs, "inputs", size_, ranks_);
-  check_dtype_supported(inputs[0].dtype, "inputs");
+  check_sharded_pair(inputs, outputs, /*inputs_full=*/false, devices_, size_, ranks_);
   checked_streams(after_streams, dev_.size());
   if (timeout_s) checked_timeout(*timeout_s, "timeout_s");
   if (inputs[0].numel == 0) return 0;
