@@ -274,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     sys.path.insert(0, str(ROOT))
-    from ncclavg import bench_report
+    from ncclavg.bench import report as bench_report
 
     plan: list[tuple[str, list[str] | None, str, str]] = []
     for name, script, what in KNOWN_SCRIPTS:

@@ -99,11 +99,14 @@ dry_build() {
   rm -rf "$STAGE" && mkdir -p "$STAGE/ncclavg" || return 1
   NCCLAVG_CUDA=${NCCLAVG_CUDA:-auto} NCCLAVG_CUDA_ARCHS=$ARCHS "$PY" setup.py build_ext \
     --build-temp "$ROOT/build/gpu_check/temp-dry" --build-lib "$OUT_DIR/dry-lib" || return 1
-  cp ncclavg/*.py "$STAGE/ncclavg/" && cp "$OUT_DIR"/dry-lib/ncclavg/_C*.so "$STAGE/ncclavg/"
+  # the package's sources, subpackages included (comm/, train/, bench/), then the fresh build
+  tar -C ncclavg --exclude=__pycache__ --exclude='*.so' -cf - . | tar -C "$STAGE/ncclavg" -xf - &&
+    cp "$OUT_DIR"/dry-lib/ncclavg/_C*.so "$STAGE/ncclavg/"
 }
 dry_import() {
   (cd "$STAGE" && PYTHONPATH="$STAGE" "$PY" - <<'EOF'
 import ncclavg, ncclavg._ext as ext
+import ncclavg.bench.cli, ncclavg.comm, ncclavg.train.trainer  # every layer of the staged copy loads
 info = ncclavg.build_info()
 print("imported", ncclavg.__file__)
 print("cuda_built", info["cuda"], "archs", info["cuda_archs"], "NcclComm", hasattr(ext._C, "NcclComm"))

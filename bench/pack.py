@@ -31,7 +31,7 @@ import ncclavg  # noqa: E402
 from ncclavg import Communicator, GradientAverager, ops  # noqa: E402
 from ncclavg._ext import _C  # noqa: E402
 from ncclavg.buffers import as_buffer, as_buffers  # noqa: E402
-from ncclavg.comm import LocalCommunicator, _CompletedWork  # noqa: E402
+from ncclavg.comm import LocalCommunicator, CompletedWork  # noqa: E402
 
 
 def rounds(contenders: dict, reps: int, warmup: int = 2) -> dict:
@@ -128,7 +128,7 @@ class NullLocalCommunicator(LocalCommunicator):
 
     def all_reduce_avg_async(self, tensors, defer_scale=False, **kwargs):
         self._check_group(tensors, "tensors")
-        return _CompletedWork()
+        return CompletedWork()
 
 
 def bench_average_overhead(reps: int) -> dict:

@@ -33,8 +33,8 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import ncclavg  # noqa: E402
-from ncclavg.towers import default_devices, split_sizes  # noqa: E402
-from ncclavg.trainer import TowerTrainer  # noqa: E402
+from ncclavg.train.towers import default_devices, split_sizes  # noqa: E402
+from ncclavg.train.trainer import TowerTrainer  # noqa: E402
 
 
 def wide_mlp(width: int, layers: int, classes: int = 10) -> nn.Module:

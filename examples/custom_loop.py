@@ -15,8 +15,8 @@ from torch import nn
 
 from ncclavg.averager import GradientAverager
 from ncclavg.comm import Communicator
-from ncclavg.data import TensorLoader, load_digits
-from ncclavg.models import build_model
+from ncclavg.train.data import TensorLoader, load_digits
+from ncclavg.train.models import build_model
 from ncclavg.optim import CPUAdamW
 
 

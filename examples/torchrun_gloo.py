@@ -16,10 +16,10 @@ from torch import nn
 
 from ncclavg.averager import GradientAverager
 from ncclavg.comm import Communicator
-from ncclavg.data import TensorLoader, load_digits
-from ncclavg.models import build_model
+from ncclavg.train.data import TensorLoader, load_digits
+from ncclavg.train.models import build_model
 from ncclavg.optim import CPUAdamW
-from ncclavg.towers import split_sizes
+from ncclavg.train.towers import split_sizes
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -3,6 +3,12 @@
 The compiled core, `ops`, `build_info()` and `ncclavg info` need only numpy. Everything that works on
 torch modules (bucket plans, communicators, the averager, optimizers, the trainer) is imported on first
 use, so `import ncclavg` works, and says what it has, on a machine without torch.
+
+Layout: the core is this folder (buffers, ops, bucketing, averager, optim, master, the `ncclavg`
+command); `ncclavg.comm` holds the Communicator and its backends, `ncclavg.train` TowerTrainer and what
+only training needs, `ncclavg.bench` the `ncclavg bench` command. The core imports none of them when it
+loads; comm imports only the core; train and bench import comm and the core, never each other
+(tests/test_layering.py checks it).
 """
 from importlib import import_module as _import_module
 
@@ -18,26 +24,26 @@ _LAZY = {
     "Communicator": "comm", "Work": "comm",
     "GradientAverager": "averager",
     "MasterWeights": "master",
-    "TowerTrainer": "trainer",
+    "TowerTrainer": "train.trainer",
 }
-_LAZY_MODULES = ("optim",)
+# Modules and subpackages reachable as attributes of `ncclavg` once torch is there.
+_LAZY_MODULES = ("optim", "comm", "train", "bench")
 
 
 def __getattr__(name):
-    if name in _LAZY_MODULES:
-        return _import_module(f".{name}", __name__)
-    if name in _LAZY:
-        try:
-            value = getattr(_import_module(f".{_LAZY[name]}", __name__), name)
-        except ModuleNotFoundError as e:
-            if e.name == "torch":
-                raise ModuleNotFoundError(
-                    f"ncclavg.{name} needs PyTorch, which is not installed: install the torch build for your "
-                    "machine (e.g. `pip install torch`), then retry", name="torch") from e
-            raise
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'ncclavg' has no attribute {name!r}")
+    if name not in _LAZY and name not in _LAZY_MODULES:
+        raise AttributeError(f"module 'ncclavg' has no attribute {name!r}")
+    try:
+        module = _import_module(f".{_LAZY.get(name, name)}", __name__)
+    except ModuleNotFoundError as e:
+        if e.name == "torch":
+            raise ModuleNotFoundError(
+                f"ncclavg.{name} needs PyTorch, which is not installed: install the torch build for your "
+                "machine (e.g. `pip install torch`), then retry", name="torch") from e
+        raise
+    value = module if name in _LAZY_MODULES else getattr(module, name)
+    globals()[name] = value
+    return value
 
 
 def __dir__():

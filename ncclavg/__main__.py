@@ -1,5 +1,7 @@
+"""`python -m ncclavg ...`: the same command as `ncclavg ...` (see cli.py)."""
 import sys
 
 from .cli import main
 
-sys.exit(main())
+if __name__ == "__main__":
+    sys.exit(main())

@@ -41,7 +41,7 @@ from . import ops
 from .bucketing import SUPPORTED_DTYPES, BucketPlan, parse_dtype
 from .errors import LayoutMismatchError
 
-log = logging.getLogger("ncclavg.averager")
+log = logging.getLogger(__name__)
 
 
 class GradientAverager:

@@ -1,9 +1,16 @@
-"""The `ncclavg` command: info | bench | train."""
+"""The `ncclavg` command: info | bench | train.
+
+`info` lives here; `bench` and `train` live in ncclavg/bench/cli.py and ncclavg/train/cli.py, each adding
+its subparser. Shared conventions: a bad argument raises `ncclavg.errors.UsageError`, which `main`
+prints on one line (`ncclavg train: error: ...`) with exit code 2.
+"""
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+
+from .errors import UsageError
 
 
 def _cmd_info(args: argparse.Namespace) -> int:
@@ -27,10 +34,12 @@ def build_parser() -> argparse.ArgumentParser:
     pi = sub.add_parser("info", help="show build options, devices, NCCL and SIMD level")
     pi.add_argument("--json", action="store_true", help="print the build_info() dict as JSON")
     pi.set_defaults(func=_cmd_info)
-    # `bench` and `train` live in their own modules, each adding its subparser.
-    from . import bench, train_cli
+    # Imported here, not at module level: the core never imports ncclavg.bench or ncclavg.train when it
+    # loads (`import ncclavg` works without torch), only when the command line is built.
+    from .bench import cli as bench_cli
+    from .train import cli as train_cli
 
-    bench.add_parser(sub)
+    bench_cli.add_parser(sub)
     train_cli.add_parser(sub)
     return p
 
@@ -40,6 +49,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.func(args)
+    except UsageError as e:
+        print(f"ncclavg {args.command}: error: {e}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

@@ -7,6 +7,7 @@ classes are created there so C++ can raise them); the others are raised by the P
     CollectiveMismatchError (CommError)  NCCLAVG_DEBUG=1: ranks issued different collectives (one skipped
                                       or reordered a bucket); raised on every rank
     LayoutMismatchError (ValueError)  towers/ranks hold parameter lists that do not line up
+    UsageError (ValueError)           a bad command-line argument of `ncclavg bench` / `ncclavg train`
 """
 from __future__ import annotations
 
@@ -31,3 +32,15 @@ class CollectiveMismatchError(CommError):
 class LayoutMismatchError(ValueError):
     """Towers (or ranks) hold parameter lists that do not line up: the message names the first
     parameter that differs (index, name when known, shape, dtype)."""
+
+
+class UsageError(ValueError):
+    """A bad command-line argument of an `ncclavg` subcommand, raised before anything starts: the
+    `ncclavg` command prints it on one line (`ncclavg bench: error: --towers: must be >= 1, got 0`) and
+    exits with code 2."""
+
+    @classmethod
+    def check_at_least(cls, flag: str, value: object, lo: int = 1) -> None:
+        """Raises `flag: must be >= lo, got value` unless value is None (flag not given) or >= lo."""
+        if value is not None and value < lo:  # type: ignore[operator]
+            raise cls(f"{flag}: must be >= {lo}, got {value}")

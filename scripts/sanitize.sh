@@ -31,9 +31,9 @@ export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1"
 if [ "$#" -eq 0 ]; then
   set -- -q -m "not slow and not gpu" -p no:cacheprovider \
     tests/test_average.py tests/test_pack.py tests/test_bad_input.py tests/test_bad_input_battery.py \
-    tests/test_comm_local.py tests/test_comm_gloo.py tests/test_averager.py tests/test_bucketing.py \
-    tests/test_optim_kernels.py tests/test_optim.py tests/test_master.py tests/test_trainer.py \
-    tests/test_fuzz.py tests/test_faults_nonfinite.py tests/test_faults_comm.py tests/test_faults_checkpoint.py
+    tests/comm/test_comm_local.py tests/comm/test_comm_gloo.py tests/test_averager.py tests/test_bucketing.py \
+    tests/test_optim_kernels.py tests/test_optim.py tests/test_master.py tests/train/test_trainer.py \
+    tests/test_fuzz.py tests/train/test_faults_nonfinite.py tests/comm/test_faults_comm.py tests/train/test_faults_checkpoint.py
 fi
 "$PY" -c 'import ncclavg._C as c, sys; print("testing", c.__file__); sys.exit(0 if c.__file__.startswith(sys.argv[1]) else 1)' "$SCRATCH"
 "$PY" -m pytest "$@"

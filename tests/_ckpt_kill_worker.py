@@ -33,9 +33,9 @@ from torch import nn  # noqa: E402
 torch.set_num_threads(1)
 
 from ncclavg import TowerTrainer  # noqa: E402
-from ncclavg import checkpoint as ckpt  # noqa: E402
-from ncclavg.callbacks import Callback, CheckpointCallback  # noqa: E402
-from ncclavg.data import TensorLoader  # noqa: E402
+from ncclavg.train import checkpoint as ckpt  # noqa: E402
+from ncclavg.train.callbacks import Callback, CheckpointCallback  # noqa: E402
+from ncclavg.train.data import TensorLoader  # noqa: E402
 
 STEPS = 120
 

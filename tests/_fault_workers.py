@@ -99,7 +99,7 @@ def peer_dies_mid_step(rank, world, port, outdir, victim, timeout, how):
 def _nccl_uid_lookup_alone(timeout):
     """NcclCommunicator.init_rank on a CPU machine up to its store look-up: the NCCL checks are stubbed
     out, the store wait is the real one (rank 0 never publishes an id, so it must time out)."""
-    from ncclavg import comm_nccl
+    from ncclavg.comm import nccl as comm_nccl
 
     comm_nccl.require_nccl_comm = lambda: None
     comm_nccl._device_index = lambda d, argname: 0
@@ -180,8 +180,8 @@ def layout_and_debug(rank, world, port, outdir):
 
         def skipping(tensors, defer_scale=False, **kw):
             if kw.get("debug_key") is not None and kw["debug_key"][:2] == (1, 1):
-                from ncclavg.comm import _CompletedWork
-                return _CompletedWork()
+                from ncclavg.comm import CompletedWork
+                return CompletedWork()
             return real(tensors, defer_scale, **kw)
 
         comm.all_reduce_avg_async = skipping

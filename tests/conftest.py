@@ -1,9 +1,18 @@
-"""Shared fixtures. Nothing here touches a GPU at import or collection time."""
+"""Shared fixtures. Nothing here touches a GPU at import or collection time.
+
+The tests of ncclavg.comm, ncclavg.train and ncclavg.bench live in tests/comm, tests/train and
+tests/bench; the core's tests and the helpers they all share (_gpu.py, _dist_util.py, the rank workers)
+stay here, and this folder is put on sys.path so that every test (and every rank a test spawns, which
+inherits sys.path) can import those helpers by name.
+"""
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from ncclavg import _C
 

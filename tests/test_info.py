@@ -79,6 +79,19 @@ except ModuleNotFoundError as e:
     assert "needs PyTorch" in str(e), e
 else:
     raise AssertionError("GradientAverager without torch must raise")
+for name in ("TowerTrainer", "Communicator", "comm"):
+    try:
+        getattr(ncclavg, name)
+    except ModuleNotFoundError as e:
+        assert "needs PyTorch" in str(e), (name, e)
+    else:
+        raise AssertionError(f"ncclavg.{name} without torch must raise")
+from ncclavg.cli import build_parser, main   # builds the bench and train subcommands: no torch needed
+build_parser().parse_args(["train", "--epochs", "1"])
+import contextlib, io
+with contextlib.redirect_stdout(io.StringIO()) as out:
+    assert main(["info"]) == 0
+assert "torch           not importable" in out.getvalue(), out.getvalue()
 print("ok")
 """
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

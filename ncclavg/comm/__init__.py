@@ -1,0 +1,22 @@
+"""ncclavg.comm: the Communicator and its backends.
+
+What lives here: `Communicator` (base.py: the constructors, argument checks, failure state) and `Work`,
+and one module per backend: local.py (CPU towers of one process, the core's one-pass host average),
+dist.py (gloo through torch.distributed, and the bounded torch.distributed plumbing), nccl.py (the
+core's NCCL communicator), plus debug.py (NCCLAVG_DEBUG's cross-rank sequence check).
+What it may import: the core (`ncclavg.ops`, `buffers`, `_ext`, `errors`, ...) and torch; never
+`ncclavg.train` or `ncclavg.bench`.
+Where to start reading: base.py's `Communicator`, then local.py, the simplest backend.
+"""
+from .base import CompletedWork, Communicator, Work, default_timeout, register_backend
+from .dist import GlooCommunicator
+from .local import LocalCommunicator
+from .nccl import NcclCommunicator
+
+# See Note [Backend table] in base.py.
+for _cls in (LocalCommunicator, GlooCommunicator, NcclCommunicator):
+    register_backend(_cls)
+del _cls
+
+__all__ = ["Communicator", "Work", "CompletedWork", "LocalCommunicator", "GlooCommunicator", "NcclCommunicator",
+           "default_timeout", "register_backend"]

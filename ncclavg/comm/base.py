@@ -1,0 +1,348 @@
+"""Communicator: the one object that averages a bucket across all towers, and the Work it hands back.
+
+This module holds what every backend shares: the public constructors, the argument checks that name
+the argument, the failure state and the debug-mode sequence check. The backends are subclasses in
+local.py (CPU towers of one process), dist.py (gloo: one CPU tower per process through
+torch.distributed) and nccl.py (the core's NCCL communicator); see Note [Backend table].
+
+Every wait is bounded: `timeout` seconds (default NCCLAVG_TIMEOUT, else 600); a wait that runs out raises
+`ncclavg.CommTimeoutError` naming the operation, its tag (e.g. "bucket 3"), the bytes and the rank. See
+Note [A failed communicator stays failed]. NCCLAVG_DEBUG=1 checks that every rank runs the same
+collectives in the same order (debug.py, Note [Collective sequence check]).
+
+Note [A failed communicator stays failed]
+After a collective timed out or failed on one rank, the ranks no longer agree on which collective
+comes next: the peers may still be inside the one this rank gave up on, or may never reach it. Any
+later collective could pair up with the wrong one on the other side and hang or average unrelated
+data. So the first failure is recorded (`comm.failure`) and every later call raises CommError naming
+it; the NCCL core does the same after ncclCommAbort. Recovery is a new communicator (in practice, a
+restart of every rank from the last checkpoint).
+
+Note [Backend table]
+`Communicator.local(n)` / `.nccl(devices)` / `.from_torch_distributed()` build instances of subclasses
+that live in other modules, and those modules import this one for the base class. Importing them from
+here, even inside the constructors, would make the modules import each other. Instead the constructors
+look the class up in `_BACKENDS`, which `ncclavg/comm/__init__.py` fills right after importing every
+backend module. Python runs a package's `__init__` before any of its modules, so the table is complete
+before any code can reach a constructor.
+"""
+from __future__ import annotations
+
+import datetime
+import functools
+import os
+import threading
+from typing import Any, Optional, Sequence
+
+import torch
+
+from .. import _ext
+from ..errors import CollectiveMismatchError, CommError
+from . import debug as comm_debug
+
+DEFAULT_TIMEOUT_S = 600.0
+
+
+def default_timeout() -> float:
+    """NCCLAVG_TIMEOUT in seconds when set (validated), else 600."""
+    raw = os.environ.get("NCCLAVG_TIMEOUT")
+    if raw is None or raw.strip() == "":
+        return DEFAULT_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"NCCLAVG_TIMEOUT: expected a number of seconds, got {raw!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise ValueError(f"NCCLAVG_TIMEOUT: must be a positive finite number of seconds, got {raw!r}")
+    return value
+
+
+def check_timeout(timeout: Any, argname: str = "timeout") -> float:
+    if timeout is None:
+        return default_timeout()
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+        raise TypeError(f"{argname}: expected seconds as a number, got {type(timeout).__name__}")
+    if not timeout > 0 or timeout == float("inf"):
+        raise ValueError(f"{argname}: must be a positive finite number of seconds, got {timeout}")
+    return float(timeout)
+
+
+class Work:
+    """Handle of an asynchronous collective. `wait(timeout=None)` blocks until it is complete (raising
+    CommTimeoutError after `timeout` seconds, default the communicator's); `done()` polls.
+    `divisor` is the division still to apply when the op was issued with defer_scale=True (1 otherwise);
+    `elapsed` the seconds from issue to completion once known."""
+
+    divisor: float = 1.0
+    elapsed: Optional[float] = None
+
+    def wait(self, timeout: Optional[float] = None) -> None:
+        raise NotImplementedError
+
+    def done(self) -> bool:
+        raise NotImplementedError
+
+
+class CompletedWork(Work):
+    """A Work that was complete when it was issued (nothing to average: one tower)."""
+
+    def __init__(self, divisor: float = 1.0):
+        self.divisor = divisor
+        self.elapsed = 0.0
+
+    def wait(self, timeout: Optional[float] = None) -> None:
+        return None
+
+    def done(self) -> bool:
+        return True
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class Communicator:
+    """Averages one tensor per local tower across every tower (all processes).
+
+    Attributes: backend ("local" | "gloo" | "nccl"), size (towers in the average, all processes),
+    local_size (towers this process feeds), rank / world_size (process rank and count), devices (local
+    towers' devices), timeout (seconds). Build with `Communicator.local(n)`, `Communicator.nccl(devices)`
+    or `Communicator.from_torch_distributed()`."""
+
+    backend: str
+    size: int
+    local_size: int
+    rank: int
+    world_size: int
+    devices: list
+    timeout: float
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        if type(self) is Communicator:
+            raise TypeError("Communicator: use Communicator.local(n), Communicator.nccl(devices) or "
+                            "Communicator.from_torch_distributed()")
+        self._closed = False
+        self._failure: Optional[str] = None
+        self._state_lock = threading.Lock()
+        # See Note [Collective sequence check] in debug.py; settable after construction.
+        self.debug: bool = comm_debug.debug_enabled()
+        self._debug_seq = 0
+
+    # ------------------------------------------------------------------ constructors
+    @classmethod
+    def local(cls, n: int, timeout: Optional[float] = None) -> "Communicator":
+        """`n` CPU towers in this process."""
+        return _backend("local")(n, timeout)
+
+    @classmethod
+    def nccl(cls, devices: Sequence[Any], timeout: Optional[float] = None, predivide: bool = False) -> "Communicator":
+        """One process over several CUDA devices (ncclCommInitAll)."""
+        return _backend("nccl").init_all(devices, check_timeout(timeout), predivide)
+
+    @classmethod
+    def from_torch_distributed(cls, group: Any = None, device: Any = None, timeout: Optional[float] = None,
+                               predivide: bool = False) -> "Communicator":
+        """One tower per process under torchrun (or after init_process_group): gloo for a CPU `device`,
+        NCCL (the core's, rank 0's unique id through the default store) for a CUDA one. `device` defaults
+        to cuda:LOCAL_RANK when CUDA is usable and ncclavg has CUDA support, else cpu. When
+        torch.distributed is not initialized yet but the torchrun variables are set, it is initialized
+        here (backend gloo: it carries the store and small control messages)."""
+        import torch.distributed as dist
+
+        t = check_timeout(timeout)
+        if not dist.is_available():
+            raise RuntimeError("from_torch_distributed: this torch build has no torch.distributed")
+        if not dist.is_initialized():
+            if all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")):
+                dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=t))
+            else:
+                raise RuntimeError("from_torch_distributed: torch.distributed is not initialized; call "
+                                   "torch.distributed.init_process_group(...) first or run under torchrun")
+        dev = _default_process_device() if device is None else torch.device(device)
+        if dev.type == "cpu":
+            backend = str(dist.get_backend(group)).lower()
+            if "gloo" not in backend and "mpi" not in backend:
+                raise ValueError(f"device: cpu towers need a process group that runs CPU tensors, but this group's "
+                                 f"backend is {backend!r}; pass group=torch.distributed.new_group(backend='gloo')")
+            return _backend("gloo")(group, t, predivide)
+        if dev.type == "cuda":
+            return _backend("nccl").init_rank(group, dev, t, predivide)
+        raise ValueError(f"device: {dev} is not supported; use a cpu or cuda device")
+
+    # ------------------------------------------------------------------ collectives
+    # Common keyword arguments: `tag` names the collective in errors (the averager passes "bucket 3");
+    # `debug_key` = (step, bucket, bucket fingerprint) is compared across ranks in debug mode;
+    # `timeout` (seconds) overrides the communicator's for this call.
+    def all_reduce_avg(self, tensors: Sequence[torch.Tensor], *, tag: Optional[str] = None,
+                       debug_key: Optional[Sequence[int]] = None, timeout: Optional[float] = None) -> None:
+        """In place: every tensor (one per local tower) becomes the mean over all towers."""
+        limit = self._timeout_arg(timeout)   # before anything starts: a bad timeout must not desync ranks
+        self.all_reduce_avg_async(tensors, tag=tag, debug_key=debug_key).wait(limit)
+
+    def all_reduce_avg_async(self, tensors: Sequence[torch.Tensor], defer_scale: bool = False, *,
+                             tag: Optional[str] = None, debug_key: Optional[Sequence[int]] = None) -> Work:
+        """Starts the average; the returned Work's wait() completes it (bounded: CommTimeoutError).
+        defer_scale=True leaves the SUM divided by all but `work.divisor` (the caller fuses that division
+        into its unpack)."""
+        raise NotImplementedError
+
+    def reduce_scatter_avg(self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], *,
+                           tag: Optional[str] = None, debug_key: Optional[Sequence[int]] = None,
+                           timeout: Optional[float] = None) -> None:
+        """inputs[t]: a full buffer per local tower (numel divisible by size); outputs[t]: the mean over all
+        towers of shard (global tower index) of it, numel/size elements."""
+        raise NotImplementedError
+
+    def all_gather(self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], *,
+                   tag: Optional[str] = None, debug_key: Optional[Sequence[int]] = None,
+                   timeout: Optional[float] = None) -> None:
+        """Inverse of reduce_scatter_avg: outputs[t] (size * n elements) = every tower's input, in
+        global tower order."""
+        raise NotImplementedError
+
+    def allgather_object(self, obj: Any, *, timeout: Optional[float] = None) -> list:
+        """One picklable object per process, in rank order (bounded by `timeout`)."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ failure state
+    @property
+    def failure(self) -> Optional[str]:
+        """Why this communicator became unusable (None while it is healthy). See Note [A failed
+        communicator stays failed]."""
+        return self._failure
+
+    def abort(self, reason: str = "abort() was called") -> None:
+        """Marks the communicator unusable (NCCL: ncclCommAbort), e.g. from a watchdog of the caller's."""
+        self._fail(reason)
+
+    def _fail(self, reason: str) -> None:
+        with self._state_lock:
+            if self._failure is None:
+                self._failure = reason
+
+    def close(self) -> None:
+        self._closed = True
+
+    def __enter__(self) -> "Communicator":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (f"Communicator(backend={self.backend!r}, size={self.size}, local_size={self.local_size}, "
+                f"rank={self.rank}, world_size={self.world_size}, devices={self.devices}, timeout={self.timeout:g})")
+
+    # ------------------------------------------------------------------ argument checks
+    def _check_open(self) -> None:
+        if self._failure is not None:
+            raise CommError(f"{self.backend} communicator (rank {self.rank} of {self.world_size}) is unusable: "
+                            f"{self._failure}. See Note [A failed communicator stays failed]: build a new "
+                            "communicator (restart the ranks from the last checkpoint)")
+        if self._closed:
+            raise RuntimeError(f"{self.backend} communicator is closed")
+
+    def _timeout_arg(self, timeout: Any) -> float:
+        return self.timeout if timeout is None else check_timeout(timeout)
+
+    def _what(self, op: str, tensors: Sequence[torch.Tensor], tag: Optional[str]) -> str:
+        """'gloo all_reduce_avg[bucket 3] of 4096 bytes (1024 x float32) on rank 1 of 3' for errors."""
+        t = tensors[0]
+        where = (f"rank {self.rank} of {self.world_size}" if self.world_size > 1 else
+                 f"{self.local_size} local tower(s)")
+        return (f"{self.backend} {op}{f'[{tag}]' if tag else ''} of {_nbytes(t)} bytes ({t.numel()} x "
+                f"{str(t.dtype).replace('torch.', '')} per tower) on {where}")
+
+    def _debug_check(self, op: str, tensor: torch.Tensor, debug_key: Any, timeout: float) -> None:
+        """See Note [Collective sequence check] in debug.py."""
+        if not self.debug or self.world_size == 1:
+            return
+        if debug_key is not None:
+            if isinstance(debug_key, (str, bytes)) or len(debug_key) != 3:
+                raise ValueError(f"debug_key: expected (step, bucket, fingerprint), got {debug_key!r}")
+        self._debug_seq += 1
+        record = comm_debug.make_record(self._debug_seq, op, tensor.numel(), tensor.dtype, debug_key)
+        gathered = self._debug_allgather(comm_debug.encode(record), timeout)
+        rows = [comm_debug.decode(gathered[r]) for r in range(self.world_size)]
+        msg = comm_debug.compare(rows, self.rank, self.backend)
+        if msg is not None:
+            self._fail("NCCLAVG_DEBUG found diverging ranks (" + comm_debug.describe(rows[self.rank]) + " here)")
+            raise CollectiveMismatchError(msg)
+
+    def _debug_allgather(self, record: torch.Tensor, timeout: float) -> torch.Tensor:
+        """[world_size, len(record)] float32 CPU tensor: every process's record (bounded)."""
+        raise NotImplementedError
+
+    @functools.cached_property
+    def _torch_devices(self) -> list:
+        """torch.device of each local tower (devices never change after construction)."""
+        return [torch.device(d) for d in self.devices]
+
+    def _check_group(self, tensors: Any, argname: str, numel: Optional[int] = None) -> list:
+        """One tensor per local tower, same numel/dtype, each on its tower's device, no shared memory."""
+        self._check_open()
+        if isinstance(tensors, torch.Tensor) or not hasattr(tensors, "__len__"):
+            raise TypeError(f"{argname}: expected a list with one tensor per local tower, got {type(tensors).__name__}")
+        tensors = list(tensors)
+        if len(tensors) != self.local_size:
+            raise ValueError(f"{argname}: got {len(tensors)} tensors but this {self.backend} communicator has "
+                             f"local_size {self.local_size} (one tensor per local tower)")
+        for i, t in enumerate(tensors):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{argname}[{i}]: expected a torch.Tensor, got {type(t).__name__}")
+            if t.device != self._torch_devices[i]:
+                raise ValueError(f"{argname}[{i}]: is on {t.device} but local tower {i} of this communicator is "
+                                 f"on {self.devices[i]}")
+            if t.dtype != tensors[0].dtype:
+                raise TypeError(f"{argname}[{i}]: dtype {t.dtype} differs from {argname}[0] dtype {tensors[0].dtype}")
+            want = tensors[0].numel() if numel is None else numel
+            if t.numel() != want:
+                raise ValueError(f"{argname}[{i}]: has {t.numel()} elements, expected {want}")
+        spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), i, t.device)
+                       for i, t in enumerate(tensors) if t.numel() > 0)
+        for a, b in zip(spans, spans[1:]):
+            if a[3] == b[3] and a[1] > b[0]:
+                raise ValueError(f"{argname}: entries {a[2]} and {b[2]} share memory (the same tensor passed "
+                                 "twice, or overlapping views)")
+        return tensors
+
+    def _check_scatter_args(self, inputs: Any, outputs: Any) -> tuple:
+        inputs = self._check_group(inputs, "inputs")
+        n = inputs[0].numel()
+        if n % self.size:
+            raise ValueError(f"inputs: {n} elements is not divisible by the communicator size {self.size}")
+        outputs = self._check_group(outputs, "outputs", numel=n // self.size)
+        if outputs[0].dtype != inputs[0].dtype:
+            raise TypeError(f"outputs: dtype {outputs[0].dtype} differs from inputs dtype {inputs[0].dtype}")
+        return inputs, outputs
+
+    def _check_gather_args(self, inputs: Any, outputs: Any) -> tuple:
+        inputs = self._check_group(inputs, "inputs")
+        outputs = self._check_group(outputs, "outputs", numel=inputs[0].numel() * self.size)
+        if outputs[0].dtype != inputs[0].dtype:
+            raise TypeError(f"outputs: dtype {outputs[0].dtype} differs from inputs dtype {inputs[0].dtype}")
+        return inputs, outputs
+
+def _default_process_device() -> torch.device:
+    if torch.cuda.is_available() and _ext.cuda_built():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", torch.cuda.current_device())))
+    return torch.device("cpu")
+
+
+# backend name -> Communicator subclass. See Note [Backend table].
+_BACKENDS: dict = {}
+
+
+def register_backend(cls: type) -> type:
+    """Makes `cls` (a Communicator subclass with a `backend` name) reachable from the constructors."""
+    if not (isinstance(cls, type) and issubclass(cls, Communicator) and isinstance(getattr(cls, "backend", None), str)):
+        raise TypeError(f"cls: expected a Communicator subclass with a backend name, got {cls!r}")
+    _BACKENDS[cls.backend] = cls
+    return cls
+
+
+def _backend(name: str) -> Any:
+    try:
+        return _BACKENDS[name]
+    except KeyError:
+        raise RuntimeError(f"the {name} backend of Communicator is not registered; import ncclavg.comm "
+                           "(see Note [Backend table] in ncclavg/comm/base.py)") from None

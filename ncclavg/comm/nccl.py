@@ -1,0 +1,241 @@
+"""The NCCL backend of Communicator: a thin layer over the core's `_C.NcclComm` (csrc/cuda/comm.*).
+
+The core owns one NCCL communicator and one comm stream per local device; each collective waits (with an
+event) for the caller's current stream, runs as ONE grouped NCCL call, and the caller's streams are then
+made to wait for it, so nothing synchronises the host. Host-side waits (Work.wait) are bounded: on
+timeout the core aborts the communicator and raises CommTimeoutError.
+"""
+from __future__ import annotations
+
+import itertools
+from typing import Any, Optional, Sequence
+
+import torch
+
+from .._ext import _C, cuda_built, nccl_info
+from ..buffers import as_buffers
+from ..errors import CommTimeoutError
+from .base import Communicator, Work, check_timeout
+from .dist import _allgather_object_bounded
+
+_UID_SEQ = itertools.count()  # one store key per communicator built under torch.distributed
+
+
+def require_nccl_comm() -> None:
+    """Raises NcclError (no loadable NCCL) or RuntimeError (CPU-only build, no GPU) saying what to install
+    when this machine cannot run the NCCL backend."""
+    info = nccl_info()
+    if not info["loaded"]:  # first: NcclError naming `pip install nvidia-nccl-cu13`
+        also = "" if cuda_built() and hasattr(_C, "NcclComm") else (
+            "the nccl backend also needs ncclavg built with CUDA support (this build is CPU-only: reinstall "
+            "with the CUDA toolkit present, `NCCLAVG_CUDA=1 pip install .`). ")
+        raise _C.NcclError(also + info["error"])
+    if not cuda_built() or not hasattr(_C, "NcclComm"):
+        raise RuntimeError(
+            "the nccl backend needs ncclavg built with CUDA support: this build is CPU-only. Reinstall from "
+            "source on a machine with the CUDA toolkit (nvcc): `NCCLAVG_CUDA=1 pip install .`, and install an "
+            "NCCL (`pip install nvidia-nccl-cu12` or `nvidia-nccl-cu13`, or the extras ncclavg[cu12] / "
+            "ncclavg[cu13]). For CPU towers use Communicator.local(n) or gloo "
+            "(Communicator.from_torch_distributed(device='cpu')).")
+    if not torch.cuda.is_available():
+        raise RuntimeError("the nccl backend needs a CUDA device, but torch.cuda.is_available() is False "
+                           "(is this torch build CPU-only, or is no GPU visible?)")
+
+
+def _device_index(d: Any, argname: str) -> int:
+    if isinstance(d, bool):
+        raise TypeError(f"{argname}: expected a CUDA device ordinal or 'cuda:N', got {d!r}")
+    if isinstance(d, int):
+        idx = d
+    else:
+        try:
+            dev = torch.device(d)
+        except (RuntimeError, TypeError):
+            raise TypeError(f"{argname}: expected a CUDA device ordinal or 'cuda:N', got {d!r}") from None
+        if dev.type != "cuda":
+            raise ValueError(f"{argname}: {dev} is not a CUDA device")
+        idx = dev.index if dev.index is not None else torch.cuda.current_device()
+    if not 0 <= idx < torch.cuda.device_count():
+        raise ValueError(f"{argname}: cuda:{idx} does not exist ({torch.cuda.device_count()} visible devices)")
+    return idx
+
+
+class _NcclWork(Work):
+    """A collective enqueued on the core's comm streams. wait() blocks the host until it completed
+    (bounded; the core aborts the communicator on timeout) and orders the callers' streams after it.
+    Nothing waits at issue time, so compute (e.g. the rest of backward) overlaps the collective."""
+
+    def __init__(self, comm: "NcclCommunicator", seq: Any, streams: list, default_timeout: float):
+        self._comm = comm
+        self._seq = int(seq) if isinstance(seq, int) else 0   # 0: "everything enqueued so far"
+        self._streams = streams
+        self._timeout = default_timeout
+
+    def wait(self, timeout: Optional[float] = None) -> None:
+        t = check_timeout(timeout) if timeout is not None else self._timeout
+        self._comm._call(self._comm._handle.wait, t, self._seq)
+        self._comm._call(self._comm._handle.stream_wait, self._streams)
+
+    def done(self) -> bool:
+        return bool(self._comm._call(self._comm._handle.done, self._seq))
+
+
+class NcclCommunicator(Communicator):
+    backend = "nccl"
+
+    def __init__(self, handle: Any, device_ids: list, rank: int, world_size: int, size: int, timeout: float,
+                 predivide: bool, group: Any = None):
+        super().__init__()
+        self._handle = handle
+        self._device_ids = device_ids
+        self.devices = [f"cuda:{d}" for d in device_ids]
+        self.local_size = len(device_ids)
+        self.rank, self.world_size, self.size = rank, world_size, size
+        self.timeout = timeout
+        self.predivide = bool(predivide)
+        self.group = group
+        self.nccl_version = getattr(handle, "nccl_version", None)
+
+    @classmethod
+    def init_all(cls, devices: Sequence[Any], timeout: float, predivide: bool) -> "NcclCommunicator":
+        if isinstance(devices, (str, int)) or not hasattr(devices, "__len__") or len(devices) == 0:
+            raise ValueError(f"devices: expected a non-empty list of CUDA devices, got {devices!r}")
+        require_nccl_comm()
+        ids = [_device_index(d, f"devices[{i}]") for i, d in enumerate(devices)]
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"devices: lists a device twice ({ids}); one NCCL rank per device in one process")
+        handle = _C.NcclComm.init_all(ids, timeout)
+        return cls(handle, ids, rank=0, world_size=1, size=len(ids), timeout=timeout, predivide=predivide)
+
+    @classmethod
+    def init_rank(cls, group: Any, device: torch.device, timeout: float, predivide: bool) -> "NcclCommunicator":
+        import datetime
+
+        import torch.distributed as dist
+
+        require_nccl_comm()
+        idx = _device_index(device, "device")
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
+        # rank 0 draws the unique id; everyone else reads it from the default store, waiting at most
+        # `timeout` (the store's own timeout is the process group's, 30 min by default).
+        store = dist.distributed_c10d._get_default_store()
+        members = "world" if group is None else ",".join(map(str, dist.get_process_group_ranks(group)))
+        key = f"ncclavg/nccl_uid/{members}/{next(_UID_SEQ)}"
+        if rank == 0:
+            uid = bytes(_C.nccl_unique_id())
+            store.set(key, uid)
+        else:
+            try:
+                store.wait([key], datetime.timedelta(seconds=timeout))
+            except RuntimeError as e:
+                raise CommTimeoutError(f"nccl init (rank {rank} of {world}): rank 0's NCCL unique id did not "
+                                       f"appear in the store under {key!r} within {timeout:g} s (is rank 0 "
+                                       f"alive and building the same communicator?): {e}") from None
+            uid = bytes(store.get(key))
+        handle = _C.NcclComm.init_rank(uid, world, rank, idx, timeout)
+        return cls(handle, [idx], rank=rank, world_size=world, size=world, timeout=timeout, predivide=predivide,
+                   group=group)
+
+    # ------------------------------------------------------------------ failure state
+    def _check_open(self) -> None:
+        if self._failure is None and not self._closed and self._handle.aborted:
+            self._fail(self._handle.abort_reason)   # aborted by the core's watchdog
+        super()._check_open()
+
+    def _call(self, fn: Any, *args: Any) -> Any:
+        """Runs a core call; a timeout or NCCL error there (the core has aborted the communicator) is
+        recorded so that every later call says why the communicator is unusable."""
+        try:
+            return fn(*args)
+        except (CommTimeoutError, _C.NcclError) as e:
+            self._fail(str(e))
+            raise
+
+    def abort(self, reason: str = "abort() was called") -> None:
+        self._fail(reason)
+        self._handle.abort()
+
+    # ------------------------------------------------------------------ collectives
+    def _streams(self) -> list:
+        return [int(torch.cuda.current_stream(d).cuda_stream) for d in self._device_ids]
+
+    def _enqueue_all_reduce(self, tensors: Any, tag: Optional[str], debug_key: Any) -> tuple:
+        tensors = self._check_group(tensors, "tensors")
+        bufs = as_buffers(tensors, "tensors")
+        self._debug_check("all_reduce_avg", tensors[0], debug_key, self.timeout)
+        streams = self._streams()
+        # NCCL averages: nothing deferred. The tag names the collective in the core's timeout messages.
+        seq = self._call(self._handle.all_reduce_avg, bufs, streams, self.predivide, None, tag or "")
+        return seq, streams
+
+    def all_reduce_avg_async(self, tensors: Sequence[torch.Tensor], defer_scale: bool = False, *,
+                             tag: Optional[str] = None, debug_key: Optional[Sequence[int]] = None) -> Work:
+        seq, streams = self._enqueue_all_reduce(tensors, tag, debug_key)
+        return _NcclWork(self, seq, streams, self.timeout)
+
+    def all_reduce_avg(self, tensors: Sequence[torch.Tensor], *, tag: Optional[str] = None,
+                       debug_key: Optional[Sequence[int]] = None, timeout: Optional[float] = None) -> None:
+        # Stream-ordered like torch's collectives: the callers' streams wait for the result on the device.
+        # The host does not wait here; a later Work.wait / close() bounds the time to completion.
+        self._timeout_arg(timeout)
+        _, streams = self._enqueue_all_reduce(tensors, tag, debug_key)
+        self._call(self._handle.stream_wait, streams)
+
+    def reduce_scatter_avg(self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], *,
+                           tag: Optional[str] = None, debug_key: Optional[Sequence[int]] = None,
+                           timeout: Optional[float] = None) -> None:
+        inputs, outputs = self._check_scatter_args(inputs, outputs)
+        limit = self._timeout_arg(timeout)
+        self._debug_check("reduce_scatter_avg", inputs[0], debug_key, limit)
+        streams = self._streams()
+        self._call(self._handle.reduce_scatter_avg, as_buffers(inputs, "inputs"), as_buffers(outputs, "outputs"),
+                   streams, False, limit, tag or "")
+        self._call(self._handle.stream_wait, streams)
+
+    def all_gather(self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], *,
+                   tag: Optional[str] = None, debug_key: Optional[Sequence[int]] = None,
+                   timeout: Optional[float] = None) -> None:
+        inputs, outputs = self._check_gather_args(inputs, outputs)
+        limit = self._timeout_arg(timeout)
+        self._debug_check("all_gather", inputs[0], debug_key, limit)
+        streams = self._streams()
+        self._call(self._handle.all_gather, as_buffers(inputs, "inputs"), as_buffers(outputs, "outputs"), streams,
+                   limit, tag or "")
+        self._call(self._handle.stream_wait, streams)
+
+    def wait(self, timeout: Optional[float] = None) -> None:
+        """Host waits (bounded) for every collective enqueued so far."""
+        self._check_open()
+        self._call(self._handle.wait, self._timeout_arg(timeout), 0)
+
+    def _torch_group_device(self) -> Any:
+        import torch.distributed as dist
+
+        backend = str(dist.get_backend(self.group)).lower()
+        return "cpu" if ("gloo" in backend or "mpi" in backend) else torch.device("cuda", self._device_ids[0])
+
+    def allgather_object(self, obj: Any, *, timeout: Optional[float] = None) -> list:
+        self._check_open()
+        limit = self._timeout_arg(timeout)
+        if self.world_size == 1:
+            return [obj]
+        import torch.distributed as dist
+
+        return _allgather_object_bounded(self, dist, self.group, obj, limit, self._torch_group_device())
+
+    def _debug_allgather(self, record: torch.Tensor, timeout: float) -> torch.Tensor:
+        # Through the NCCL core itself: the check then also proves that this communicator's ranks line up.
+        dev = torch.device("cuda", self._device_ids[0])
+        mine = record.to(dev)
+        rows = torch.empty(record.numel() * self.size, dtype=torch.float32, device=dev)
+        streams = self._streams()
+        seq = self._call(self._handle.all_gather, as_buffers([mine], "record"), as_buffers([rows], "rows"), streams,
+                         timeout, "NCCLAVG_DEBUG sequence check")
+        self._call(self._handle.wait, timeout, seq)
+        self._call(self._handle.stream_wait, streams)
+        return rows.cpu().view(self.size, record.numel())
+
+    def close(self) -> None:
+        if not self._closed:
+            self._handle.destroy()  # bounded: waits at most `timeout` for work in flight, then aborts
+        super().close()

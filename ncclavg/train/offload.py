@@ -1,0 +1,229 @@
+"""master="cpu" with GPU towers: the pipelined CPU-master update (ZeRO-Offload style, the seed recipe's
+"variables live on the CPU" done with NCCL and a fused CPU optimizer).
+
+Note [Pipelined CPU master]
+Per bucket b, with T towers and the bucket padded to a multiple of T shards:
+  1. reduce-scatter-average of b (NCCL): tower t ends up with the MEAN of shard t of b;
+  2. D2H of each tower's shard into one pinned host buffer (a copy stream per tower, event recorded);
+  3. a CPU worker thread waits for b's events and runs the fused fp32 optimizer step of bucket b on the
+     master weights, then the copy-out of b's new weights (param dtype) into a pinned host buffer;
+  4. H2D of shard t of the new weights to tower t (its copy stream, event recorded);
+  5. all-gather of b (NCCL): every tower holds all new weights of b.
+The main thread enqueues steps 1-2 for every bucket first (they are asynchronous), then consumes the
+worker's "bucket b is staged" notifications in bucket order and enqueues 4's dependency + 5. So while
+the CPU updates bucket b, the GPUs reduce and copy out bucket b+1 and all-gather bucket b-1. Each tower
+moves 1/T of the gradients and of the weights over PCIe, not all of them.
+Clipping and the fp16 inf/NaN check need every bucket's gradient norm before the first update; with
+either on, the norm of the reduced shards is summed on the GPUs first (one small sync), then the
+pipeline runs with that global norm (the fused step derives the clip factor from it). See Note [Two
+passes, no partial updates] in csrc/cpu/optim.h.
+
+THIS PATH HAS NOT RUN ON A GPU YET (see bench/results/gpu_status.md). It relies on these properties of
+Communicator.nccl: a collective is ordered after the work already enqueued on each device's current
+torch stream, and work enqueued on the current stream afterwards is ordered after the collective.
+"""
+from __future__ import annotations
+
+import math
+import queue
+import threading
+from typing import Any, Sequence
+
+import torch
+
+from .engines import OptimConfig, check_master_state, tower_plan
+from ..errors import CommTimeoutError
+from .metrics import StepTimes
+
+_ALIGN_BYTES = 256
+
+
+def _pad_to(n: int, multiple: int) -> int:
+    return (n + multiple - 1) // multiple * multiple
+
+
+class GpuOffloadEngine:
+    kind = "cpu"
+
+    def __init__(self, tower_params: Sequence[Sequence[torch.Tensor]], names: Sequence[str],
+                 devices: Sequence[torch.device], opt: OptimConfig, bucket_cap_mb: float,
+                 first_bucket_mb: float, check_finite: bool = True):
+        from ..comm import Communicator
+        from ..master import MasterWeights
+
+        self.devices = list(devices)
+        self.tower_params = [list(ps) for ps in tower_params]
+        self.T = T = len(self.devices)
+        self.check_finite = bool(check_finite)
+        self.plan = tower_plan(self.tower_params, names, bucket_cap_mb, first_bucket_mb)
+        self.comm = Communicator.nccl([d.index for d in self.devices])
+        # Bucket b padded so that it splits into T shards that each start on a 256-byte boundary.
+        self.padded = [_pad_to(b.numel, T * (_ALIGN_BYTES // torch.empty((), dtype=b.dtype).element_size()))
+                       for b in self.plan.buckets]
+        self.shard = [n // T for n in self.padded]
+        self.param_flats, self.grad_flats, self.grad_shards, self.param_shards = [], [], [], []
+        for t, (ps, dev) in enumerate(zip(self.tower_params, self.devices)):
+            pf = [torch.zeros(n, dtype=b.dtype, device=dev) for n, b in zip(self.padded, self.plan.buckets)]
+            gf = [torch.zeros(n, dtype=b.dtype, device=dev) for n, b in zip(self.padded, self.plan.buckets)]
+            with torch.no_grad():
+                for s in self.plan.slots:  # See Note [Flat tower storage] in engines.py
+                    view = self.plan.slot_view(pf[s.bucket], s.index)
+                    view.copy_(ps[s.index].detach())
+                    ps[s.index].data = view
+                    ps[s.index].grad = self.plan.slot_view(gf[s.bucket], s.index)
+            self.param_flats.append(pf)
+            self.grad_flats.append(gf)
+            self.grad_shards.append([torch.empty(n, dtype=b.dtype, device=dev)
+                                     for n, b in zip(self.shard, self.plan.buckets)])
+            self.param_shards.append([torch.empty(n, dtype=b.dtype, device=dev)
+                                      for n, b in zip(self.shard, self.plan.buckets)])
+        pin = torch.cuda.is_available()
+        sizes = list(zip(self.padded, self.plan.buckets))
+        self.host_grads = [torch.zeros(n, dtype=b.dtype, pin_memory=pin) for n, b in sizes]
+        self.host_params = [torch.zeros(n, dtype=b.dtype, pin_memory=pin) for n, b in sizes]
+        # Finiteness and the clip factor are decided on the GPUs (_clip_and_check) before the pipeline
+        # starts, so the fused step runs its single pass (skip_nonfinite=False, grad_norm given).
+        self.master = MasterWeights(self.tower_params[0], plan=self.plan, skip_nonfinite=False,
+                                    **opt.master_kwargs())
+        self.copy_streams = [torch.cuda.Stream(device=d) for d in self.devices]
+        self._todo: queue.Queue = queue.Queue()
+        self._staged: queue.Queue = queue.Queue()
+        self._worker = threading.Thread(target=self._worker_loop, name="ncclavg-cpu-master", daemon=True)
+        self._worker.start()
+
+    # ------------------------------------------------------------------ per step
+    def zero_grad(self) -> None:
+        for t, gf in enumerate(self.grad_flats):
+            with torch.cuda.device(self.devices[t]):
+                for flat in gf:
+                    flat.zero_()
+
+    def before_compute(self, tower_streams: Sequence[Any] | None) -> None:
+        # The towers' next forward reads the all-gathered weights and writes the zeroed grads.
+        for dev, s in zip(self.devices, tower_streams or ()):
+            s.wait_stream(torch.cuda.current_stream(dev))
+
+    def after_compute(self, tower_streams: Sequence[Any] | None) -> None:
+        for dev, s in zip(self.devices, tower_streams or ()):
+            torch.cuda.current_stream(dev).wait_stream(s)
+
+    def _shard_of(self, full: torch.Tensor, b: int, t: int) -> torch.Tensor:
+        return full.narrow(0, t * self.shard[b], self.shard[b])
+
+    def _clip_and_check(self, loss_scale: float | None, max_grad_norm: float | None) -> tuple[bool, float | None, list]:
+        """(skip, grad norm, non-finite buckets) from the reduced shards: the shards partition every
+        bucket, so the sum of their squares over towers and buckets is the squared norm of the mean
+        gradient. One small host sync per step."""
+        per_tower = []
+        for t, dev in enumerate(self.devices):
+            with torch.cuda.device(dev):
+                sq = [torch.linalg.vector_norm(g, dtype=torch.float32).square() for g in self.grad_shards[t]]
+                per_tower.append(torch.stack(sq).to("cpu", non_blocking=False))
+        by_bucket = torch.stack(per_tower).sum(0)          # [buckets]
+        norm = math.sqrt(float(by_bucket.sum()))
+        if loss_scale is not None:
+            norm /= loss_scale
+        # the reduction mixed the towers: the tower is unknown (None), the bucket is not
+        bad = [(None, b) for b, v in enumerate(by_bucket.tolist()) if not math.isfinite(v)]
+        return not math.isfinite(norm), norm, bad
+
+    def step(self, lr: float, loss_scale: float | None, max_grad_norm: float | None,
+             times: StepTimes) -> dict:
+        nb = len(self.plan.buckets)
+        with times.phase("reduce"):
+            for b in range(nb):
+                self.comm.reduce_scatter_avg([gf[b] for gf in self.grad_flats],
+                                             [gs[b] for gs in self.grad_shards])
+        skip, norm = False, None
+        if self.check_finite or loss_scale is not None or max_grad_norm is not None:
+            skip, norm, bad = self._clip_and_check(loss_scale, max_grad_norm)
+            if skip:  # nothing was updated: the master step has not started
+                return {"skipped": True, "grad_norm": norm, "nonfinite": bad}
+        self.master.hp["lr"] = lr
+        with times.phase("offload"):
+            for b in range(nb):
+                events = []
+                for t, dev in enumerate(self.devices):
+                    cs = self.copy_streams[t]
+                    cs.wait_stream(torch.cuda.current_stream(dev))  # after the reduce-scatter
+                    with torch.cuda.stream(cs):
+                        self._shard_of(self.host_grads[b], b, t).copy_(self.grad_shards[t][b], non_blocking=True)
+                        ev = torch.cuda.Event()
+                        ev.record(cs)
+                    events.append(ev)
+                self._todo.put((b, events, loss_scale, max_grad_norm, norm))
+        with times.phase("broadcast"):
+            done: list = []
+            for _ in range(nb):
+                try:
+                    item = self._staged.get(timeout=self.comm.timeout)
+                except queue.Empty:
+                    # A collective or copy the worker waits for never completed: abort the communicator
+                    # (NCCL kernels stop, the worker's event wait returns) and say which bucket.
+                    msg = (f"CPU master step: bucket {len(done)} of {nb} ({self.plan.buckets[len(done)].nbytes} "
+                           f"bytes) was not staged within {self.comm.timeout:g} s (reduce-scatter, device-to-host "
+                           "copy or the CPU update did not complete)")
+                    self.comm.abort(msg)
+                    raise CommTimeoutError(msg + "; the communicator was aborted") from None
+                if isinstance(item, BaseException):
+                    raise item
+                b, h2d_events, opt_s = item
+                done.append(b)
+                times.add("optimizer", opt_s)
+                for t, dev in enumerate(self.devices):
+                    torch.cuda.current_stream(dev).wait_event(h2d_events[t])
+                self.comm.all_gather([ps[b] for ps in self.param_shards], [pf[b] for pf in self.param_flats])
+        return {"skipped": False, "grad_norm": norm}
+
+    def _worker_loop(self) -> None:
+        import time
+
+        while True:
+            item = self._todo.get()
+            if item is None:
+                return
+            try:
+                b, events, loss_scale, max_grad_norm, norm = item
+                for ev in events:
+                    ev.synchronize()
+                t0 = time.perf_counter()
+                numel = self.plan.buckets[b].numel
+                # The shards were averaged by the reduce-scatter: one "tower" for the fused step, which
+                # also writes the new weights (param dtype) into the pinned staging buffer.
+                self.master.step([self.host_grads[b][:numel]], bucket=b, grad_scale=loss_scale,
+                                 max_grad_norm=max_grad_norm, grad_norm=norm,
+                                 out=self.host_params[b][:numel])
+                opt_s = time.perf_counter() - t0
+                h2d = []
+                for t, dev in enumerate(self.devices):
+                    cs = self.copy_streams[t]
+                    with torch.cuda.device(dev), torch.cuda.stream(cs):
+                        self.param_shards[t][b].copy_(self._shard_of(self.host_params[b], b, t), non_blocking=True)
+                        ev = torch.cuda.Event()
+                        ev.record(cs)
+                    h2d.append(ev)
+                self._staged.put((b, h2d, opt_s))
+            except BaseException as e:  # hand the error to the main thread, which re-raises it
+                self._staged.put(e)
+
+    # ------------------------------------------------------------------ state
+    def master_params(self) -> list[torch.Tensor]:
+        return [v.detach().clone() for v in self.master.param_views()]
+
+    def master_state(self) -> dict:
+        return self.master.state_dict()
+
+    def load_master_state(self, state: dict) -> None:
+        check_master_state(state, self.plan)
+        self.master.load_state_dict(state)
+        for b in range(len(self.plan.buckets)):
+            numel = self.plan.buckets[b].numel
+            self.master.copy_out(dtype=self.host_params[b].dtype, bucket=b, out=self.host_params[b][:numel])
+            for t, dev in enumerate(self.devices):
+                self.param_flats[t][b].copy_(self.host_params[b].to(dev))
+
+    def close(self) -> None:
+        if self._worker.is_alive():
+            self._todo.put(None)
+            self._worker.join(timeout=self.comm.timeout)
+        self.comm.close()

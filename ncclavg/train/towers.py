@@ -1,0 +1,170 @@
+"""Towers: device parsing, replica construction, batch splitting and the thread-per-tower runner."""
+from __future__ import annotations
+
+import copy
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import nn
+
+from .data import check_sample_tensors
+
+
+def _cuda_count() -> int:
+    try:
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except Exception:  # a broken driver reads as "no GPU", the error then names the device
+        return 0
+
+
+def parse_device(value: Any, name: str) -> torch.device:
+    """'cpu' | 'cuda:N' | 'cuda' (current device) | N (GPU index) | torch.device -> torch.device."""
+    if isinstance(value, bool):
+        raise TypeError(f"{name}: expected a device name, index or torch.device, got {value!r}")
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError(f"{name}: GPU index must be >= 0, got {value}")
+        dev = torch.device("cuda", value)
+    elif isinstance(value, torch.device):
+        dev = value
+    elif isinstance(value, str):
+        text = value.strip().lower()
+        if text.isdigit():
+            dev = torch.device("cuda", int(text))
+        else:
+            try:
+                dev = torch.device(text)
+            except (RuntimeError, ValueError):
+                raise ValueError(f"{name}: unknown device {value!r}; use 'cpu', 'cuda:N' or a GPU index") from None
+    else:
+        raise TypeError(f"{name}: expected a device name, index or torch.device, got {type(value).__name__}")
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"{name}: device {value!r} is not supported; towers run on 'cpu' or 'cuda:N'")
+    if dev.type == "cpu":
+        return torch.device("cpu")
+    count = _cuda_count()
+    if count == 0:
+        raise ValueError(f"{name}: {value!r} needs a CUDA device but torch sees none "
+                         f"(torch {torch.__version__}, CUDA build: {torch.version.cuda or 'no'})")
+    index = torch.cuda.current_device() if dev.index is None else dev.index
+    if index >= count:
+        raise ValueError(f"{name}: cuda:{index} does not exist; torch sees {count} CUDA device(s)")
+    return torch.device("cuda", index)
+
+
+def parse_devices(devices: Any) -> list[torch.device]:
+    """Validated list of tower devices (non-empty, one kind). A string may list several: 'cpu,cpu'."""
+    if isinstance(devices, str):
+        devices = [d for d in devices.split(",") if d.strip()] if "," in devices else [devices]
+    elif isinstance(devices, (int, torch.device)):
+        devices = [devices]
+    if not isinstance(devices, (list, tuple)):
+        raise TypeError(f"devices: expected a list of devices, got {type(devices).__name__}")
+    if len(devices) == 0:
+        raise ValueError("devices: the list is empty; give at least one device, e.g. ['cpu', 'cpu'] or "
+                         "['cuda:0', 'cuda:1']")
+    parsed = [parse_device(d, f"devices[{i}]") for i, d in enumerate(devices)]
+    kinds = {d.type for d in parsed}
+    if len(kinds) > 1:
+        raise ValueError(f"devices: mixes cpu and cuda towers ({', '.join(str(d) for d in parsed)}); all "
+                         "towers must be of one kind")
+    return parsed
+
+
+def default_devices(cpu_towers: int = 2) -> list[torch.device]:
+    """Every visible GPU when torch and this build of ncclavg can use them; else `cpu_towers` CPU towers."""
+    from .._ext import cuda_built
+
+    n = _cuda_count()
+    if n > 0 and cuda_built():
+        return [torch.device("cuda", i) for i in range(n)]
+    return [torch.device("cpu")] * cpu_towers
+
+
+def trainable_parameters(model: nn.Module) -> tuple[list[str], list[nn.Parameter]]:
+    """(names, params) of the parameters that require grad, in registration order, shared ones once."""
+    names, params, seen = [], [], set()
+    for name, p in model.named_parameters():
+        if p.requires_grad and id(p) not in seen:
+            seen.add(id(p))
+            names.append(name)
+            params.append(p)
+    return names, params
+
+
+def model_signature(model: nn.Module) -> list[tuple[str, tuple[int, ...], str, bool]]:
+    """(name, shape, dtype, trainable) of every parameter and buffer: what a checkpoint must match."""
+    sig = [(n, tuple(p.shape), str(p.dtype).replace("torch.", ""), bool(p.requires_grad))
+           for n, p in model.named_parameters()]
+    sig += [(n, tuple(b.shape), str(b.dtype).replace("torch.", ""), False)
+            for n, b in model.named_buffers()]
+    return sig
+
+
+def build_towers(model: nn.Module, devices: Sequence[torch.device]) -> list[nn.Module]:
+    """Tower 0 is `model` moved to devices[0]; the others are deep copies of it, so every replica starts
+    from identical weights, buffers and frozen parameters."""
+    towers = [model.to(devices[0])]
+    for dev in devices[1:]:
+        towers.append(copy.deepcopy(towers[0]).to(dev))
+    return towers
+
+
+def split_sizes(n: int, towers: int) -> list[int]:
+    """As even as possible; the first n % towers towers get one sample more."""
+    base, rem = divmod(n, towers)
+    return [base + (1 if t < rem else 0) for t in range(towers)]
+
+
+def unpack_batch(batch: Any) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+    """(inputs, target) from a batch given as a sequence (x..., y) of tensors sharing dim 0."""
+    if isinstance(batch, dict):
+        raise TypeError("batch: expected a tuple/list (inputs..., target) of tensors, got a dict")
+    if isinstance(batch, torch.Tensor) or not isinstance(batch, (list, tuple)) or len(batch) < 2:
+        length = f" of length {len(batch)}" if isinstance(batch, (list, tuple)) else ""
+        raise TypeError("batch: expected a tuple/list (inputs..., target) of at least two tensors, got "
+                        f"{type(batch).__name__}{length}")
+    check_sample_tensors(batch, "batch")
+    return tuple(batch[:-1]), batch[-1]
+
+
+class TowerRunner:
+    """Runs fn(tower_index) for every tower, concurrently on a thread per tower (a CUDA stream per tower is
+    the caller's business), and returns the results in tower order. An exception in any tower is
+    re-raised after all towers finished, naming the tower."""
+
+    def __init__(self, n: int, concurrent: bool = True):
+        self.n = n
+        self._pool = (ThreadPoolExecutor(max_workers=n, thread_name_prefix="ncclavg-tower")
+                      if concurrent and n > 1 else None)
+        self._lock = threading.Lock()
+
+    @property
+    def concurrent(self) -> bool:
+        return self._pool is not None
+
+    def map(self, fn: Callable[[int], Any]) -> list:
+        if self._pool is None:
+            return [fn(t) for t in range(self.n)]
+        futures = [self._pool.submit(fn, t) for t in range(self.n)]
+        results, first_error = [], None
+        for t, f in enumerate(futures):
+            try:
+                results.append(f.result())
+            except BaseException as e:  # wait for the others before raising: no tower left running
+                results.append(None)
+                if first_error is None:
+                    first_error = (t, e)
+        if first_error is not None:
+            t, e = first_error
+            if self.n > 1 and hasattr(e, "add_note"):
+                e.add_note(f"(raised in tower {t})")
+            raise e
+        return results
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None

@@ -1,0 +1,117 @@
+"""NcclComm across processes: several ranks on ONE GPU (NCCL >= 2.30), one rank per GPU when there
+are several, and the no-hang guarantees: a rank whose peer never starts, and a collective that a live
+peer never joins, both raise CommTimeoutError within timeout + 10 s. Every rank is a subprocess
+running tests/_nccl_rank_worker.py with a hard time limit."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from _gpu import nccl_version, require_nccl_comm
+from _paths import ROOT, TESTS
+from ncclavg import _ext
+
+pytestmark = pytest.mark.gpu
+
+WORKER = TESTS / "_nccl_rank_worker.py"
+
+
+def rank_env(shared_gpu: bool) -> dict:
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    if shared_gpu:
+        env.update(NCCL_MULTI_RANK_GPU_ENABLE="1", NCCL_NVLS_ENABLE="0")
+    return env
+
+
+def spawn(mode, nranks, rank, device, uid=b"", timeout=60.0, shared_gpu=False):
+    cmd = [sys.executable, str(WORKER), "--mode", mode, "--nranks", str(nranks), "--rank", str(rank),
+           "--device", str(device), "--timeout", str(timeout), "--uid", uid.hex()]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=rank_env(shared_gpu), cwd=str(ROOT))
+
+
+def result(proc, limit) -> dict:
+    try:
+        stdout, stderr = proc.communicate(timeout=limit)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        stdout, stderr = proc.communicate()
+        pytest.fail(f"rank process did not finish within {limit} s:\n{stdout[-2000:]}\n{stderr[-4000:]}")
+    lines = [line for line in stdout.splitlines() if line.startswith("{")]
+    assert lines, f"rank process printed no result (rc {proc.returncode}):\n{stdout[-2000:]}\n{stderr[-4000:]}"
+    return json.loads(lines[-1])
+
+
+def run_ranks(devices, shared_gpu):
+    uid = _ext.nccl_unique_id()
+    procs = [spawn("collectives", len(devices), r, d, uid, timeout=120.0, shared_gpu=shared_gpu)
+             for r, d in enumerate(devices)]
+    results = [result(p, 300) for p in procs]
+    for res in results:
+        assert res["ok"], f"rank {res['rank']}:\n" + "\n".join(res["failures"])
+        assert res["size"] == len(devices)
+    return results
+
+
+def require_multi_rank_gpu():
+    if nccl_version() < (2, 30, 0):
+        pytest.skip("several ranks on one GPU need NCCL >= 2.30; loaded " + ".".join(map(str, nccl_version())))
+
+
+@pytest.mark.parametrize("nranks", [2, 3])
+def test_several_ranks_on_one_gpu(nranks):
+    require_nccl_comm()
+    require_multi_rank_gpu()
+    results = run_ranks([0] * nranks, shared_gpu=True)
+    # 3 ranks: 1/3 is inexact, so 16-bit types must take SUM + divide (See Note [Choosing the reduction])
+    if nranks == 3:
+        assert "divide" in results[0]["reduction"]["float16"]
+
+
+def test_one_rank_per_gpu():
+    require_nccl_comm()
+    import torch
+
+    n = torch.cuda.device_count()
+    if n < 2:
+        pytest.skip(f"needs 2 CUDA devices for one rank per GPU, {n} visible")
+    run_ranks(list(range(n)), shared_gpu=False)
+
+
+def test_rank_whose_peer_never_starts_times_out():
+    require_nccl_comm()
+    if nccl_version() < (2, 14, 0):
+        pytest.skip("a bounded NCCL init needs non-blocking communicators (NCCL >= 2.14)")
+    t0 = time.monotonic()
+    res = result(spawn("never_joins", 2, 0, 0, timeout=5.0), 120)
+    assert res["ok"], res["failures"]
+    assert res["elapsed"] < 5.0 + 10.0 and time.monotonic() - t0 < 60.0
+    assert "did not complete within 5 s" in res["message"] and "aborted" in res["message"]
+
+
+def test_collective_that_a_peer_never_joins_times_out():
+    require_nccl_comm()
+    import torch
+
+    if torch.cuda.device_count() >= 2:
+        devices, shared = [0, 1], False
+    else:
+        require_multi_rank_gpu()
+        devices, shared = [0, 0], True
+    uid = _ext.nccl_unique_id()
+    procs = [spawn("hang", 2, r, d, uid, timeout=60.0, shared_gpu=shared) for r, d in enumerate(devices)]
+    try:
+        res = result(procs[0], 120)
+    finally:
+        procs[1].kill()
+        procs[1].communicate()
+    assert res["ok"], res["failures"]
+    assert res["elapsed"] < 5.0 + 10.0
+    msg = res["message"]
+    assert "all_reduce_avg[bucket 7]" in msg and "4194304 bytes" in msg and "rank 0 of 2" in msg, msg
+    assert res["aborted"] and "communicator was aborted after" in res["after_abort"]

@@ -1,0 +1,130 @@
+"""The package layout: the core at the top of ncclavg/, ncclavg.comm, ncclavg.train and ncclavg.bench
+below it, and the import rules between them (see _layering.py for the rules and how they are read).
+The negative tests break each rule once in a copy of the package and check that the same checks fail."""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+import _layering as L
+import ncclavg
+from ncclavg import _C
+
+PKG = Path(ncclavg.__file__).resolve().parent
+MAX_TOP_LEVEL_MODULES = 14
+
+
+def test_top_level_holds_the_core_only():
+    top = sorted(p.name for p in PKG.glob("*.py"))
+    assert len(top) <= MAX_TOP_LEVEL_MODULES, top
+    for sub in L.SUBPACKAGES:
+        assert (PKG / sub / "__init__.py").is_file(), sub
+
+
+@pytest.mark.parametrize("sub", L.SUBPACKAGES)
+def test_each_subpackage_says_what_it_holds_may_import_and_where_to_start(sub):
+    doc = ast_docstring(PKG / sub / "__init__.py")
+    for needle in ("What lives here", "What it may import", "Where to start reading"):
+        assert needle in doc, f"ncclavg/{sub}/__init__.py's docstring lacks {needle!r}"
+
+
+def ast_docstring(path: Path) -> str:
+    import ast
+
+    return ast.get_docstring(ast.parse(path.read_text())) or ""
+
+
+def test_the_checker_sees_the_whole_package():
+    # A checker that parsed nothing would pass everything: make sure it saw every layer and the edges
+    # between them that the design promises (the command builds both subcommands; train uses comm).
+    edges = L.import_edges(PKG)
+    mods = L.module_names(PKG)
+    assert {L.layer(m) for m in mods} == {"core", *L.SUBPACKAGES}
+    pairs = {(e.src, e.dst) for e in edges}
+    assert ("ncclavg.cli", "ncclavg.bench.cli") in pairs and ("ncclavg.cli", "ncclavg.train.cli") in pairs
+    assert ("ncclavg.train.engines", "ncclavg.comm") in pairs
+    assert ("ncclavg", "ncclavg.train.trainer") in pairs  # the lazy table of ncclavg/__init__.py
+    assert all(not e.module_level for e in edges if e.src == "ncclavg.cli" and L.layer(e.dst) != "core")
+
+
+def test_no_import_cycles():
+    assert L.cycles(L.import_edges(PKG)) == []
+
+
+def test_every_import_follows_the_layering():
+    assert L.layer_violations(L.import_edges(PKG)) == []
+
+
+def test_every_module_imports_alone_and_loads_only_what_its_layer_may():
+    modules = sorted(L.module_names(PKG))
+    results = L.import_alone(PKG.parent, modules)
+    assert [r["module"] for r in results] == modules
+    assert L.load_violations(results) == []
+    # importing the core alone loads no subpackage at all (the lazy names stay unloaded)
+    core = {r["module"]: r["loaded"] for r in results}["ncclavg"]
+    assert all(L.layer(m) == "core" for m in core), core
+
+
+# ---------------------------------------------------------------- negative tests: break a rule, see it caught
+@pytest.fixture
+def pkg_copy(tmp_path):
+    """A copy of the package (sources and the compiled core) to break on purpose."""
+    dst = tmp_path / "ncclavg"
+    shutil.copytree(PKG, dst, ignore=shutil.ignore_patterns("__pycache__", "*.so", "*.pyd"))
+    shutil.copy2(_C.__file__, dst / Path(_C.__file__).name)
+    return dst
+
+
+def _insert(path: Path, after: str, line: str) -> None:
+    text = path.read_text()
+    assert after in text, (path, after)
+    path.write_text(text.replace(after, after + line, 1))
+
+
+def _append(path: Path, text: str) -> None:
+    path.write_text(path.read_text() + text)
+
+
+def test_negative_comm_importing_train_is_caught(pkg_copy):
+    _insert(pkg_copy / "comm" / "local.py", "from __future__ import annotations\n",
+            "from ..train import data as _not_allowed  # noqa\n")
+    found = L.layer_violations(L.import_edges(pkg_copy))
+    assert len(found) == 1 and "ncclavg.comm.local" in found[0] and "may import only the core" in found[0], found
+    loaded = L.load_violations(L.import_alone(pkg_copy.parent, ["ncclavg.comm.local"]))
+    assert any("loads ncclavg.train.data" in v for v in loaded), loaded
+
+
+def test_negative_core_importing_a_subpackage_when_it_loads_is_caught(pkg_copy):
+    _insert(pkg_copy / "bucketing.py", "from __future__ import annotations\n",
+            "from .comm import base as _not_allowed  # noqa\n")
+    found = L.layer_violations(L.import_edges(pkg_copy))
+    assert len(found) == 1 and found[0].startswith("ncclavg.bucketing") and "only inside a function" in found[0]
+    loaded = L.load_violations(L.import_alone(pkg_copy.parent, ["ncclavg.bucketing"]))
+    assert any("the core must not import ncclavg.comm" in v for v in loaded), loaded
+
+
+def test_negative_train_and_bench_importing_each_other_is_caught_even_inside_a_function(pkg_copy):
+    _append(pkg_copy / "train" / "towers.py",
+            "\n\ndef _not_allowed():\n    from ..bench import inputs  # noqa\n    return inputs\n")
+    found = L.layer_violations(L.import_edges(pkg_copy))
+    assert len(found) == 1 and "ncclavg.train must not import ncclavg.bench" in found[0], found
+
+
+def test_negative_a_cycle_through_function_level_imports_is_caught(pkg_copy):
+    # errors.py <- cli.py already; an import back from errors.py (even a lazy one) closes a cycle
+    _append(pkg_copy / "errors.py", "\n\ndef _not_allowed():\n    from . import cli  # noqa\n    return cli\n")
+    cyc = L.cycles(L.import_edges(pkg_copy))
+    assert len(cyc) == 1 and {"ncclavg.cli", "ncclavg.errors"} <= set(cyc[0]), cyc
+
+
+def test_negative_a_module_level_cycle_breaks_importing_one_module_alone(pkg_copy):
+    # averager.py imports bucketing.py when it loads; the reverse import makes `import ncclavg.bucketing`
+    # fail with a partially initialised module: found statically, and by importing the module alone.
+    _insert(pkg_copy / "bucketing.py", "from __future__ import annotations\n",
+            "from .averager import GradientAverager as _not_allowed  # noqa\n")
+    cyc = L.cycles(L.import_edges(pkg_copy))
+    assert any({"ncclavg.averager", "ncclavg.bucketing"} <= set(c) for c in cyc), cyc
+    loaded = L.load_violations(L.import_alone(pkg_copy.parent, ["ncclavg.bucketing"]))
+    assert len(loaded) == 1 and "import ncclavg.bucketing alone failed" in loaded[0], loaded

@@ -1,0 +1,121 @@
+"""`ncclavg train`: outputs, the summary line, resume, and clear errors that write nothing."""
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from _paths import ROOT
+from ncclavg.cli import main
+from ncclavg.train.metrics import read_jsonl
+
+SUMMARY = re.compile(r"^summary: test_accuracy=(?P<acc>\d\.\d{3}) epochs=(?P<epochs>\d+) "
+                     r"samples_per_s=(?P<sps>\d+\.\d) wall_s=(?P<wall>\d+\.\d) towers=(?P<towers>\d+) "
+                     r"devices=(?P<devices>\S+)$")
+
+
+def _summary(out: str) -> dict:
+    last = out.strip().splitlines()[-1]
+    m = SUMMARY.match(last)
+    assert m, f"last line is not the summary line: {last!r}"
+    return m.groupdict()
+
+
+def test_short_run_writes_metrics_checkpoints_and_plot(tmp_path, capsys):
+    metrics, ckdir, plot = tmp_path / "m.jsonl", tmp_path / "ck", tmp_path / "p.png"
+    rc = main(["train", "--model", "mlp", "--epochs", "2", "--towers", "3", "--batch-size", "100",
+               "--metrics", str(metrics), "--checkpoint-dir", str(ckdir), "--plot", str(plot), "--no-progress"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    s = _summary(out)
+    assert s["epochs"] == "2" and s["towers"] == "3" and s["devices"] == "cpu,cpu,cpu"
+    assert float(s["acc"]) > 0.5 and float(s["sps"]) > 0
+    assert f"metrics: {metrics}" in out and f"plot: {plot}" in out and f"checkpoints: {ckdir}" in out
+    assert "epoch 2/2" in out
+    events = [r["event"] for r in read_jsonl(metrics)]
+    assert events[0] == "fit_start" and events.count("epoch") == 2 and events[-1] == "fit_end"
+    assert sorted(os.listdir(ckdir)) == ["ckpt-000000015.ckpt", "ckpt-000000030.ckpt"]
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    # Resume from the directory to 3 epochs: continues at step 30, appends to the metrics file.
+    rc = main(["train", "--model", "mlp", "--epochs", "3", "--towers", "2", "--batch-size", "100",
+               "--metrics", str(metrics), "--checkpoint-dir", str(ckdir), "--resume", str(ckdir), "--no-progress"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "resumed: " in out and "(step 30, epoch 2)" in out
+    s = _summary(out)
+    assert s["epochs"] == "3" and s["towers"] == "2"
+    events = [r["event"] for r in read_jsonl(metrics)]
+    assert events.count("epoch") == 3 and events.count("fit_start") == 2
+    assert "ckpt-000000045.ckpt" in os.listdir(ckdir)
+
+
+def test_no_outputs_requested_says_so(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    rc = main(["train", "--model", "mlp", "--epochs", "1", "--max-steps", "2", "--synthetic",
+               "--synthetic-samples", "300", "--no-progress"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "metrics: not written" in out and "checkpoints: not written" in out and "plot: not written" in out
+    assert "data: synthetic" in out
+    assert _summary(out)["epochs"] == "0"  # stopped by --max-steps inside the first epoch
+    assert os.listdir(tmp_path) == []
+
+
+def test_bf16_run(capsys):
+    rc = main(["train", "--amp", "bf16", "--epochs", "1", "--batch-size", "128", "--no-progress",
+               "--master", "device"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "amp=bf16" in out and "master=device" in out
+    assert float(_summary(out)["acc"]) > 0.5
+
+
+@pytest.mark.parametrize("args,match", [
+    (["--towers", "4", "--batch-size", "3"], r"--batch-size: 3 is smaller than the number of towers \(4\)"),
+    (["--devices", ""], r"--devices: devices: the list is empty"),
+    (["--devices", "cpu,tpu:1"], r"devices\[1\]: unknown device 'tpu:1'"),
+    (["--devices", "cpu,cpu", "--towers", "3"], "--towers: 3 does not match"),
+    (["--towers", "0"], "--towers: must be >= 1"),
+    (["--epochs", "0"], "--epochs: must be >= 1"),
+    (["--lr", "-1"], "lr: must be > 0"),
+    (["--test-fraction", "1.0"], "--test-fraction"),
+    (["--synthetic-samples", "100"], "--synthetic-samples: only applies with --synthetic"),
+])
+def test_bad_flags_fail_clearly_and_write_nothing(tmp_path, capsys, args, match):
+    out_dir = tmp_path / "out"
+    rc = main(["train", "--no-progress", "--metrics", str(out_dir / "m.jsonl"), "--checkpoint-dir",
+               str(out_dir / "ck"), "--plot", str(out_dir / "p.png"), *args])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert re.search(match, err), err
+    assert not out_dir.exists()
+
+
+def test_resume_from_another_model_fails_and_writes_nothing(tmp_path, capsys):
+    ckdir = tmp_path / "ck"
+    assert main(["train", "--model", "mlp", "--epochs", "1", "--max-steps", "1", "--checkpoint-dir", str(ckdir),
+                 "--no-progress"]) == 0
+    capsys.readouterr()
+    before = sorted(os.listdir(ckdir))
+    rc = main(["train", "--model", "cnn", "--resume", str(ckdir), "--metrics", str(tmp_path / "m.jsonl"),
+               "--checkpoint-dir", str(ckdir), "--no-progress"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "different model" in err and "ckpt-000000001.ckpt" in err
+    assert sorted(os.listdir(ckdir)) == before and not (tmp_path / "m.jsonl").exists()
+    rc = main(["train", "--resume", str(tmp_path / "nothing-here"), "--no-progress"])
+    assert rc == 2 and "nothing-here" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_default_run_reaches_95_percent(tmp_path):
+    """`ncclavg train` with no flags, as a user runs it: 2 CPU towers, CNN, digits."""
+    env = dict(os.environ)
+    root = str(ROOT)
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run([sys.executable, "-m", "ncclavg", "train"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    s = _summary(proc.stdout)
+    assert float(s["acc"]) >= 0.95, proc.stdout
+    assert s["towers"] == "2" and s["devices"] == "cpu,cpu" and int(s["epochs"]) >= 1
+    assert os.listdir(tmp_path) == []  # no output files unless asked for

@@ -1,0 +1,132 @@
+"""TowerTrainer on GPUs: towers on every visible GPU against a CPU reference, both master kinds, resume,
+amp, and `ncclavg train` defaulting to the GPUs. Skipped with the reason where there is no CUDA device,
+no CUDA build or no NCCL; nothing here touches a GPU at import."""
+from __future__ import annotations
+
+import re
+
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+
+def gpu_devices() -> list:
+    import ncclavg
+    from ncclavg import _ext
+
+    if not ncclavg.cuda_built():
+        pytest.skip("this build of ncclavg has no CUDA part")
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available() or not ncclavg.cuda_available():
+        pytest.skip("no CUDA device visible")
+    if not _ext.nccl_info()["loaded"]:
+        pytest.skip("no NCCL library found")
+    return [f"cuda:{i}" for i in range(torch.cuda.device_count())]
+
+
+def _data():
+    from ncclavg.train.data import load_digits
+
+    s = load_digits()
+    return s.x_train[:101], s.y_train[:101]
+
+
+def _reference(opt_kw, steps):
+    import torch
+    from torch import nn
+
+    from ncclavg.train.data import TensorLoader
+    from ncclavg.train.models import build_model
+
+    model = build_model("mlp", seed=0)
+    opt = torch.optim.SGD(model.parameters(), lr=opt_kw["lr"], momentum=0.9, nesterov=True) \
+        if opt_kw["optimizer"] == "sgd" else torch.optim.AdamW(model.parameters(), lr=opt_kw["lr"], weight_decay=0.0)
+    n = 0
+    loader = TensorLoader(*_data(), batch_size=23, seed=3)
+    while n < steps:
+        for x, y in loader:
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+            n += 1
+            if n == steps:
+                break
+    return [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("master", ["cpu", "device"])
+@pytest.mark.parametrize("opt_kw", [dict(optimizer="sgd", lr=0.05, momentum=0.9, nesterov=True),
+                                    dict(optimizer="adamw", lr=3e-3, weight_decay=0.0)])
+def test_gpu_towers_match_cpu_single_tower(master, opt_kw):
+    import torch
+
+    from ncclavg.train.data import TensorLoader
+    from ncclavg.train.models import build_model
+    from ncclavg.train.trainer import TowerTrainer
+
+    devices = gpu_devices()
+    want = _reference(opt_kw, 10)
+    prev = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        with TowerTrainer(build_model("mlp", seed=0), devices=devices, master=master, **opt_kw) as tr:
+            tr.fit(TensorLoader(*_data(), batch_size=23, seed=3), epochs=10, max_steps=10)
+            got = tr.master_params()
+            for t, dev in enumerate(devices):
+                assert all(p.device == torch.device(dev) for p in tr.tower_params[t])
+                assert all(torch.equal(p.detach().cpu().float(), m) for p, m in zip(tr.tower_params[t], got))
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = prev
+    for a, b in zip(got, want):
+        assert float((a - b).norm() / b.norm()) < 1e-4
+
+
+@pytest.mark.parametrize("master", ["cpu", "device"])
+def test_gpu_resume_continues_the_run(tmp_path, master):
+    import torch
+
+    from ncclavg.train.data import TensorLoader
+    from ncclavg.train.models import build_model
+    from ncclavg.train.trainer import TowerTrainer
+
+    devices = gpu_devices()
+    cfg = dict(devices=devices, master=master, optimizer="adamw", lr=3e-3, grad_clip=1.0)
+    full = TowerTrainer(build_model("cnn", seed=0), **cfg)
+    full.fit(TensorLoader(*_data(), batch_size=20, seed=1), epochs=5, max_steps=8)
+    part = TowerTrainer(build_model("cnn", seed=0), **cfg)
+    part.fit(TensorLoader(*_data(), batch_size=20, seed=1), epochs=5, max_steps=4)
+    path = part.save(str(tmp_path / "g.ckpt"))
+    resumed = TowerTrainer.load(path, build_model("cnn", seed=9), devices=devices)
+    resumed.fit(TensorLoader(*_data(), batch_size=20, seed=1), epochs=5, max_steps=8)
+    for a, b in zip(full.master_params(), resumed.master_params()):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+    for tr in (full, part, resumed):
+        tr.close()
+
+
+@pytest.mark.parametrize("master", ["cpu", "device"])
+@pytest.mark.parametrize("amp", ["bf16", "fp16"])
+def test_gpu_amp_learns(master, amp):
+    from ncclavg.train.data import TensorLoader, load_digits
+    from ncclavg.train.models import build_model
+    from ncclavg.train.trainer import TowerTrainer
+
+    devices = gpu_devices()
+    s = load_digits()
+    with TowerTrainer(build_model("cnn", seed=0), devices=devices, master=master, amp=amp, lr=3e-3) as tr:
+        hist = tr.fit(TensorLoader(s.x_train, s.y_train, batch_size=64, seed=0), epochs=3)
+        ev = tr.evaluate(TensorLoader(s.x_test, s.y_test, batch_size=256, shuffle=False))
+    assert hist[-1]["loss"] < hist[0]["loss"] and ev["accuracy"] > 0.9
+
+
+def test_gpu_train_cli_defaults_to_all_gpus(capsys):
+    from ncclavg.cli import main
+
+    devices = gpu_devices()
+    assert main(["train", "--no-progress"]) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    m = re.match(r"summary: test_accuracy=(\d\.\d{3}) epochs=\d+ samples_per_s=[\d.]+ wall_s=[\d.]+ "
+                 r"towers=(\d+) devices=(\S+)$", last)
+    assert m, last
+    assert float(m.group(1)) >= 0.95
+    assert int(m.group(2)) == len(devices) and m.group(3) == ",".join(devices)
