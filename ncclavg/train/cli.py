@@ -62,7 +62,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     o.add_argument("--checkpoint-dir", help="save a checkpoint here after every epoch (keeps the newest two)")
     o.add_argument("--checkpoint-every", type=int, help="epochs between checkpoints (default 1)")
     o.add_argument("--keep", type=int, help="complete checkpoints to keep (default 2)")
-    o.add_argument("--resume", metavar="PATH", help="checkpoint file, or a directory: its newest complete one")
+    o.add_argument("--resume", metavar="PATH", help="checkpoint file, or a directory: its newest complete one. "
+                   "With another --epochs (or --lr) than the saved run, a named lr schedule is planned again "
+                   "over the new total from the step reached (cosine keeps decaying to 0 at the new end)")
+    o.add_argument("--keep-schedule", action="store_true", default=None,
+                   help="with --resume: keep the saved lr schedule as it was planned, even past its end")
     o.add_argument("--metrics", metavar="FILE", help="write metrics as JSON lines to FILE")
     o.add_argument("--plot", metavar="FILE", nargs="?", const=DEFAULT_PLOT,
                    help=f"PNG of loss and accuracy per epoch (default file {DEFAULT_PLOT})")
@@ -163,6 +167,10 @@ def _run(args: argparse.Namespace) -> int:
                                               "grad_clip", "master", "on_nonfinite") if getattr(args, k) is not None}
     if args.amp is not None:
         overrides["amp"] = None if args.amp == "none" else args.amp
+    if args.keep_schedule and not args.resume:
+        raise UsageError("--keep-schedule: only applies with --resume")
+    if args.keep_schedule:
+        overrides["replan_schedule"] = False
     if args.resume:
         resume_path = ckpt.resolve(args.resume)
         if args.lr_schedule is not None:
@@ -200,6 +208,9 @@ def _run(args: argparse.Namespace) -> int:
           f"{'s' if info['buckets'] != 1 else ''})")
     if resume_path:
         print(f"resumed: {resume_path} (step {trainer.step}, epoch {trainer.epoch})")
+    # See Note [Schedules over a resumed run]: what this run's schedule is, and what changed.
+    note = trainer.plan_schedule(len(train_loader), epochs, args.max_steps, log_note=False)
+    print(note if note else f"lr schedule: {trainer.schedule!r}")
     sys.stdout.flush()
 
     trainer.fit(train_loader, epochs=epochs, eval_loader=test_loader, callbacks=callbacks,

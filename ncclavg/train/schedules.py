@@ -3,6 +3,10 @@
 A schedule holds only its hyper-parameters; the trainer owns the step counter. So the state that goes
 into a checkpoint is `state_dict()` (kind + hyper-parameters) and resuming cannot drift: lr(step) after
 a reload is the same float the uninterrupted run computed.
+
+A schedule named by the user ("cosine", "exponential") is planned from the run's length by the trainer
+(`make_schedule`), and planned again when a resumed run is given another length (`replan`); see Note
+[Schedules over a resumed run] in trainer.py.
 """
 from __future__ import annotations
 
@@ -128,6 +132,33 @@ def from_state_dict(state: dict) -> LRSchedule:
         raise ValueError(f"lr_schedule: bad parameters for {kind!r}: {e}") from None
 
 
+def schedule_name(spec: str) -> str:
+    """The canonical kind of a schedule name ("cos" -> "cosine"); ValueError naming lr_schedule if unknown."""
+    kind = _ALIASES.get(spec.lower(), spec.lower())
+    if kind not in _KINDS:
+        raise ValueError(f"lr_schedule: unknown schedule {spec!r}; use constant, exponential or cosine")
+    return kind
+
+
+def replan(schedule: LRSchedule, lr: float, total_steps: int | None, steps_per_epoch: int | None) -> LRSchedule:
+    """`schedule` planned again for a run of `total_steps` steps (`steps_per_epoch` per epoch) at peak
+    rate `lr`, keeping what is not a matter of length: a cosine keeps its warm-up length (steps already
+    taken are not warmed up again) and its floor, an exponential its rate; an exponential decays once per
+    epoch when the epoch length is known. Where a length is unknown (None) that part stays as it was."""
+    if isinstance(schedule, Constant):
+        return Constant(lr)
+    if isinstance(schedule, ExponentialDecay):
+        return ExponentialDecay(lr, decay_steps=int(steps_per_epoch) if steps_per_epoch else schedule.decay_steps,
+                                decay_rate=schedule.decay_rate, staircase=schedule.staircase)
+    if isinstance(schedule, CosineWarmup):
+        if not total_steps:
+            return schedule
+        total = int(total_steps)
+        return CosineWarmup(lr, total_steps=total, warmup_steps=min(schedule.warmup_steps, total),
+                            min_lr=min(schedule.min_lr, lr))
+    raise TypeError(f"lr_schedule: cannot re-plan a {type(schedule).__name__}")
+
+
 def make_schedule(spec: ScheduleSpec, lr: float, total_steps: int | None = None,
                   steps_per_epoch: int | None = None) -> LRSchedule:
     """Turn the user's `lr_schedule` argument into a schedule.
@@ -146,11 +177,11 @@ def make_schedule(spec: ScheduleSpec, lr: float, total_steps: int | None = None,
     if isinstance(spec, dict):
         return from_state_dict({"lr": lr, **spec})
     if callable(spec):
-        raise TypeError("lr_schedule: pass an ncclavg.schedules.LRSchedule subclass instance (so it can "
+        raise TypeError("lr_schedule: pass an ncclavg.train.schedules.LRSchedule subclass instance (so it can "
                         "be checkpointed), a dict or a name, not a plain function")
     if not isinstance(spec, str):
         raise TypeError(f"lr_schedule: expected a name, dict or LRSchedule, got {type(spec).__name__}")
-    kind = _ALIASES.get(spec.lower(), spec.lower())
+    kind = schedule_name(spec)
     if kind == "constant":
         return Constant(lr)
     if kind == "exponential":
@@ -161,5 +192,4 @@ def make_schedule(spec: ScheduleSpec, lr: float, total_steps: int | None = None,
         if not total_steps:
             raise ValueError("lr_schedule: 'cosine' needs the total number of steps (fit() computes it "
                              "from the loader and epochs; pass a dict with total_steps otherwise)")
-        return CosineWarmup(lr, total_steps=int(total_steps), warmup_steps=max(0, int(total_steps) // 20))
-    raise ValueError(f"lr_schedule: unknown schedule {spec!r}; use constant, exponential or cosine")
+    return CosineWarmup(lr, total_steps=int(total_steps), warmup_steps=max(0, int(total_steps) // 20))

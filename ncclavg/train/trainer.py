@@ -10,6 +10,22 @@ B samples: exactly the gradient of the full-batch mean loss. A tower with no sam
 smaller than T) contributes a zero gradient and still takes part in the average. This holds for losses
 that are means over samples (loss_fn's `reduction="mean"`); models whose output for one sample depends
 on the other samples of the batch (batch norm in training mode) see per-tower statistics instead.
+
+Note [Schedules over a resumed run]
+A schedule given by name ("cosine", "exponential") is planned by fit() from the run's length: cosine
+warms up over 5% of epochs x batches-per-epoch steps and decays to 0 at the end, exponential multiplies
+the rate by 0.9 once per epoch. The plan is saved with every checkpoint. When a later fit() asks for
+another length (a run resumed with more epochs, or fit() called again with a larger `epochs`), the
+schedule is planned again over the new total, from the step reached: the cosine now ends at the new
+last step, the step counter is unchanged and the warm-up keeps its length, so the steps already taken
+are not warmed up again (schedules.replan). An exponential decays per epoch whatever the number of
+epochs, so only a new epoch length changes it. Without this a cosine planned over 5 epochs
+runs epochs 6 and 7 at lr = 0 and nothing moves. A new peak `lr` given on resume is planned in the same
+way. `replan_schedule=False` (`ncclavg train --keep-schedule`) keeps the saved plan; fit() then says
+where it runs past the schedule's end. A schedule given explicitly (a dict or an LRSchedule) is never
+planned again: its length is the user's. Resuming with the run's own length changes nothing, so an
+interrupted run that is resumed stays bit-identical to an uninterrupted one. Each decision is logged
+and kept in `trainer.schedule_note` (the CLI prints it in the run header).
 """
 from __future__ import annotations
 
@@ -27,7 +43,7 @@ from .amp import DynamicLossScale, autocast_context, normalise_amp
 from .callbacks import Callback
 from .engines import CpuMasterEngine, DeviceMasterEngine, OptimConfig
 from .metrics import PHASES, StepTimes
-from .schedules import LRSchedule, ScheduleSpec, from_state_dict, make_schedule
+from .schedules import LRSchedule, ScheduleSpec, from_state_dict, make_schedule, replan, schedule_name
 from .towers import (TowerRunner, build_towers, default_devices, model_signature, parse_devices,
                      split_sizes, trainable_parameters, unpack_batch)
 from .state import (CHECKPOINT_FORMAT, CHECKPOINT_KIND, check_signature, extra_tensors,
@@ -68,7 +84,8 @@ class TowerTrainer:
                  amp: str | None = None, master: str | None = None, bucket_cap_mb: float = 25.0,
                  seed: int = 0, *, betas: Sequence[float] = (0.9, 0.999), eps: float = 1e-8,
                  first_bucket_mb: float = 1.0, loss_fn: Callable | None = None, concurrent: bool = True,
-                 overlap: bool = True, init_loss_scale: float = 2.0 ** 16, on_nonfinite: str = "skip"):
+                 overlap: bool = True, init_loss_scale: float = 2.0 ** 16, on_nonfinite: str = "skip",
+                 replan_schedule: bool = True):
         # Validate everything before touching the model: a bad argument leaves it as it was.
         if not isinstance(model, nn.Module):
             raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
@@ -105,8 +122,12 @@ class TowerTrainer:
             raise ValueError(f"seed: must be an integer, got {seed!r}")
         if loss_fn is not None and not callable(loss_fn):
             raise TypeError(f"loss_fn: expected a callable (output, target) -> scalar, got {type(loss_fn).__name__}")
-        schedule = make_schedule(lr_schedule, lr) if not (isinstance(lr_schedule, str) and
-                                                          lr_schedule.lower().startswith("cos")) else None
+        # A named schedule is planned by fit() from the run's length: see Note [Schedules over a resumed run].
+        schedule = None if isinstance(lr_schedule, str) else make_schedule(lr_schedule, lr)
+        if isinstance(lr_schedule, str):
+            schedule_name(lr_schedule)   # an unknown name fails here, before the model is touched
+        if not isinstance(replan_schedule, bool):
+            raise TypeError(f"replan_schedule: expected a bool, got {type(replan_schedule).__name__}")
         if devs[0].type == "cuda":
             from .._ext import cuda_built
 
@@ -127,12 +148,18 @@ class TowerTrainer:
         self.grad_clip = grad_clip
         self.schedule: LRSchedule | None = schedule
         self._schedule_spec = lr_schedule
+        # {"total_steps", "steps_per_epoch"} the named schedule was planned for; None for an explicit one
+        self._schedule_plan: dict | None = None
+        self._planned_for: tuple | None = None   # the (steps_per_epoch, epochs, max_steps) last planned for
+        self.schedule_note: str | None = None
         self.config = {"devices": [str(d) for d in devs], "optimizer": optimizer, "lr": lr,
                        "weight_decay": weight_decay, "momentum": momentum, "nesterov": bool(nesterov),
                        "grad_clip": grad_clip, "amp": amp, "master": master, "bucket_cap_mb": bucket_cap_mb,
                        "first_bucket_mb": first_bucket_mb, "seed": seed, "betas": betas, "eps": eps,
                        "concurrent": bool(concurrent), "overlap": bool(overlap),
                        "init_loss_scale": float(init_loss_scale), "on_nonfinite": on_nonfinite}
+        # A choice of this run's, not of the training: not saved with the checkpoint.
+        self.replan_schedule = replan_schedule
         self.on_nonfinite = on_nonfinite
         self.nonfinite_steps = 0   # steps skipped for an inf/NaN gradient (fp16 overflows included)
         opt = OptimConfig(optimizer, lr, weight_decay, momentum, bool(nesterov), betas, eps)
@@ -196,7 +223,49 @@ class TowerTrainer:
     def _ensure_schedule(self, total_steps: int | None, steps_per_epoch: int | None) -> LRSchedule:
         if self.schedule is None:
             self.schedule = make_schedule(self._schedule_spec, self.config["lr"], total_steps, steps_per_epoch)
+            if isinstance(self._schedule_spec, str):
+                self._schedule_plan = {"total_steps": total_steps, "steps_per_epoch": steps_per_epoch}
         return self.schedule
+
+    def plan_schedule(self, steps_per_epoch: int | None, epochs: int | None, max_steps: int | None = None,
+                      *, log_note: bool = True) -> str | None:
+        """Fixes the learning-rate schedule for a run of `epochs` epochs in total of `steps_per_epoch`
+        steps (or of `max_steps` steps when the epoch length is unknown); fit() calls it. Returns, and
+        keeps in `schedule_note`, a line saying what changed for this run (None when nothing did), also
+        logged unless log_note=False (a caller that prints it itself). Asking again for the same run
+        decides nothing new. See Note [Schedules over a resumed run]."""
+        total = steps_per_epoch * epochs if steps_per_epoch and epochs else max_steps
+        if (steps_per_epoch, epochs, max_steps) == self._planned_for:
+            return None
+        self._planned_for = (steps_per_epoch, epochs, max_steps)
+        if self.schedule is None:
+            self._ensure_schedule(total, steps_per_epoch)
+            return None
+        old, plan, lr = self.schedule, self._schedule_plan, self.config["lr"]
+        wanted = {"total_steps": total, "steps_per_epoch": steps_per_epoch}
+        if plan is not None and (plan != wanted or getattr(old, "lr", lr) != lr) and self.replan_schedule:
+            new = replan(old, lr, total, steps_per_epoch)
+            self._schedule_plan = wanted
+            if new != old:
+                self.schedule = new
+                note = (f"lr schedule re-planned for {_run_length(wanted)} (was {_run_length(plan)}): {new!r}; "
+                        f"lr at step {self.step}: {old(self.step):.4g} -> {new(self.step):.4g}")
+                return self._note(note, logging.INFO if log_note else None)
+            return None
+        end = getattr(old, "total_steps", None)
+        if total and end is not None and total > end:
+            why = ("kept as saved: replan_schedule=False, --keep-schedule" if plan is not None else
+                   "given explicitly: never re-planned")
+            return self._note(f"lr schedule {old!r} ends at step {end}, this run goes on to step {total}: the "
+                              f"steps after {end} run at lr {old(end):.4g} ({why})",
+                              logging.WARNING if log_note else None)
+        return None
+
+    def _note(self, note: str, level: int | None) -> str:
+        self.schedule_note = note
+        if level is not None:
+            log.log(level, note)
+        return note
 
     def current_lr(self) -> float:
         return self._ensure_schedule(None, None)(self.step)
@@ -406,13 +475,13 @@ class TowerTrainer:
                              f"towers ({self.num_towers}); every tower needs at least one sample")
         for i, cb in enumerate(callbacks):
             if not isinstance(cb, Callback):
-                raise TypeError(f"callbacks[{i}]: expected an ncclavg.callbacks.Callback, got {type(cb).__name__}")
+                raise TypeError(f"callbacks[{i}]: expected an ncclavg.train.callbacks.Callback, got {type(cb).__name__}")
         resumable = all(hasattr(loader, a) for a in ("state_dict", "load_state_dict", "epoch"))
         if resumable and self._data_state is not None:
             loader.load_state_dict(self._data_state)
         self._data_state = None
         steps_per_epoch = len(loader) if hasattr(loader, "__len__") else None
-        self._ensure_schedule(steps_per_epoch * epochs if steps_per_epoch else max_steps, steps_per_epoch)
+        self.plan_schedule(steps_per_epoch, epochs, max_steps)
         self._loader, self.target_epochs, self.stop_training = loader, epochs, False
         fit_samples, fit_train_s, t_fit = 0, 0.0, time.perf_counter()
         for cb in callbacks:
@@ -488,6 +557,7 @@ class TowerTrainer:
                 "config": dict(self.config), "master": self.engine.master_state(),
                 "extra": extra_tensors(self.towers[0]), "step": self.step, "epoch": self.epoch,
                 "data": data, "schedule": self._ensure_schedule(None, None).state_dict(),
+                "schedule_plan": self._schedule_plan,
                 "scaler": self.scaler.state_dict() if self.scaler is not None else None,
                 "rng": rng_state(self.devices), "history": list(self.history),
                 "epoch_acc": dict(self._epoch_acc), "nonfinite_steps": self.nonfinite_steps}
@@ -506,6 +576,8 @@ class TowerTrainer:
         self.step, self.epoch = int(state["step"]), int(state["epoch"])
         self._data_state = state["data"]
         self.schedule = from_state_dict(state["schedule"])
+        self._schedule_plan = state.get("schedule_plan")
+        self._planned_for = None
         if self.scaler is not None and state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
         set_rng_state(state["rng"], self.devices)
@@ -540,6 +612,12 @@ class TowerTrainer:
             config["lr_schedule"] = from_state_dict(state["schedule"])
         trainer = cls(model, devices=devices, **config)
         trainer.load_state_dict(state, path)
+        if "lr_schedule" in overrides:  # the user's new schedule, not the saved one (planned by fit if named)
+            trainer._schedule_spec = overrides["lr_schedule"]
+            trainer.schedule = None if isinstance(trainer._schedule_spec, str) else make_schedule(
+                trainer._schedule_spec, trainer.config["lr"])
+            trainer._schedule_plan = None
+            trainer._planned_for = None
         return trainer
 
     def master_params(self) -> list[torch.Tensor]:
@@ -555,3 +633,10 @@ class TowerTrainer:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _run_length(plan: dict) -> str:
+    spe, total = plan.get("steps_per_epoch"), plan.get("total_steps")
+    if spe and total:
+        return f"{total // spe} epochs ({total} steps)"
+    return f"{total} steps" if total else "an unknown number of steps"
