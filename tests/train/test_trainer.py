@@ -1,4 +1,5 @@
 """TowerTrainer on CPU towers: N towers == single-tower full-batch training, amp, clipping, schedules."""
+import functools
 import math
 
 import pytest
@@ -8,6 +9,7 @@ from torch import nn
 from ncclavg.train.data import TensorLoader, load_digits
 from ncclavg.train.models import build_model
 from ncclavg.train.schedules import ExponentialDecay
+from ncclavg.train.towers import split_sizes
 from ncclavg.train.trainer import TowerTrainer
 
 STEPS = 10
@@ -24,24 +26,34 @@ OPTIMIZERS = {
 }
 
 
-def _torch_optimizer(name, params):
+IMPLS = ("loop", "foreach", "fused")   # torch's three optimizer kernels: equally valid, rounded differently
+
+
+def _torch_optimizer(name, params, impl="foreach"):
     kw = OPTIMIZERS[name]
+    extra = {"loop": {"foreach": False}, "foreach": {"foreach": True}, "fused": {"fused": True}}[impl]
     if kw["optimizer"] == "sgd":
         return torch.optim.SGD(params, lr=kw["lr"], momentum=kw["momentum"], nesterov=True,
-                               weight_decay=kw["weight_decay"])
-    return torch.optim.AdamW(params, lr=kw["lr"], weight_decay=kw["weight_decay"])
+                               weight_decay=kw["weight_decay"], **extra)
+    return torch.optim.AdamW(params, lr=kw["lr"], weight_decay=kw["weight_decay"], **extra)
 
 
-def reference_run(model, loader, opt_name, steps, grad_clip=None):
-    """Plain single-model full-batch training: the ground truth the towers must reproduce."""
-    opt = _torch_optimizer(opt_name, model.parameters())
+def reference_run(model, loader, opt_name, steps, grad_clip=None, chunks=1, impl="foreach"):
+    """Plain single-model training with torch, the batch's gradient accumulated over `chunks` slices
+    (weighted by their share of the batch, the towers' split): the ground truth the towers must reproduce."""
+    opt = _torch_optimizer(opt_name, model.parameters(), impl)
     n = 0
     while n < steps:
         for x, y in loader:
             opt.zero_grad()
-            nn.functional.cross_entropy(model(x), y).backward()
+            lo = 0
+            for size in split_sizes(len(y), chunks):
+                if size:
+                    loss = nn.functional.cross_entropy(model(x[lo:lo + size]), y[lo:lo + size])
+                    (loss * (size / len(y))).backward()
+                lo += size
             if grad_clip is not None:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+                torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip, foreach=impl != "loop")
             opt.step()
             n += 1
             if n == steps:
@@ -49,18 +61,55 @@ def reference_run(model, loader, opt_name, steps, grad_clip=None):
     return [p.detach().clone() for p in model.parameters()]
 
 
-def assert_params_close(got, want, rtol=1e-5):
-    """Each parameter tensor within `rtol` relative (L2 norm of the difference over the norm)."""
+def rel_distance(got, want):
+    """The largest, over parameter tensors, L2 norm of the difference over the norm of `want`."""
     assert len(got) == len(want)
-    for i, (a, b) in enumerate(zip(got, want)):
+    out = 0.0
+    for a, b in zip(got, want):
         assert a.shape == b.shape
-        rel = float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
-        assert rel <= rtol, f"parameter {i}: relative difference {rel:.3e} > {rtol}"
+        out = max(out, float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)))
+    return out
+
+
+def fp32_training_spread(make_model, make_loader, opt_name, steps, grad_clip=None):
+    """(reference, noise floor) of fp32 training on THIS machine.
+
+    Note [Tolerance of training equivalence tests]
+    N towers must give the update of one model on the full batch, but not bit for bit: the towers sum
+    the batch's gradient in another order, and ncclavg's optimizer kernels round differently from
+    torch's. A few steps of training (AdamW most of all: m / sqrt(v) divides small differences by small
+    numbers) amplify ulp-sized differences, by an amount that depends on this CPU's matmul kernels (an
+    AMD EPYC measured 1.04e-05 where an Intel Xeon measured 6e-06 for the same case). So the tolerance
+    is measured, not picked: the same training done by twelve equally valid fp32 implementations in
+    torch (the batch in 1, 2, 3 or 4 slices x the loop / foreach / fused optimizer kernels), and the
+    floor is the largest distance of any of them from the reference (1 slice, foreach). ncclavg is one
+    more such implementation, so its distance to the reference is at most its distance to the nearest
+    of them plus that one's distance to the reference: two floors (the triangle inequality).
+    Measured on an Intel Xeon: ncclavg's distance is 0.7x to 1.4x the floor in every case."""
+    runs = [reference_run(make_model(), make_loader(), opt_name, steps, grad_clip, chunks, impl)
+            for chunks in (1, 2, 3, 4) for impl in IMPLS]
+    want = runs[IMPLS.index("foreach")]
+    # Never below one fp32 ulp (2^-23 relative): two correctly rounded results of one step differ by that.
+    return want, max(2.0 ** -23, max(rel_distance(r, want) for r in runs))
+
+
+def assert_params_close(got, want, floor):
+    """Within two noise floors of the reference: see Note [Tolerance of training equivalence tests]."""
+    dist = rel_distance(got, want)
+    assert dist <= 2 * floor, f"relative distance {dist:.3e} > 2 x the fp32 noise floor {floor:.3e}"
 
 
 # 96 samples in batches of 24: every split even. 101 in batches of 23: uneven splits in every batch and a
 # last batch of 9. 97 in batches of 24: a last batch of ONE sample (towers 1.. idle).
 DATASETS = {"even": (96, 24), "uneven": (101, 23), "one_sample_last": (97, 24)}
+
+
+@functools.lru_cache(maxsize=None)
+def _mlp_reference(opt_name, data):
+    n, bs = DATASETS[data]
+    x, y = load_digits().x_train[:n], load_digits().y_train[:n]
+    return fp32_training_spread(lambda: build_model("mlp", seed=0), lambda: TensorLoader(x, y, batch_size=bs, seed=3),
+                                opt_name, STEPS)
 
 
 @pytest.mark.parametrize("master", ["cpu", "device"])
@@ -69,14 +118,14 @@ DATASETS = {"even": (96, 24), "uneven": (101, 23), "one_sample_last": (97, 24)}
 def test_n_towers_equal_single_tower_full_batch(digits, master, opt_name, data):
     n, bs = DATASETS[data]
     x, y = digits.x_train[:n], digits.y_train[:n]
-    want = reference_run(build_model("mlp", seed=0), TensorLoader(x, y, batch_size=bs, seed=3), opt_name, STEPS)
+    want, floor = _mlp_reference(opt_name, data)
     for towers in (1, 2, 3, 4):
         with TowerTrainer(build_model("mlp", seed=0), devices=["cpu"] * towers, master=master,
                           **OPTIMIZERS[opt_name]) as tr:
             tr.fit(TensorLoader(x, y, batch_size=bs, seed=3), epochs=100, max_steps=STEPS)
             assert tr.step == STEPS
             got = tr.master_params()
-            assert_params_close(got, want)
+            assert_params_close(got, want, floor)
             # Every tower holds the master weights (identical replicas after each step).
             for t in range(towers):
                 assert all(torch.equal(p.detach().float(), m) for p, m in zip(tr.tower_params[t], got))
@@ -85,12 +134,12 @@ def test_n_towers_equal_single_tower_full_batch(digits, master, opt_name, data):
 @pytest.mark.parametrize("master", ["cpu", "device"])
 def test_cnn_with_clipping_matches_reference(digits, master):
     x, y = digits.x_train[:70], digits.y_train[:70]
-    want = reference_run(build_model("cnn", seed=1), TensorLoader(x, y, batch_size=20, seed=0), "sgd_nesterov",
-                         6, grad_clip=0.5)
+    want, floor = fp32_training_spread(lambda: build_model("cnn", seed=1),
+                                       lambda: TensorLoader(x, y, batch_size=20, seed=0), "sgd_nesterov", 6, grad_clip=0.5)
     with TowerTrainer(build_model("cnn", seed=1), devices=["cpu"] * 3, master=master, grad_clip=0.5,
                       **OPTIMIZERS["sgd_nesterov"]) as tr:
         tr.fit(TensorLoader(x, y, batch_size=20, seed=0), epochs=10, max_steps=6)
-        assert_params_close(tr.master_params(), want)
+        assert_params_close(tr.master_params(), want, floor)
 
 
 def test_towers_start_identical_and_model_is_tower_zero():
