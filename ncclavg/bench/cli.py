@@ -250,10 +250,11 @@ def _run(args: argparse.Namespace, sizes: list[int], env: dict | None) -> int:
             for c in setup.contenders:
                 c.close()
     finally:
-        # Ours to tear down: the launched ranks' group, or the one-rank NCCL group of the torch peer.
+        # Ours to tear down: the launched ranks' group, or the one-rank NCCL group of the torch peer. A
+        # gloo-only group is left to the process exit (See Note [Gloo teardown] in ncclavg/comm/dist.py).
         import torch.distributed as dist
 
-        if dist.is_available() and dist.is_initialized():
+        if dist.is_available() and dist.is_initialized() and args.backend == "nccl":
             dist.destroy_process_group()
 
 
