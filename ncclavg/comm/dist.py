@@ -28,7 +28,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from .. import ops
-from ..buffers import as_buffers
+from .._ext import _C
 from ..errors import CommError, CommTimeoutError
 from .base import Communicator, Work, check_timeout
 
@@ -157,21 +157,29 @@ class GlooCommunicator(Communicator):
             flat = t.view(-1)
             ops.unpack_(flat, [flat], [0], divisor=self.size)   # in place, one fused pass
 
+    def _scale_buffer(self, buf: Any) -> None:
+        """In place x /= size through an already checked Buffer (the cached one: no checks per call)."""
+        if self.size > 1:
+            _C.unpack_(buf, [buf], [0], 1.0, float(self.size), 0)
+
     def all_reduce_avg_async(self, tensors: Sequence[torch.Tensor], defer_scale: bool = False, *,
                              tag: Optional[str] = None, debug_key: Optional[Sequence[int]] = None) -> Work:
-        (t,) = self._check_group(tensors, "tensors")
-        as_buffers([t], "tensors")  # dtype / contiguity in the user's terms
+        (t,), (buf,) = self._checked_buffers(tensors, "tensors")  # dtype / contiguity in the user's terms
         what = self._what("all_reduce_avg", [t], tag)
         self._debug_check("all_reduce_avg", t, debug_key, self.timeout)
         if self.predivide:  # divide before the SUM: no fp16 overflow of the sum
-            self._scale(t)
+            self._scale_buffer(buf)
         work = _issue_dist(self, what, self._dist.all_reduce, t, op=self._dist.ReduceOp.SUM, group=self.group,
                            async_op=True)
         if self.predivide or self.size == 1:
             return _DistWork(self, work, what)
         if defer_scale:
             return _DistWork(self, work, what, divisor=float(self.size))
-        return _DistWork(self, work, what, finalize=lambda: self._scale(t))
+
+        def finalize(owner: torch.Tensor = t) -> None:  # holds the tensor: the Buffer is only its pointer
+            self._scale_buffer(buf)
+
+        return _DistWork(self, work, what, finalize=finalize)
 
     def reduce_scatter_avg(self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], *,
                            tag: Optional[str] = None, debug_key: Optional[Sequence[int]] = None,

@@ -160,8 +160,7 @@ class NcclCommunicator(Communicator):
         return [int(torch.cuda.current_stream(d).cuda_stream) for d in self._device_ids]
 
     def _enqueue_all_reduce(self, tensors: Any, tag: Optional[str], debug_key: Any) -> tuple:
-        tensors = self._check_group(tensors, "tensors")
-        bufs = as_buffers(tensors, "tensors")
+        tensors, bufs = self._checked_buffers(tensors, "tensors")
         self._debug_check("all_reduce_avg", tensors[0], debug_key, self.timeout)
         streams = self._streams()
         # NCCL averages: nothing deferred. The tag names the collective in the core's timeout messages.
