@@ -89,11 +89,10 @@ def run(a, out):
         return
 
     sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
-    from _gpu import DTYPE_CODE, exact_rank_inputs
+    from _gpu import DTYPE_CODE, HALF_SUBNORMAL, eps, exact_rank_inputs
 
     n, r = comm.size, comm.rank
     out["size"], out["ranks"], out["reduction"] = n, comm.ranks, {}
-    tol = {"float32": 2.0 ** -23, "float16": 2.0 ** -10, "bfloat16": 2.0 ** -7}
 
     def check(got, want, absmax, dtype, what, exact):
         g = got.detach().float().cpu().double().numpy()
@@ -103,8 +102,10 @@ def run(a, out):
                 i = int(np.flatnonzero(g != w)[0])
                 out["failures"].append(f"{what}: element {i} is {g[i]!r}, want exactly {w[i]!r}")
             return
-        e = tol[dtype]
-        bad = np.flatnonzero(np.abs(g - want) > e * np.abs(want) + (n + 2) * e * absmax)
+        # The bound of _gpu.assert_close_to_mean: one rounding of the result, n of partial sums and the 1/n
+        # pre-multiply, each within one ulp (eps) of its magnitude or half a subnormal spacing.
+        e = eps(dtype)
+        bad = np.flatnonzero(np.abs(g - want) > e * np.abs(want) + (n + 2) * (e * absmax + HALF_SUBNORMAL[dtype]))
         if bad.size:
             i = int(bad[0])
             out["failures"].append(f"{what}: {bad.size} elements off, first {i}: {g[i]!r} vs {want[i]!r}")

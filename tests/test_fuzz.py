@@ -9,7 +9,8 @@ from hypothesis import strategies as st
 from ncclavg import BucketPlan, Communicator, GradientAverager, LayoutMismatchError
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-EPS = {torch.float32: 2.0 ** -23, torch.float16: 2.0 ** -10, torch.bfloat16: 2.0 ** -7}
+UNIT_ROUNDOFF = {torch.float32: 2.0 ** -24, torch.float16: 2.0 ** -11, torch.bfloat16: 2.0 ** -8}
+HALF_SUBNORMAL = {torch.float32: 2.0 ** -150, torch.float16: 2.0 ** -25, torch.bfloat16: 2.0 ** -134}
 FUZZ = settings(max_examples=150, deadline=None, database=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
@@ -21,15 +22,28 @@ def _values(shape, dtype, seed, scale):
     return (torch.randn(shape, generator=g, dtype=torch.float64) * scale).to(dtype)
 
 
-def _close_to_mean(got, inputs):
-    """Within the arithmetic of the core: fp32 accumulation (n roundings) and one rounding to the dtype."""
+def _close_to_mean(got, inputs, comm_dtype=None):
+    """Within the core's arithmetic of the float64 mean, element by element. The inputs are first rounded to
+    the communication dtype when it is another one (its unit roundoff u_c times mean|x_i|); the core adds
+    them in float32 (n - 1 roundings, <= gamma_{n-1} * sum|x_i|, Higham ch. 3) and divides once (2^-24 |mean|),
+    within gamma_n * mean|x_i| together (gamma_n = n * 2^-24 / (1 - n * 2^-24)); rounds that to the
+    communication dtype (u_c of it, or half a subnormal spacing where it underflows); and the cast back to
+    got's dtype is exact (it has at least as many significand bits) unless it underflows there: half its
+    subnormal spacing. A wrong divisor or a dropped tower is off by ~mean|x_i|."""
     dtype = got.dtype
+    comm = comm_dtype or dtype
+    assert comm in (dtype, torch.bfloat16)   # the only mixes here: see the docstring's last step
     x = torch.stack([t.double() for t in inputs])
-    ref = x.mean(0)
-    tol = EPS[dtype] * ref.abs() + len(inputs) * 2.0 ** -23 * x.abs().amax(0) + 1e-30
-    if dtype == torch.float16:
-        tol = tol + 2.0 ** -24   # fp16 subnormal spacing
-    return bool(((got.double() - ref).abs() <= tol).all())
+    ref, scale = x.mean(0), x.abs().mean(0)
+    n, u32, uc = len(inputs), UNIT_ROUNDOFF[torch.float32], UNIT_ROUNDOFF[comm]
+    err = (n * u32 / (1 - n * u32)) * scale
+    if comm != dtype:
+        err = uc * scale + (1 + uc) * err
+    if comm != torch.float32:
+        err = err + uc * (ref.abs() + err) + HALF_SUBNORMAL[comm]
+    if comm != dtype:
+        err = err + HALF_SUBNORMAL[dtype]
+    return bool(((got.double() - ref).abs() <= err).all())
 
 
 @FUZZ
@@ -134,11 +148,6 @@ def test_averager_grads_become_the_tower_mean(n, specs, grad_dtype, seed, cap):
         for t in range(n):
             got = towers[t][i].grad
             assert got.shape == inputs[0].shape and torch.equal(got, towers[0][i].grad)
-        if grad_dtype is None:
-            assert _close_to_mean(towers[0][i].grad, inputs)
-        else:   # communicated in bfloat16: one bf16 rounding of each input and of the mean
-            ref = torch.stack([g.double() for g in inputs]).mean(0)
-            tol = 3 * EPS[torch.bfloat16] * torch.stack([g.double().abs() for g in inputs]).amax(0) + 1e-30
-            assert bool(((towers[0][i].grad.double() - ref).abs() <= tol + EPS[inputs[0].dtype] * ref.abs()).all())
+        assert _close_to_mean(towers[0][i].grad, inputs, grad_dtype)
     avg.close()
     comm.close()

@@ -13,6 +13,8 @@ pytestmark = pytest.mark.gpu
 
 SIZES = [0, 1, 7, 15, 17, 4097, 70001, 1_000_003]
 MODES = [(1.0, 1.0), (0.25, 1.0), (1.0, 3.0), (1.5, 7.0)]
+UNIT_ROUNDOFF = {"float32": 2.0 ** -24, "float16": 2.0 ** -11, "bfloat16": 2.0 ** -8}
+SUBNORMAL_SPACING = {"float32": 2.0 ** -149, "float16": 2.0 ** -24, "bfloat16": 2.0 ** -133}
 
 
 def require_pack():
@@ -63,9 +65,13 @@ def test_pack_unpack_gpu_matches_cpu_and_reference(src, dst):
         mask = torch.ones(total, dtype=torch.bool)
         for h, o in zip(host, offs):
             assert np.array_equal(bits(got[o:o + h.numel()]), bits(reference(h, ddt, scale, divisor)))
+            # Its roundings of the float64 truth (scale and divisor are exact): a float32 multiply and divide,
+            # then the cast to dst, each (1 + delta), |delta| <= the unit roundoff; plus at most one subnormal
+            # spacing of dst for a result that underflows (1e-40 among the inputs).
             truth = h.double() * scale / divisor
-            tol = {"float32": 2e-7, "float16": 1e-3, "bfloat16": 8e-3}[dst]
-            ok = torch.isclose(got[o:o + h.numel()].double(), truth, rtol=tol, atol=1e-7, equal_nan=True)
+            rtol = (1 + UNIT_ROUNDOFF["float32"]) ** 2 * (1 + UNIT_ROUNDOFF[dst]) - 1
+            ok = torch.isclose(got[o:o + h.numel()].double(), truth, rtol=rtol, atol=SUBNORMAL_SPACING[dst],
+                               equal_nan=True)
             assert bool(ok.all()), f"{src}->{dst}: off the float64 value"
             mask[o:o + h.numel()] = False
         assert bool((got[mask] == 7.0).all()), "padding between slots was written"

@@ -9,6 +9,7 @@ import torch
 import ncclavg
 from ncclavg import BucketPlan, MasterWeights
 from optim_reference import bits_equal, rel_err
+from test_optim import Fp32Bound, assert_matches_torch, f64_resumed, f64_twin
 
 SHAPES = [(3, 5), (17,), (100, 3), (1,), (16, 16), (4097,), (2, 7, 9)]
 
@@ -76,18 +77,19 @@ def test_20_steps_match_torch_on_float64_mean(kind, torch_cls, hp, plan_kind, dt
     plan = {"fake": FakePlan(SHAPES), "real": BucketPlan.build(params, bucket_cap_mb=0.01, first_bucket_mb=0.001),
             "none": None}[plan_kind]
     mw = MasterWeights(params, plan, optimizer=kind, **hp)
-    ref = torch_twin(params)
-    opt = torch_cls(ref, **hp)
+    ref, ref64 = torch_twin(params), f64_twin(params)
+    # float64: see Note [Running error bound of a float32 optimizer] in test_optim.py
+    opt, opt64 = torch_cls(ref, **hp), Fp32Bound(torch_cls(ref64, **hp))
     gen = torch.Generator().manual_seed(2)
     for _ in range(20):
         grads, mean = tower_grads(mw.plan, towers, dtype, gen)
         info = mw.step(grads)
         assert not info["skipped"]
-        for r, g in zip(ref, mean):
-            r.grad = g
+        for r, r64, g in zip(ref, ref64, mean):
+            r.grad, r64.grad = g, g.double()
         opt.step()
-    for v, r in zip(mw.param_views(), ref):
-        assert rel_err(v, r) < 1e-6
+        opt64.step()
+    assert_matches_torch(mw.param_views(), ref, ref64, opt64.bound(ref64))
     assert mw.steps == [20] * mw.num_buckets
 
 
@@ -137,17 +139,25 @@ def test_bucket_by_bucket_equals_all_at_once():
     a = MasterWeights(params, plan, lr=1e-2)
     b = MasterWeights(params, plan, lr=1e-2)
     gen = torch.Generator().manual_seed(8)
-    for _ in range(3):
+    same_clip, steps = True, 3
+    for _ in range(steps):
         grads, _ = tower_grads(plan, 3, torch.bfloat16, gen)
-        a.step(grads, max_grad_norm=2.0)
+        clip = a.step(grads, max_grad_norm=2.0)["clip_coef"]
         norm = math.sqrt(sum(b.grad_norm([g[k] for g in grads], bucket=k) ** 2 for k in range(b.num_buckets)))
         for k in range(b.num_buckets):
             out = torch.empty(plan.buckets[k].numel, dtype=torch.bfloat16)
             info = b.step([g[k] for g in grads], bucket=k, max_grad_norm=2.0, grad_norm=norm, out=out)
             assert info["steps"] == [b.steps[k]]
             assert bits_equal(out, b.flat[k].to(torch.bfloat16))
-    for x, y in zip(a.flat, b.flat):
-        assert rel_err(x, y) < 1e-6
+            same_clip = same_clip and info["clip_coef"] == clip
+    # The two differ only in how the global norm is summed (float64, agreeing to ~1e-15), which is then
+    # rounded to float32 for the clip factor: the same factor, hence the same float operations on every
+    # element, unless the two norms straddle a float32 rounding boundary (chance ~1e-8 per step).
+    if same_clip:
+        assert all(bits_equal(x, y) for x, y in zip(a.flat, b.flat))
+    else:  # factors 1-2 ulp apart: per step <= 1 ulp of |p| (the rounding of p + update) plus 2^-22 of
+        # the update (< |p| / 2): 2^-22 relative per step
+        assert all(rel_err(x, y) <= steps * 2.0 ** -22 for x, y in zip(a.flat, b.flat))
     with pytest.raises(ValueError, match="max_grad_norm"):
         b.step([g[0] for g in grads], bucket=0, max_grad_norm=1.0)
 
@@ -188,6 +198,7 @@ def test_state_dict_interchange_with_torch_and_other_plans():
     ref = [torch.nn.Parameter(p.clone()) for p in sd["params"]]
     opt = torch.optim.AdamW(ref, lr=1e-2, amsgrad=True)
     opt.load_state_dict(copy.deepcopy(sd["optimizer"]))
+    ref64, opt64 = f64_resumed(torch.optim.AdamW, sd["params"], sd["optimizer"], lr=1e-2, amsgrad=True)
     # into a MasterWeights with a different plan
     other = MasterWeights(make_params(99), BucketPlan.build(params, bucket_cap_mb=0.005), lr=5.0, amsgrad=True)
     other.load_state_dict(copy.deepcopy(sd))
@@ -195,15 +206,17 @@ def test_state_dict_interchange_with_torch_and_other_plans():
     for _ in range(4):
         grads, mean = tower_grads(mw.plan, 1, torch.float32, gen)
         mw.step(grads)
-        for r, g in zip(ref, mean):
-            r.grad = g
+        for r, r64, g in zip(ref, ref64, mean):
+            r.grad, r64.grad = g, g.double()
         opt.step()
+        opt64.step()
         flat = [torch.zeros(b.numel) for b in other.plan.buckets]
         for s, g in zip(other.plan.slots, mean):
             flat[s.bucket][s.offset:s.offset + s.numel] = g.reshape(-1)
         other.step([flat])
-    for v, w, r in zip(mw.param_views(), other.param_views(), ref):
-        assert rel_err(v, r) < 1e-6 and rel_err(w, r) < 1e-6
+    bound = opt64.bound(ref64)  # Note [Running error bound of a float32 optimizer] in test_optim.py
+    assert_matches_torch(mw.param_views(), ref, ref64, bound)
+    assert_matches_torch(other.param_views(), ref, ref64, bound)
     # and back: a torch optimizer's state into a MasterWeights
     back = MasterWeights([r.detach() for r in ref], lr=1.0, amsgrad=True)
     back.load_state_dict({"params": [r.detach() for r in ref], "optimizer": opt.state_dict()})
@@ -218,8 +231,16 @@ def test_with_gradient_averager_storage():
     comm = ncclavg.Communicator.local(2)
     avg = ncclavg.GradientAverager(comm, towers, bucket_cap_mb=0.001, first_bucket_mb=0.0005)
     mw = MasterWeights(list(model.parameters()), avg.plan, lr=1e-2)
-    ref = copy.deepcopy(model)
-    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    # The gradients come from the model, so rounding differences feed back through it: no running bound
+    # (test_optim.py) follows that. A measured noise floor instead, as in Note [Tolerance of training
+    # equivalence tests] (tests/train/test_trainer.py): the reference run again in float64 gives its own
+    # float32 error, `floor`. The towers are one more float32 implementation (each sums its half's gradient,
+    # then the two are averaged: another order than one backward of both losses), as far from the float64
+    # run as the reference is (measured: equal to 3 digits), so within 2 floors of the reference (triangle
+    # inequality); never below one fp32 ulp, 2^-23 relative. Over 60 seeds, with torch's default and AVX2
+    # kernels: at most 0.51 of that. One tower's gradient instead of the mean moves params by ~lr = 1e-2.
+    refs = [copy.deepcopy(model), copy.deepcopy(model).double()]
+    opts = [torch.optim.AdamW(r.parameters(), lr=1e-2) for r in refs]
     for _ in range(3):
         xs = [torch.randn(8, 10) for _ in towers]
         with avg.no_sync():
@@ -227,16 +248,19 @@ def test_with_gradient_averager_storage():
                 tw(x).square().mean().backward()
         storages = [[avg.bucket_storage(t, b) for b in range(len(avg.plan.buckets))] for t in range(2)]
         mw.step(storages)
-        opt.zero_grad()
-        losses = [ref(x).square().mean() for x in xs]
-        (sum(losses) / 2).backward()
-        opt.step()
+        for ref, opt in zip(refs, opts):
+            opt.zero_grad()
+            losses = [ref(x.to(next(ref.parameters()).dtype)).square().mean() for x in xs]
+            (sum(losses) / 2).backward()
+            opt.step()
         for tw in towers:
             for p, v in zip(tw.parameters(), mw.param_views()):
                 p.data.copy_(v)
         avg.zero_grad()
-    for v, r in zip(mw.param_views(), ref.parameters()):
-        assert rel_err(v, r) < 1e-5
+    ref, ref64 = (list(r.parameters()) for r in refs)
+    floor = max(2.0 ** -23, max(rel_err(r, r64) for r, r64 in zip(ref, ref64)))
+    for v, r in zip(mw.param_views(), ref):
+        assert rel_err(v, r) <= 2 * floor, (rel_err(v, r), floor)
     avg.close()
     comm.close()
 
@@ -298,14 +322,16 @@ def test_sgd_state_dict_into_torch_sgd():
     ref = [torch.nn.Parameter(p.clone()) for p in sd["params"]]
     opt = torch.optim.SGD(ref, **hp)
     opt.load_state_dict(sd["optimizer"])
+    ref64, opt64 = f64_resumed(torch.optim.SGD, sd["params"], sd["optimizer"], **hp)
     for _ in range(3):
         grads, mean = tower_grads(mw.plan, 2, torch.bfloat16, gen)
         mw.step(grads)
-        for r, g in zip(ref, mean):
-            r.grad = g
+        for r, r64, g in zip(ref, ref64, mean):
+            r.grad, r64.grad = g, g.double()
         opt.step()
-    for v, r in zip(mw.param_views(), ref):
-        assert rel_err(v, r) < 1e-6
+        opt64.step()
+    # Note [Running error bound of a float32 optimizer] in test_optim.py
+    assert_matches_torch(mw.param_views(), ref, ref64, opt64.bound(ref64))
 
 
 @pytest.mark.gpu

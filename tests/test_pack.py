@@ -8,6 +8,8 @@ from ncclavg._ext import _C
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 LEVELS = list(_C.simd_levels_supported())
 SIZES = [0, 1, 7, 15, 17, 33, 4097, 70001]  # 70001: above the OpenMP threshold, odd tail
+UNIT_ROUNDOFF = {torch.float32: 2.0 ** -24, torch.float16: 2.0 ** -11, torch.bfloat16: 2.0 ** -8}
+SUBNORMAL_SPACING = {torch.float32: 2.0 ** -149, torch.float16: 2.0 ** -24, torch.bfloat16: 2.0 ** -133}
 
 
 @pytest.fixture
@@ -60,10 +62,12 @@ def test_pack_unpack_matches_reference(simd_level, src_dtype, dst_dtype):
         for s, o in zip(srcs, offs):
             got = bucket[o:o + s.numel()]
             assert torch.equal(got, reference(s, dst_dtype, scale, divisor))
-            # and within half an ulp-ish of the float64 truth
+            # and within its roundings of the float64 truth (scale and divisor are exact): a float32 multiply
+            # and divide, then the cast to dst_dtype, each (1 + delta) with |delta| <= the unit roundoff; plus,
+            # for a result that underflows, at most one subnormal spacing of dst_dtype (it rounds to half of it).
             truth = s.double() * scale / divisor
-            tol = {torch.float32: 2e-7, torch.float16: 1e-3, torch.bfloat16: 8e-3}[dst_dtype]
-            assert torch.allclose(got.double(), truth, rtol=tol, atol=1e-30 if dst_dtype == torch.float32 else 1e-7)
+            rtol = (1 + UNIT_ROUNDOFF[torch.float32]) ** 2 * (1 + UNIT_ROUNDOFF[dst_dtype]) - 1
+            assert torch.allclose(got.double(), truth, rtol=rtol, atol=SUBNORMAL_SPACING[dst_dtype])
         # padding between slots is untouched
         mask = torch.ones(total, dtype=torch.bool)
         for s, o in zip(srcs, offs):

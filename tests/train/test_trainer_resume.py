@@ -3,12 +3,14 @@ import os
 
 import pytest
 import torch
+from torch import nn
 
 from ncclavg.train import checkpoint as ckpt
 from ncclavg.train.callbacks import Callback, CheckpointCallback, MetricsLogger
 from ncclavg.train.data import TensorLoader, load_digits
 from ncclavg.train.metrics import read_jsonl
 from ncclavg.train.models import build_model
+from ncclavg.train.towers import split_sizes
 from ncclavg.train.trainer import TowerTrainer
 
 
@@ -75,6 +77,32 @@ def test_resume_is_bitwise(tmp_path, data, name, k):
     resumed.close()
 
 
+def _rel_distance(got, want):
+    """The largest, over parameter tensors, L2 norm of the difference over the norm of `want`."""
+    return max(float((a - b).norm() / b.norm()) for a, b in zip(got, want))
+
+
+def _fp32_floor(data, steps, lr):
+    """The noise floor of `steps` steps of fp32 AdamW(lr) training of the mlp on _loader(data), measured as in
+    Note [Tolerance of training equivalence tests] (tests/train/test_trainer.py): the largest distance from
+    the reference (batch in one slice, foreach kernel) of the same training with the batch's gradient
+    accumulated over 1..4 slices x torch's loop / foreach / fused kernels; never below one fp32 ulp."""
+    runs = []
+    for chunks in (1, 2, 3, 4):
+        for extra in ({"foreach": False}, {"foreach": True}, {"fused": True}):
+            model = build_model("mlp", seed=0)
+            opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0, **extra)
+            for _, (x, y) in zip(range(steps), _loader(data)):   # 8 batches per epoch: steps <= 8
+                opt.zero_grad()
+                lo = 0
+                for size in split_sizes(len(y), chunks):
+                    (nn.functional.cross_entropy(model(x[lo:lo + size]), y[lo:lo + size]) * (size / len(y))).backward()
+                    lo += size
+                opt.step()
+            runs.append([p.detach().clone() for p in model.parameters()])
+    return max(2.0 ** -23, max(_rel_distance(r, runs[1]) for r in runs))
+
+
 def test_resume_across_master_kinds_and_tower_counts(tmp_path, data):
     """The checkpoint format does not depend on the engine or the number of towers."""
     cfg = dict(optimizer="adamw", lr=3e-3, seed=1)
@@ -86,8 +114,10 @@ def test_resume_across_master_kinds_and_tower_counts(tmp_path, data):
     assert all(torch.equal(x, y) for x, y in zip(a.master_params(), b.master_params()))
     a.fit(loader_a, epochs=2, max_steps=8)  # the same loader object continues where it stopped
     b.fit(_loader(data), epochs=2, max_steps=8)
-    for x, y in zip(a.master_params(), b.master_params()):
-        assert float((x - y).norm() / y.norm()) < 1e-5
+    # a and b are two fp32 implementations of the same 8 steps (2 towers with the CPU master, then 3 with the
+    # device one): each within 2 noise floors of the reference (Note [Tolerance of training equivalence
+    # tests]), so within 4 floors of each other (triangle inequality). Measured: 0.08 of that.
+    assert _rel_distance(a.master_params(), b.master_params()) <= 4 * _fp32_floor(data, 8, lr=3e-3)
     a.close()
     b.close()
 
