@@ -8,21 +8,20 @@ GradientAverager averages the gradients across ranks.
 from __future__ import annotations
 
 import argparse
-import sys
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from ncclavg.averager import GradientAverager
-from ncclavg.comm import Communicator
+from ncclavg.comm import Communicator, end_process
 from ncclavg.train.data import TensorLoader, load_digits
 from ncclavg.train.models import build_model
 from ncclavg.optim import CPUAdamW
 from ncclavg.train.towers import split_sizes
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--epochs", type=int, default=2)
     ap.add_argument("--batch-size", type=int, default=64)
@@ -62,12 +61,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"torchrun_gloo: test_accuracy={acc:.3f} world_size={world} replicas_identical={same}", flush=True)
     averager.close()
     comm.close()
-    # No dist.destroy_process_group() here: torch's gloo teardown aborts a finished process now and then.
-    # A barrier (every rank is done with its collectives), then the process exits. See the README's
-    # "Ending a gloo run".
+    # No dist.destroy_process_group(), and no ordinary exit either: torch's gloo teardown now and then
+    # aborts a process whose work is done. A barrier (every rank is past its last collective), then
+    # end_process() flushes the output and leaves without teardown. See the README's "Ending a gloo run".
     dist.barrier()
-    return 0 if same else 1
+    end_process(0 if same else 1)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

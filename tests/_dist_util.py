@@ -23,11 +23,21 @@ def init_rank(rank, world, port, timeout_s=60):
                             timeout=datetime.timedelta(seconds=timeout_s))
 
 
+def _run_and_end(rank, fn, *args):
+    """A rank's body: fn, then (it returned: every collective is done) out without teardown, see Note
+    [Gloo teardown] in ncclavg/comm/dist.py. An exception goes back to the spawn harness as usual."""
+    fn(rank, *args)
+    from ncclavg.comm import end_process
+
+    end_process(0)
+
+
 def run_ranks(fn, world, args=(), timeout_s=120):
     """Runs fn(rank, world, port, *args) in `world` spawned processes; re-raises a child's exception;
     kills everything after timeout_s."""
     port = free_port()
-    ctx = mp.start_processes(fn, args=(world, port, *args), nprocs=world, join=False, start_method="spawn")
+    ctx = mp.start_processes(_run_and_end, args=(fn, world, port, *args), nprocs=world, join=False,
+                             start_method="spawn")
     deadline = time.monotonic() + timeout_s
     try:
         while not ctx.join(timeout=1.0):

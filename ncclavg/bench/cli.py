@@ -206,12 +206,19 @@ def main_from_args(args: argparse.Namespace) -> int:
         nproc = args.nproc or 2
         return launch.spawn_ranks(nproc, _rank_argv(args, nproc), args.timeout)
     try:
-        return _run(args, sizes, env)
+        rc = _run(args, sizes, env)
     except Exception as e:  # one line for the user; the traceback helps nobody reading a bench table
         rank = f" (rank {env['rank']})" if env else ""
         print(f"ncclavg bench: failed{rank}: {type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}",
               file=sys.stderr)
         return 1
+    if env is not None and args.backend == "gloo":
+        # A launched gloo rank past its last collective leaves without torch's teardown, which aborts a
+        # finished process now and then. See Note [Gloo teardown] in ncclavg/comm/dist.py.
+        from ..comm import end_process
+
+        end_process(rc)
+    return rc
 
 
 def _check_cuda(args: argparse.Namespace, env: dict | None) -> None:

@@ -9,7 +9,7 @@ What it may import: the core (`ncclavg.ops`, `buffers`, `_ext`, `errors`, ...) a
 Where to start reading: base.py's `Communicator`, then local.py, the simplest backend.
 """
 from .base import CompletedWork, Communicator, Work, default_timeout, register_backend
-from .dist import GlooCommunicator
+from .dist import GlooCommunicator, end_process
 from .local import LocalCommunicator
 from .nccl import NcclCommunicator
 
@@ -19,4 +19,4 @@ for _cls in (LocalCommunicator, GlooCommunicator, NcclCommunicator):
 del _cls
 
 __all__ = ["Communicator", "Work", "CompletedWork", "LocalCommunicator", "GlooCommunicator", "NcclCommunicator",
-           "default_timeout", "register_backend"]
+           "default_timeout", "register_backend", "end_process"]

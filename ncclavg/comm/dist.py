@@ -4,23 +4,27 @@ plumbing every multi-process backend uses, with every wait bounded: issue and wa
 allgather_object that cannot outwait the communicator's timeout, and the debug-mode record exchange.
 
 Note [Gloo teardown]
-torch 2.13's `destroy_process_group()` on a gloo group now and then kills a process whose run has
-finished: the rank prints its results, then dies with "terminate called without an active exception"
-(SIGABRT, exit -6), and torchrun or a test harness reports the whole run as failed. Measured with plain
-torch DDP over gloo (two ranks, 20 steps, then destroy_process_group()) on a 2-core AMD EPYC: 2 runs in
-30 abort, 1 in 30 with a barrier before the destroy, 0 in 30 when the process ends without it. The
-abort is inside torch's gloo teardown, so ncclavg keeps out of it: it never destroys a gloo group.
-`Communicator.close()` leaves the process group alone, whether from_torch_distributed() created it
-(from torchrun's environment) or the user did; such a group lives until the process exits, and the
-exit closes its sockets. ncclavg's own programs (`ncclavg bench` ranks, the examples, the test workers)
-end a gloo run once every rank is past its last collective (the examples and the test workers with a
-barrier) and then simply return. Groups with an NCCL backend are still destroyed: NCCL communicators
-must be torn down.
+With torch 2.13 a gloo rank whose run has finished sometimes dies on its way out: it prints its
+results, then "terminate called without an active exception" (SIGABRT, exit -6), and torchrun or a
+test harness reports the whole run as failed. Measured on a loaded 2-core AMD EPYC with plain torch DDP
+over gloo: 2 runs in 30 with destroy_process_group() at the end, 1 in 30 with a barrier before it, 0 in
+30 without it; here (Intel Xeon, 2 cores) ncclavg's gloo test job, ending with a barrier and no
+destroy, still aborted once in about 15 runs while other test processes loaded the machine. It happens
+in torch's teardown (the process group, its gloo threads, C++ destructors at exit), after every
+collective has completed, so ncclavg keeps out of teardown altogether:
+- it never destroys a gloo group: `Communicator.close()` leaves the process group alone, whether
+  from_torch_distributed() created it (from torchrun's environment) or the user did;
+- its own multi-process programs (`ncclavg bench` ranks, examples/torchrun_gloo.py, the test workers)
+  end with `end_process(code)` once every rank is past its last collective: it flushes stdout, stderr
+  and logging and leaves with os._exit, so no destructor runs; the kernel closes the sockets.
+Groups with an NCCL backend are still destroyed: NCCL communicators must be torn down.
 """
 from __future__ import annotations
 
 import datetime
+import os
 import pickle
+import sys
 import threading
 import time
 from typing import Any, Callable, Optional, Sequence
@@ -31,6 +35,21 @@ from .. import ops
 from .._ext import _C
 from ..errors import CommError, CommTimeoutError
 from .base import Communicator, Work, check_timeout
+
+
+def end_process(code: int = 0) -> None:
+    """Ends this process now with exit status `code`, after flushing stdout, stderr and logging, without
+    running Python's or C++'s teardown. For a rank whose collectives are all complete (after a
+    barrier): see Note [Gloo teardown]. Never returns."""
+    import logging
+
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (AttributeError, OSError, ValueError):   # closed or replaced streams
+            pass
+    logging.shutdown()
+    os._exit(int(code))
 
 
 def _is_timeout(e: BaseException) -> bool:
