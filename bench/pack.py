@@ -9,6 +9,9 @@
    (161 tensors, 25.6 M parameters), 2 local towers: (a) exactly, with a communicator whose reduction
    does nothing (what is left is the averager's own work), (b) as the difference between average()
    and the raw `all_reduce_avg` of the same buckets.
+3. Many small buckets: `average()` per bucket with 128 buckets of 0.1-4 KiB (64 layers of 32x32 + bias,
+   2 local towers, real reduction), next to the raw synchronous `all_reduce_avg` of the same buckets:
+   the per-bucket cost of the averager and the communicator for models made of small layers.
 
 Contenders are timed in interleaved rounds (outside load hits them alike); figures are medians after
 warm-up. Writes bench/results/pack.json. Usage: python bench/pack.py [--reps N] [--quick]
@@ -175,6 +178,30 @@ def bench_average_overhead(reps: int) -> dict:
     return out
 
 
+def bench_small_buckets(reps: int) -> dict:
+    shapes = [s for _ in range(64) for s in ((32, 32), (32,))]
+    towers = [[torch.zeros(s, requires_grad=True) for s in shapes] for _ in range(2)]
+    comm = Communicator.local(2)
+    # a cap below one 4 KiB weight: every parameter is its own bucket
+    avg = GradientAverager(comm, towers, bucket_cap_mb=0.004, first_bucket_mb=0.004, overlap=False)
+    nb = len(avg.plan.buckets)
+    storages = [[avg.bucket_storage(t, b) for t in range(2)] for b in range(nb)]
+
+    def step() -> None:
+        for t in range(2):
+            for i in reversed(range(len(shapes))):
+                avg._grad_ready(t, i)
+        avg.average()
+
+    t = rounds({"average_step": step, "raw_all_reduce_avg": lambda: [comm.all_reduce_avg(s) for s in storages]},
+               reps * 20)
+    avg.close()
+    comm.close()
+    return {"buckets": nb, "towers": 2, "seconds": t,
+            "average_us_per_bucket": t["average_step"] / nb * 1e6,
+            "raw_all_reduce_avg_us_per_bucket": t["raw_all_reduce_avg"] / nb * 1e6}
+
+
 def machine() -> dict:
     cpu = platform.processor()
     try:
@@ -197,7 +224,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     reps = 3 if args.quick else args.reps
     result = {"machine": machine(), "pack": bench_pack(100 if args.quick else 1000, reps),
-              "average_overhead": bench_average_overhead(reps)}
+              "average_overhead": bench_average_overhead(reps), "small_buckets": bench_small_buckets(reps)}
 
     p = result["pack"]
     print(f"pack of {p['n_grads']} grads, {p['bytes'] / 2**20:.0f} MiB fp32 "
@@ -216,6 +243,9 @@ def main(argv=None) -> int:
     print(f"  real: average step {r['average_step'] * 1e3:.2f} ms vs raw all_reduce_avg "
           f"{r['raw_all_reduce_avg'] * 1e3:.2f} ms (difference {r['difference_s'] * 1e3:+.2f} ms, noisy; "
           f"{r['reduced_GB_per_s']:.2f} GB/s of towers' buckets)")
+    sb = result["small_buckets"]
+    print(f"average() with {sb['buckets']} small buckets, 2 local towers: {sb['average_us_per_bucket']:.1f} us "
+          f"per bucket, raw all_reduce_avg {sb['raw_all_reduce_avg_us_per_bucket']:.1f} us per bucket")
     if not args.quick:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
