@@ -3,6 +3,7 @@ below it, and the import rules between them (see _layering.py for the rules and 
 The negative tests break each rule once in a copy of the package and check that the same checks fail."""
 from __future__ import annotations
 
+import ast
 import shutil
 from pathlib import Path
 
@@ -25,15 +26,9 @@ def test_top_level_holds_the_core_only():
 
 @pytest.mark.parametrize("sub", L.SUBPACKAGES)
 def test_each_subpackage_says_what_it_holds_may_import_and_where_to_start(sub):
-    doc = ast_docstring(PKG / sub / "__init__.py")
+    doc = ast.get_docstring(ast.parse((PKG / sub / "__init__.py").read_text())) or ""
     for needle in ("What lives here", "What it may import", "Where to start reading"):
         assert needle in doc, f"ncclavg/{sub}/__init__.py's docstring lacks {needle!r}"
-
-
-def ast_docstring(path: Path) -> str:
-    import ast
-
-    return ast.get_docstring(ast.parse(path.read_text())) or ""
 
 
 def test_the_checker_sees_the_whole_package():

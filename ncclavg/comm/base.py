@@ -364,6 +364,7 @@ class Communicator:
             raise TypeError(f"outputs: dtype {outputs[0].dtype} differs from inputs dtype {inputs[0].dtype}")
         return inputs, outputs
 
+
 class LazyText:
     """A message written out on first use: `str(LazyText(fn, *args))` is `fn(*args)`, computed once."""
 

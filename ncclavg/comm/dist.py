@@ -31,7 +31,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from .. import ops
+from ..buffers import as_buffer
 from .._ext import _C
 from ..errors import CommError, CommTimeoutError
 from .base import Communicator, Work, check_timeout
@@ -171,13 +171,9 @@ class GlooCommunicator(Communicator):
         self._reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
         self._all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
-    def _scale(self, t: torch.Tensor) -> None:
-        if self.size > 1:
-            flat = t.view(-1)
-            ops.unpack_(flat, [flat], [0], divisor=self.size)   # in place, one fused pass
-
     def _scale_buffer(self, buf: Any) -> None:
-        """In place x /= size through an already checked Buffer (the cached one: no checks per call)."""
+        """In place x /= size through a checked Buffer, one fused pass (all_reduce_avg passes the cached
+        one: no checks per call)."""
         if self.size > 1:
             _C.unpack_(buf, [buf], [0], 1.0, float(self.size), 0)
 
@@ -210,7 +206,7 @@ class GlooCommunicator(Communicator):
         work = _issue_dist(self, what, self._reduce_scatter, out.view(-1), inp.reshape(-1),
                            op=self._dist.ReduceOp.SUM, group=self.group, async_op=True)
         _wait_dist(self, work, limit, what)
-        self._scale(out)
+        self._scale_buffer(as_buffer(out.view(-1), "outputs[0]"))
 
     def all_gather(self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], *,
                    tag: Optional[str] = None, debug_key: Optional[Sequence[int]] = None,
