@@ -19,7 +19,13 @@ SAN="-fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-fram
 NCCLAVG_CUDA=0 NCCLAVG_CXXFLAGS="$SAN -O1" NCCLAVG_LDFLAGS="$SAN" \
   "$PY" setup.py -q build_ext --inplace > build.log 2>&1 || { cat build.log; exit 1; }
 
-ldd ncclavg/_C*.so | grep -q libasan || { echo "the sanitized core does not link libasan"; exit 1; }
+# ldd's whole output first: `ldd | grep -q` under pipefail fails at random when grep exits early and
+# ldd dies of SIGPIPE.
+LINKED=$(ldd ncclavg/_C*.so)
+case "$LINKED" in
+  *libasan*) ;;
+  *) echo "the sanitized core does not link libasan:"; echo "$LINKED"; exit 1 ;;
+esac
 
 # The interpreter is not sanitized, so the runtime is preloaded; leak checking is off because CPython
 # and torch keep allocations alive until exit by design.

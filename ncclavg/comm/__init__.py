@@ -2,14 +2,16 @@
 
 What lives here: `Communicator` (base.py: the constructors, argument checks, failure state) and `Work`,
 and one module per backend: local.py (CPU towers of one process, the core's one-pass host average),
-dist.py (gloo through torch.distributed, and the bounded torch.distributed plumbing), nccl.py (the
-core's NCCL communicator), plus debug.py (NCCLAVG_DEBUG's cross-rank sequence check).
+gloo.py (CPU towers of several processes through torch.distributed, Note [Hierarchical CPU average]),
+dist.py (the bounded torch.distributed plumbing), nccl.py (the core's NCCL communicator), plus
+debug.py (NCCLAVG_DEBUG's cross-rank sequence check).
 What it may import: the core (`ncclavg.ops`, `buffers`, `_ext`, `errors`, ...) and torch; never
 `ncclavg.train` or `ncclavg.bench`.
 Where to start reading: base.py's `Communicator`, then local.py, the simplest backend.
 """
 from .base import CompletedWork, Communicator, Work, default_timeout, register_backend
-from .dist import GlooCommunicator, end_process
+from .dist import end_process
+from .gloo import GlooCommunicator
 from .local import LocalCommunicator
 from .nccl import NcclCommunicator
 

@@ -2,8 +2,9 @@
 
 This module holds what every backend shares: the public constructors, the argument checks that name
 the argument, the failure state and the debug-mode sequence check. The backends are subclasses in
-local.py (CPU towers of one process), dist.py (gloo: one CPU tower per process through
-torch.distributed) and nccl.py (the core's NCCL communicator); see Note [Backend table].
+local.py (CPU towers of one process), gloo.py (CPU towers of several processes through
+torch.distributed; dist.py holds the bounded torch.distributed plumbing) and nccl.py (the core's NCCL
+communicator); see Note [Backend table].
 
 Every wait is bounded: `timeout` seconds (default NCCLAVG_TIMEOUT, else 600); a wait that runs out raises
 `ncclavg.CommTimeoutError` naming the operation, its tag (e.g. "bucket 3"), the bytes and the rank. See
@@ -153,15 +154,22 @@ class Communicator:
 
     @classmethod
     def from_torch_distributed(cls, group: Any = None, device: Any = None, timeout: Optional[float] = None,
-                               predivide: bool = False) -> "Communicator":
-        """One tower per process under torchrun (or after init_process_group): gloo for a CPU `device`,
-        NCCL (the core's, rank 0's unique id through the default store) for a CUDA one. `device` defaults
-        to cuda:LOCAL_RANK when CUDA is usable and ncclavg has CUDA support, else cpu. When
-        torch.distributed is not initialized yet but the torchrun variables are set, it is initialized
-        here (backend gloo: it carries the store and small control messages)."""
+                               predivide: bool = False, devices: Optional[Sequence[Any]] = None) -> "Communicator":
+        """This process's towers under torchrun (or after init_process_group), averaged with the towers of
+        every process of `group`: `device` for one tower per process, or `devices` for several (CPU
+        towers: ["cpu"] * n). CPU towers use gloo (Note [Hierarchical CPU average] in gloo.py); a CUDA
+        tower uses the core's NCCL (rank 0's unique id through the default store). `device` defaults to
+        cuda:LOCAL_RANK when CUDA is usable and ncclavg has CUDA support, else cpu. Processes may feed
+        different numbers of towers: the mean is over towers. Building it is a collective (every process
+        of the group calls it). When torch.distributed is not initialized yet but the torchrun variables
+        are set, it is initialized here (backend gloo: it carries the store and small control messages)."""
         import torch.distributed as dist
 
         t = check_timeout(timeout)
+        if device is not None and devices is not None:
+            raise ValueError("devices: give either device (one tower per process) or devices (this process's "
+                             "towers), not both")
+        devs = _parse_process_devices(devices)
         if not dist.is_available():
             raise RuntimeError("from_torch_distributed: this torch build has no torch.distributed")
         if not dist.is_initialized():
@@ -170,16 +178,19 @@ class Communicator:
             else:
                 raise RuntimeError("from_torch_distributed: torch.distributed is not initialized; call "
                                    "torch.distributed.init_process_group(...) first or run under torchrun")
-        dev = _default_process_device() if device is None else torch.device(device)
-        if dev.type == "cpu":
+        if devs is None:
+            devs = [_default_process_device() if device is None else torch.device(device)]
+        if devs[0].type == "cpu":
             backend = str(dist.get_backend(group)).lower()
             if "gloo" not in backend and "mpi" not in backend:
                 raise ValueError(f"device: cpu towers need a process group that runs CPU tensors, but this group's "
                                  f"backend is {backend!r}; pass group=torch.distributed.new_group(backend='gloo')")
-            return _backend("gloo")(group, t, predivide)
-        if dev.type == "cuda":
-            return _backend("nccl").init_rank(group, dev, t, predivide)
-        raise ValueError(f"device: {dev} is not supported; use a cpu or cuda device")
+            return _backend("gloo")(group, t, predivide, towers=len(devs))
+        if devs[0].type == "cuda":
+            if len(devs) > 1:
+                return _backend("nccl").init_ranks(group, devs, t, predivide)
+            return _backend("nccl").init_rank(group, devs[0], t, predivide)
+        raise ValueError(f"device: {devs[0]} is not supported; use a cpu or cuda device")
 
     # ------------------------------------------------------------------ collectives
     # Common keyword arguments: `tag` names the collective in errors (the averager passes "bucket 3");
@@ -381,6 +392,27 @@ class LazyText:
 
     def __add__(self, other: str) -> str:
         return str(self) + other
+
+
+def _parse_process_devices(devices: Any) -> Optional[list]:
+    """`devices` of from_torch_distributed as torch.devices: all CPU, or all CUDA (None: not given)."""
+    if devices is None:
+        return None
+    if isinstance(devices, (str, torch.device, int)) or not hasattr(devices, "__len__") or len(devices) == 0:
+        raise ValueError(f"devices: expected a non-empty list of this process's tower devices, got {devices!r}")
+    out = []
+    for i, d in enumerate(devices):
+        try:
+            out.append(torch.device(d))
+        except (RuntimeError, TypeError):
+            raise ValueError(f"devices[{i}]: expected a device such as 'cpu' or 'cuda:0', got {d!r}") from None
+    kinds = {d.type for d in out}
+    if len(kinds) > 1:
+        raise ValueError(f"devices: mixes {' and '.join(sorted(kinds))} towers ({[str(d) for d in out]}); all "
+                         "towers of a process must be CPU or all CUDA")
+    if out[0].type == "cpu" and any(d.index not in (None, 0) for d in out):
+        raise ValueError(f"devices: CPU towers are 'cpu', got {[str(d) for d in out]}")
+    return out
 
 
 def _default_process_device() -> torch.device:

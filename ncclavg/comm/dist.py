@@ -1,7 +1,7 @@
-"""The gloo backend (one CPU tower per process through torch.distributed) and the torch.distributed
-plumbing every multi-process backend uses, with every wait bounded: issue and wait for async works
-(failures recorded on the communicator, see Note [A failed communicator stays failed] in base.py), an
-allgather_object that cannot outwait the communicator's timeout, and the debug-mode record exchange.
+"""The torch.distributed plumbing every multi-process backend uses (gloo.py, nccl.py), with every wait
+bounded: issue and wait for async works (failures recorded on the communicator, see Note [A failed
+communicator stays failed] in base.py), an allgather_object that cannot outwait the communicator's
+timeout, the debug-mode record exchange, and end_process for leaving without torch's teardown.
 
 Note [Gloo teardown]
 With torch 2.13 a gloo rank whose run has finished sometimes dies on its way out: it prints its
@@ -27,12 +27,10 @@ import pickle
 import sys
 import threading
 import time
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional
 
 import torch
 
-from ..buffers import as_buffer
-from .._ext import _C
 from ..errors import CommError, CommTimeoutError
 from .base import Communicator, Work, check_timeout
 
@@ -147,81 +145,3 @@ class _DistWork(Work):
 
     def done(self) -> bool:
         return self._finished or bool(self._work.is_completed())
-
-
-class GlooCommunicator(Communicator):
-    """One CPU tower per process through torch.distributed (any backend that runs CPU tensors; gloo).
-    close() never destroys the process group: see Note [Gloo teardown]."""
-
-    backend = "gloo"
-
-    def __init__(self, group: Any, timeout: float, predivide: bool = False):
-        import torch.distributed as dist
-
-        super().__init__()
-        self._dist = dist
-        self.group = group
-        self.rank = dist.get_rank(group)
-        self.world_size = self.size = dist.get_world_size(group)
-        self.local_size = 1
-        self.devices = ["cpu"]
-        self.timeout = timeout
-        self.predivide = bool(predivide)
-        # reduce_scatter_tensor / all_gather_into_tensor were renamed in recent torch versions.
-        self._reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-        self._all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-    def _scale_buffer(self, buf: Any) -> None:
-        """In place x /= size through a checked Buffer, one fused pass (all_reduce_avg passes the cached
-        one: no checks per call)."""
-        if self.size > 1:
-            _C.unpack_(buf, [buf], [0], 1.0, float(self.size), 0)
-
-    def all_reduce_avg_async(self, tensors: Sequence[torch.Tensor], defer_scale: bool = False, *,
-                             tag: Optional[str] = None, debug_key: Optional[Sequence[int]] = None) -> Work:
-        (t,), (buf,) = self._checked_buffers(tensors, "tensors")  # dtype / contiguity in the user's terms
-        what = self._what("all_reduce_avg", [t], tag)
-        self._debug_check("all_reduce_avg", t, debug_key, self.timeout)
-        if self.predivide:  # divide before the SUM: no fp16 overflow of the sum
-            self._scale_buffer(buf)
-        work = _issue_dist(self, what, self._dist.all_reduce, t, op=self._dist.ReduceOp.SUM, group=self.group,
-                           async_op=True)
-        if self.predivide or self.size == 1:
-            return _DistWork(self, work, what)
-        if defer_scale:
-            return _DistWork(self, work, what, divisor=float(self.size))
-
-        def finalize(owner: torch.Tensor = t) -> None:  # holds the tensor: the Buffer is only its pointer
-            self._scale_buffer(buf)
-
-        return _DistWork(self, work, what, finalize=finalize)
-
-    def reduce_scatter_avg(self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], *,
-                           tag: Optional[str] = None, debug_key: Optional[Sequence[int]] = None,
-                           timeout: Optional[float] = None) -> None:
-        (inp,), (out,) = self._check_scatter_args(inputs, outputs)
-        limit = self._timeout_arg(timeout)
-        what = self._what("reduce_scatter_avg", [inp], tag)
-        self._debug_check("reduce_scatter_avg", inp, debug_key, limit)
-        work = _issue_dist(self, what, self._reduce_scatter, out.view(-1), inp.reshape(-1),
-                           op=self._dist.ReduceOp.SUM, group=self.group, async_op=True)
-        _wait_dist(self, work, limit, what)
-        self._scale_buffer(as_buffer(out.view(-1), "outputs[0]"))
-
-    def all_gather(self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], *,
-                   tag: Optional[str] = None, debug_key: Optional[Sequence[int]] = None,
-                   timeout: Optional[float] = None) -> None:
-        (inp,), (out,) = self._check_gather_args(inputs, outputs)
-        limit = self._timeout_arg(timeout)
-        what = self._what("all_gather", [inp], tag)
-        self._debug_check("all_gather", inp, debug_key, limit)
-        work = _issue_dist(self, what, self._all_gather, out.view(-1), inp.reshape(-1), group=self.group,
-                           async_op=True)
-        _wait_dist(self, work, limit, what)
-
-    def allgather_object(self, obj: Any, *, timeout: Optional[float] = None) -> list:
-        self._check_open()
-        return _allgather_object_bounded(self, self._dist, self.group, obj, self._timeout_arg(timeout))
-
-    def _debug_allgather(self, record: torch.Tensor, timeout: float) -> torch.Tensor:
-        return _debug_allgather_dist(self, self._dist, self.group, record, timeout)

@@ -1,0 +1,176 @@
+"""The gloo backend: CPU towers in several processes through torch.distributed (any process group that
+runs CPU tensors; gloo in practice). Each process feeds `towers` local towers; the average is over every
+tower of every process. close() never destroys the process group: see Note [Gloo teardown] in dist.py.
+
+Note [Hierarchical CPU average]
+With T_p towers in process p and N = sum of T_p towers in all, one bucket is averaged in three steps:
+1. the core's one-pass local average (`_C.average_`, fp32 accumulation, one rounding) leaves the mean
+   m_p of this process's towers in each of them (skipped for one tower);
+2. ONE all-reduce SUM over the processes, of tower 0's buffer only: P - 1 messages per bucket instead of
+   N - 1, and gloo's cost is per message, not per tower;
+3. one fused pass divides and copies the result into the other local towers.
+The mean over towers weights each process by its towers: sum_p T_p * m_p / N. When every process has
+the same number of towers that is sum_p m_p / P, so step 2 sums the m_p as they are and step 3 divides
+by P; otherwise tower 0's buffer is multiplied by T_p before the sum and step 3 divides by N. predivide
+moves the division before the sum (a half-precision sum cannot overflow then). The tower counts are
+exchanged once, when the communicator is built.
+reduce_scatter_avg and all_gather follow the same order (local first, one collective per process); the
+shard of global tower g = offset_p + t, towers numbered process-major.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+import torch
+
+from .._ext import _C
+from ..buffers import as_buffer
+from .base import Communicator, Work, check_timeout
+from .dist import _DistWork, _allgather_object_bounded, _debug_allgather_dist, _issue_dist, _wait_dist
+
+
+def _check_towers(towers: Any) -> int:
+    if isinstance(towers, bool) or not hasattr(towers, "__index__"):
+        raise TypeError(f"towers: expected an int (CPU towers in this process), got {type(towers).__name__}")
+    towers = int(towers)
+    if towers < 1:
+        raise ValueError(f"towers: must be >= 1, got {towers}")
+    return towers
+
+
+class GlooCommunicator(Communicator):
+    """`towers` CPU towers in this process, averaged with every tower of every process of `group`. See
+    Note [Hierarchical CPU average]. Building one is a collective: every process of the group builds
+    its communicator at the same point (the tower counts are exchanged, bounded by `timeout`)."""
+
+    backend = "gloo"
+
+    def __init__(self, group: Any, timeout: float, predivide: bool = False, towers: int = 1):
+        import torch.distributed as dist
+
+        super().__init__()
+        towers = _check_towers(towers)
+        self._dist = dist
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        self.local_size = towers
+        self.devices = ["cpu"] * towers
+        self.timeout = check_timeout(timeout)
+        self.predivide = bool(predivide)
+        # reduce_scatter_tensor / all_gather_into_tensor were renamed in recent torch versions.
+        self._reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+        self._all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        counts = ([towers] if self.world_size == 1 else
+                  _allgather_object_bounded(self, dist, group, towers, self.timeout))
+        self.tower_counts: list = [int(c) for c in counts]
+        self.size = sum(self.tower_counts)
+        self.tower_offset = sum(self.tower_counts[:self.rank])   # global index of local tower 0
+        self._uniform = len(set(self.tower_counts)) == 1
+
+    def _scale(self, buf: Any, scale: float, divisor: float, dsts: Optional[list] = None) -> None:
+        """dsts (default [buf]) = buf * scale / divisor in one fused pass (the core's unpack)."""
+        if scale != 1.0 or divisor != 1.0 or dsts is not None:
+            targets = [buf] if dsts is None else dsts
+            _C.unpack_(buf, targets, [0] * len(targets), float(scale), float(divisor), 0)
+
+    def _sum_factors(self) -> tuple:
+        """(scale, divisor) for tower 0's buffer before the SUM, and the divisor after it, when every
+        local tower holds this process's mean. See Note [Hierarchical CPU average]."""
+        if self._uniform:
+            scale, divisor = 1.0, float(self.world_size)
+        else:
+            scale, divisor = float(self.local_size), float(self.size)
+        return (scale, divisor, 1.0) if self.predivide else (scale, 1.0, divisor)
+
+    def all_reduce_avg_async(self, tensors: Sequence[torch.Tensor], defer_scale: bool = False, *,
+                             tag: Optional[str] = None, debug_key: Optional[Sequence[int]] = None) -> Work:
+        tensors, bufs = self._checked_buffers(tensors, "tensors")  # dtype / contiguity in the user's terms
+        what = self._what("all_reduce_avg", tensors, tag)
+        self._debug_check("all_reduce_avg", tensors[0], debug_key, self.timeout)
+        if self.local_size > 1:
+            _C.average_(bufs, 0)
+        scale, pre_div, post_div = self._sum_factors()
+        self._scale(bufs[0], scale, pre_div)
+        work = _issue_dist(self, what, self._dist.all_reduce, tensors[0], op=self._dist.ReduceOp.SUM,
+                           group=self.group, async_op=True)
+        if self.local_size == 1 and (post_div == 1.0 or defer_scale):
+            return _DistWork(self, work, what, divisor=post_div)
+
+        def finalize(owner: list = tensors) -> None:  # holds the tensors: the Buffers are only pointers
+            if len(bufs) > 1:   # the other towers first: tower 0's buffer is their source
+                self._scale(bufs[0], 1.0, post_div, dsts=bufs[1:])
+            self._scale(bufs[0], 1.0, post_div)
+
+        return _DistWork(self, work, what, finalize=finalize)
+
+    def _local_sum(self, inputs: list) -> torch.Tensor:
+        """fp32 sum of the local towers' inputs, flat (a new tensor: the inputs are left as they are)."""
+        acc = inputs[0].reshape(-1).to(torch.float32, copy=True)
+        for x in inputs[1:]:
+            acc += x.reshape(-1)
+        return acc
+
+    def reduce_scatter_avg(self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], *,
+                           tag: Optional[str] = None, debug_key: Optional[Sequence[int]] = None,
+                           timeout: Optional[float] = None) -> None:
+        inputs, outputs = self._check_scatter_args(inputs, outputs)
+        limit = self._timeout_arg(timeout)
+        what = self._what("reduce_scatter_avg", inputs, tag)
+        self._debug_check("reduce_scatter_avg", inputs[0], debug_key, limit)
+        if self.local_size == 1 and self._uniform:   # one tower per process: straight into the output
+            out = outputs[0].view(-1)
+            work = _issue_dist(self, what, self._reduce_scatter, out, inputs[0].reshape(-1),
+                               op=self._dist.ReduceOp.SUM, group=self.group, async_op=True)
+            _wait_dist(self, work, limit, what)
+            self._scale(as_buffer(out, "outputs[0]"), 1.0, float(self.size))
+            return
+        shard = outputs[0].numel()
+        acc = self._local_sum(inputs)
+        if self._uniform:   # this process's towers' shards are one contiguous chunk of the same size
+            mine = torch.empty(shard * self.local_size, dtype=torch.float32)
+            work = _issue_dist(self, what, self._reduce_scatter, mine, acc, op=self._dist.ReduceOp.SUM,
+                               group=self.group, async_op=True)
+            first = 0
+        else:               # chunks of different sizes: reduce everything, keep this process's part
+            work = _issue_dist(self, what, self._dist.all_reduce, acc, op=self._dist.ReduceOp.SUM,
+                               group=self.group, async_op=True)
+            mine, first = acc, self.tower_offset * shard
+        _wait_dist(self, work, limit, what)
+        for t, out in enumerate(outputs):
+            lo = first + t * shard
+            out.view(-1).copy_(mine[lo:lo + shard].div_(self.size))
+
+    def all_gather(self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], *,
+                   tag: Optional[str] = None, debug_key: Optional[Sequence[int]] = None,
+                   timeout: Optional[float] = None) -> None:
+        inputs, outputs = self._check_gather_args(inputs, outputs)
+        limit = self._timeout_arg(timeout)
+        what = self._what("all_gather", inputs, tag)
+        self._debug_check("all_gather", inputs[0], debug_key, limit)
+        n = inputs[0].numel()
+        widest = max(self.tower_counts)
+        local = inputs[0].reshape(-1) if self.local_size == 1 else torch.cat([x.reshape(-1) for x in inputs])
+        if self._uniform:
+            work = _issue_dist(self, what, self._all_gather, outputs[0].view(-1), local, group=self.group,
+                               async_op=True)
+            _wait_dist(self, work, limit, what)
+        else:   # gloo gathers equal sizes only: every process sends `widest` towers' worth, padded
+            padded = torch.zeros(widest * n, dtype=local.dtype)
+            padded[:local.numel()] = local
+            gathered = torch.empty(self.world_size * widest * n, dtype=local.dtype)
+            work = _issue_dist(self, what, self._all_gather, gathered, padded, group=self.group, async_op=True)
+            _wait_dist(self, work, limit, what)
+            out, pos = outputs[0].view(-1), 0
+            for p, count in enumerate(self.tower_counts):
+                out[pos:pos + count * n] = gathered[p * widest * n:(p * widest + count) * n]
+                pos += count * n
+        for out in outputs[1:]:
+            out.view(-1).copy_(outputs[0].view(-1))
+
+    def allgather_object(self, obj: Any, *, timeout: Optional[float] = None) -> list:
+        self._check_open()
+        return _allgather_object_bounded(self, self._dist, self.group, obj, self._timeout_arg(timeout))
+
+    def _debug_allgather(self, record: torch.Tensor, timeout: float) -> torch.Tensor:
+        return _debug_allgather_dist(self, self._dist, self.group, record, timeout)
