@@ -16,10 +16,26 @@ mean is cast back by the fused unpack, with the backend's remaining 1/N (gloo) f
 Note [Launch order]
 With overlap=True a post-accumulate-grad hook on every parameter counts down its bucket; a bucket whose
 grads are complete on every local tower is reduced at once, while backward goes on (CPU backends: on the
-communicator's worker thread or gloo's; CUDA: on the comm streams). Buckets are always launched in index
-order, so every process issues the same collectives in the same order even when its grads become ready
-in another order: a ready bucket waits for its predecessors. average() launches whatever is left (e.g.
-buckets holding parameters that got no gradient), waits (bounded by comm.timeout) and finalizes.
+communicator's worker thread or gloo's; CUDA: on the comm streams, or on the current stream for towers
+sharing one GPU). Buckets are always launched in index order, so every process issues the same
+collectives in the same order even when its grads become ready in another order: a ready bucket waits
+for its predecessors. average() launches whatever is left (e.g.
+buckets holding parameters that got no gradient), waits (CPU: bounded by comm.timeout; CUDA: see Note
+[Stream-ordered average]) and finalizes.
+
+Note [Stream-ordered average]
+On CUDA towers nothing in average() needs the host to wait. Each collective is ordered after the towers'
+work on their devices' current streams when it is launched (NCCL: an event recorded on the caller's
+stream; local backend: the average kernel runs on that stream itself). Finishing a bucket orders each
+tower's current stream after THAT bucket's collective (`Work.wait_stream()`: an event wait on the device,
+not on the host) and enqueues the bucket's unpack there; the optimizer is stream-ordered too, so it reads
+the mean without the host ever waiting. The host waits -- once, after every bucket was ordered, bounded by
+comm.timeout -- only with average(block=True), which is the default when the communicator spans several
+processes: a peer process that died or diverged leaves a collective that never completes, and only a
+bounded host wait turns that into CommTimeoutError (the NCCL core aborts the communicator) instead of a
+hang in the next host synchronisation. Towers all in this process have no such peer (one grouped NCCL
+call, or one kernel). A Work without wait_stream() (a backend with no stream-only ordering) is waited for
+on the host, bucket by bucket, as on CPU towers, where the collective IS host work.
 
 Note [Parameters without a gradient]
 A parameter whose .grad is None when its bucket is reduced contributes ZEROS to the average (its slot is
@@ -106,6 +122,8 @@ class GradientAverager:
             for b in range(self._nb):
                 for i in self._view_slots[b]:
                     self._views[t][i] = plan.slot_view(self._storage[t][b], i)
+        self._cuda = self._storage[0][0].is_cuda   # See Note [Stream-ordered average]
+        self._side_streams: dict = {}             # device -> the stream nonfinite() reads the amax on
         self._lock = threading.Lock()
         self._sync_enabled = True
         self._fired = False         # a backward produced a grad since the last average()
@@ -121,9 +139,20 @@ class GradientAverager:
                 self._handles.append(modules[t].register_forward_pre_hook(self._make_rearm(t)))
 
     # ------------------------------------------------------------------ public API
-    def average(self) -> None:
-        """After backward: reduces every bucket not yet reduced, waits (bounded by comm.timeout) and
-        finalizes, so that every tower's .grad holds the mean gradient over all towers."""
+    def average(self, *, block: Optional[bool] = None) -> None:
+        """After backward: reduces every bucket not yet reduced and finalizes, so that every tower's .grad
+        holds the mean gradient over all towers.
+
+        CPU towers: returns once the means are in place (each wait bounded by comm.timeout). CUDA towers:
+        stream-ordered (Note [Stream-ordered average]): on return every bucket's collective and unpack are
+        enqueued and each tower device's CURRENT stream is ordered after them, so work enqueued there next
+        (the optimizer step) reads the mean; another stream must wait for that one. block=True also waits
+        on the host, once and bounded by comm.timeout, until every collective completed; the default
+        (None) does so only when the communicator spans several processes (comm.world_size > 1)."""
+        if block is not None and not isinstance(block, bool):
+            raise TypeError(f"block: expected a bool or None, got {type(block).__name__}")
+        if block is None:
+            block = getattr(self.comm, "world_size", 1) > 1
         if self._broken is not None:
             raise RuntimeError(f"GradientAverager: an earlier reduction failed ({self._broken}); this averager "
                                "and its communicator cannot be used any more") from self._broken
@@ -140,8 +169,7 @@ class GradientAverager:
                 self._broken = e
                 raise
         try:
-            for b in range(self._nb):
-                self._finish_bucket(b)
+            self._finish_all(block)
         except BaseException as e:
             self._broken = e
             raise
@@ -172,14 +200,35 @@ class GradientAverager:
         After the in-place average every tower holds the same (non-finite) mean, so which tower produced
         the inf/NaN can only be seen before the reduction. With check_finite=True each tower's bucket
         gets one max-|x| reduction (no temporary; inf and NaN propagate) right before its collective,
-        left on the device (no host sync in backward); this call reads them, one sync for all."""
+        left on the device (no host sync in backward); this call reads them, one sync for all. On CUDA
+        the read runs on a side stream that waits only for those reductions (an event recorded after
+        each), not for the collectives: see Note [Stream-ordered average]."""
         if not self.check_finite:
             raise RuntimeError("nonfinite(): build the GradientAverager with check_finite=True")
-        flat = [(t, b, m) for t, row in enumerate(self._last_amax) for b, m in enumerate(row) if m is not None]
+        flat = [(t, b, e) for t, row in enumerate(self._last_amax) for b, e in enumerate(row) if e is not None]
         if not flat:
             return []
-        finite = torch.isfinite(torch.stack([m.to("cpu", torch.float32) for _, _, m in flat])).tolist()
+        finite = torch.isfinite(self._amax_to_host([e for _, _, e in flat])).tolist()
         return [(t, b) for (t, b, _), ok in zip(flat, finite) if not ok]
+
+    def _amax_to_host(self, entries: list) -> torch.Tensor:
+        """float32 CPU tensor of the (amax, CUDA event or None) entries, in order."""
+        out = torch.empty(len(entries), dtype=torch.float32)
+        by_device: dict = {}
+        for k, (m, ev) in enumerate(entries):
+            by_device.setdefault(m.device if ev is not None else None, []).append(k)
+        for dev, ks in by_device.items():
+            if dev is None:
+                out[ks] = torch.stack([entries[k][0].to(torch.float32) for k in ks])
+                continue
+            side = self._side_streams.get(dev)
+            if side is None:
+                side = self._side_streams[dev] = torch.cuda.Stream(device=dev)
+            for k in ks:
+                side.wait_event(entries[k][1])
+            with torch.cuda.stream(side):   # the synchronous copy waits for `side` only
+                out[ks] = torch.stack([entries[k][0].to(torch.float32) for k in ks]).to("cpu")
+        return out
 
     def bucket_storage(self, tower: int, bucket: int) -> torch.Tensor:
         """The flat gradient storage of `bucket` on `tower` (the .grad views point into it)."""
@@ -292,7 +341,12 @@ class GradientAverager:
             if self.check_finite:  # See Note [Finding the tower with a non-finite gradient]
                 for t in range(self._ntowers):
                     s = self._storage[t][b]
-                    self._amax[t][b] = torch.linalg.vector_norm(s, float("inf")) if s.numel() else None
+                    if s.numel():
+                        m, ev = torch.linalg.vector_norm(s, float("inf")), None
+                        if s.is_cuda:   # nonfinite() waits for this event, not for the collective
+                            ev = torch.cuda.Event()
+                            ev.record(torch.cuda.current_stream(s.device))
+                        self._amax[t][b] = (m, ev)
             # tag: timeouts and failures name the bucket; debug_key: see Note [Collective sequence check].
             work = self.comm.all_reduce_avg_async([self._storage[t][b] for t in range(self._ntowers)],
                                                   defer_scale=True, tag=f"bucket {b}",
@@ -334,9 +388,29 @@ class GradientAverager:
             self.stats["fallback_packs"] += 1
         return reseat, unpack_to
 
+    def _finish_all(self, block: bool) -> None:
+        """Completes (CPU) or stream-orders (CUDA) every bucket in index order and finalizes it; with
+        `block`, CUDA towers then wait on the host, once. See Note [Stream-ordered average]."""
+        for b in range(self._nb):
+            work = self._works[b][0]
+            order = getattr(work, "wait_stream", None) if self._cuda else None
+            if order is None:
+                work.wait()
+            else:
+                order()
+            self._finish_bucket(b)
+        if self._cuda and block:
+            for b in range(self._nb):   # the first wait is the long one: buckets complete in order
+                work, t_launch, _ = self._works[b]
+                work.wait()
+                self.stats["bucket_time_s"][b] = (work.elapsed if work.elapsed is not None else
+                                                  time.perf_counter() - t_launch)
+
     def _finish_bucket(self, b: int) -> None:
+        """After bucket b's collective completed (CPU) or the towers' streams were ordered after it
+        (CUDA): the remaining division, the cast back, .grad re-pointed at the views. bucket_time_s runs
+        from launch to completion where known, else (stream-ordered) to when the streams were ordered."""
         work, t_launch, fixups = self._works[b]
-        work.wait()
         self.stats["bucket_time_s"][b] = work.elapsed if work.elapsed is not None else time.perf_counter() - t_launch
         divisor = float(getattr(work, "divisor", 1.0))
         has_views = bool(self._view_slots[b])

@@ -377,3 +377,84 @@ def test_modules_skip_frozen_and_keep_existing_grads():
     # second-order terms. Dropping or double-counting a tower's old grad is off by >= 0.5.
     G = fresh.net[2].weight.grad
     assert bool(((w0 - (G + 2.0)).double().abs() <= gamma(3) * (G.double().abs() + 2)).all())
+
+
+class _RecordingComm:
+    """A local communicator whose Works log wait() / wait_stream() per bucket (the collective itself runs
+    on the host, so a Work's wait_stream completes it: what matters here is who is called when)."""
+
+    def __init__(self, n, stream_ordered=True):
+        self._comm = Communicator.local(n)
+        self.log, self._stream_ordered = [], stream_ordered
+
+    def __getattr__(self, name):
+        return getattr(self._comm, name)
+
+    def all_reduce_avg_async(self, tensors, defer_scale=False, **kw):
+        work, log = self._comm.all_reduce_avg_async(tensors, defer_scale, **kw), self.log
+        b = int(kw["tag"].split()[-1])   # the averager tags each collective "bucket <b>"
+
+        class Logged:
+            divisor, elapsed = work.divisor, None
+
+            def wait(self, timeout=None):
+                log.append(("wait", b))
+                work.wait(timeout)
+
+            def done(self):
+                return work.done()
+
+        if self._stream_ordered:
+            def wait_stream(self):
+                log.append(("order", b))
+                work.wait()
+            Logged.wait_stream = wait_stream
+        return Logged()
+
+
+@pytest.mark.parametrize("block", [None, False, True])
+@pytest.mark.parametrize("stream_ordered", [True, False])
+def test_cuda_finish_orders_each_bucket_and_blocks_once_at_the_end(block, stream_ordered):
+    """The control flow of Note [Stream-ordered average], run on CPU tensors by marking the averager's
+    towers as CUDA ones: each bucket is finished after wait_stream() of ITS OWN Work (no host wait), the
+    host waits only at the end and only with block=True (None: a single-process communicator, no
+    block); a Work without wait_stream() is waited for on the host bucket by bucket."""
+    shapes = [(40,), (3, 7), (50,), (9,)]
+    towers = [make_tower(shapes, torch.float32) for _ in range(3)]
+    comm = _RecordingComm(3, stream_ordered)
+    avg = GradientAverager(comm, towers, bucket_cap_mb=150 * 4 / 2 ** 20, first_bucket_mb=50 * 4 / 2 ** 20)
+    nb = len(avg.plan.buckets)
+    assert nb >= 2
+    avg._cuda = True
+    gen = torch.Generator().manual_seed(4)
+    grads = [[torch.randn(s, generator=gen) for s in shapes] for _ in towers]
+    for t in range(3):
+        backward_with_grads(towers[t], grads[t])
+    comm.log.clear()
+    avg.average() if block is None else avg.average(block=block)
+    if stream_ordered:
+        want = [("order", b) for b in range(nb)] + ([("wait", b) for b in range(nb)] if block else [])
+    else:
+        want = [("wait", b) for b in range(nb)] * (2 if block else 1)
+    assert comm.log == want
+    for i in range(len(shapes)):   # and the mean is in place (the host arithmetic of test_local_average_...)
+        mean = (grads[0][i] + grads[1][i] + grads[2][i]) / 3
+        assert all(torch.equal(tw[i].grad, mean) for tw in towers)
+
+
+def test_cpu_average_waits_for_each_bucket_whatever_block_says():
+    """CPU towers: the collective IS host work, each Work is waited for in order; block changes nothing."""
+    shapes = [(40,), (50,)]
+    towers = [make_tower(shapes, torch.float32) for _ in range(2)]
+    comm = _RecordingComm(2)
+    avg = GradientAverager(comm, towers, bucket_cap_mb=50 * 4 / 2 ** 20, first_bucket_mb=40 * 4 / 2 ** 20)
+    for block in (None, True, False):
+        for t in range(2):
+            backward_with_grads(towers[t], [torch.full(s, float(t)) for s in shapes])
+        comm.log.clear()
+        avg.average(block=block)
+        assert comm.log == [("wait", 0), ("wait", 1)]
+        assert all(torch.equal(p.grad, torch.full_like(p, 0.5)) for tw in towers for p in tw)
+        avg.zero_grad()
+    with pytest.raises(TypeError, match="block: expected a bool or None, got str"):
+        avg.average(block="yes")

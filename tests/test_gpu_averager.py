@@ -1,6 +1,8 @@
 """The Python layer on GPUs: Communicator.nccl over every visible device, GradientAverager with CUDA
-towers (zero-copy views, CUDA pack/unpack fallback, grad_dtype), and from_torch_distributed with several
-ranks on ONE GPU (NCCL >= 2.30). Skips with the reason on machines without CUDA / NCCL."""
+towers (zero-copy views, CUDA pack/unpack fallback, grad_dtype), from_torch_distributed with several
+ranks on ONE GPU (NCCL >= 2.30), and the local backend with several towers sharing cuda:0 (the CUDA
+average kernel, no NCCL; see Note [Towers sharing one GPU] in ncclavg/comm/local.py). Skips with the
+reason on machines without CUDA / NCCL."""
 from __future__ import annotations
 
 import copy
@@ -11,8 +13,8 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from _gpu import (TORCH_DTYPES, assert_close_to_mean, exact_rank_inputs, nccl_version,  # noqa: E402
-                  require_nccl_comm)
+from _gpu import (HALF_SUBNORMAL, TORCH_DTYPES, assert_close_to_mean, eps, exact_rank_inputs,  # noqa: E402
+                  nccl_version, require_cuda, require_nccl_comm)
 
 pytestmark = pytest.mark.gpu
 
@@ -223,3 +225,213 @@ def test_from_torch_distributed_ranks_on_one_gpu(world):
     from _dist_util import run_ranks
 
     run_ranks(_ranks_on_one_gpu, world, timeout_s=240)
+
+
+# ---------------------------------------------------------------- towers sharing one GPU (local backend)
+def local_on_gpu(n):
+    """`n` towers on cuda:0 through the local backend (no NCCL needed)."""
+    require_cuda()
+    from ncclavg.comm import LocalCommunicator
+
+    return LocalCommunicator(n, timeout=60, device="cuda:0")
+
+
+def gamma(k, u=2.0 ** -24):
+    """gamma_k = k*u / (1 - k*u): the relative error bound of k float32 roundings (Higham, ch. 3)."""
+    return k * u / (1 - k * u)
+
+
+def assert_local_mean(out, xs, dtype, what):
+    """The local kernel's error against the float64 mean: n - 1 float32 additions and one float32 division
+    (<= gamma_n * mean|x_i|, as in tests/comm/test_comm_local.py), then, for 16-bit types, one rounding to
+    the element type (<= u_dtype * |fp32 mean| or half a subnormal spacing). Tighter than
+    assert_close_to_mean, which also allows NCCL's roundings of partial sums in the element type."""
+    import torch
+
+    stack = torch.stack([x.detach().cpu().double() for x in xs])
+    ref, mag = stack.mean(0), stack.abs().mean(0)
+    u = 0.0 if dtype == "float32" else eps(dtype) / 2
+    bound = u * ref.abs() + (1 + u) * gamma(len(xs)) * mag + (HALF_SUBNORMAL[dtype] if u else 0.0)
+    err = (out.detach().cpu().double() - ref).abs()
+    bad = torch.nonzero(err > bound).flatten()
+    assert bad.numel() == 0, (f"{what}: {bad.numel()} elements off the float64 mean, first at {int(bad[0])}: "
+                              f"{float(out.flatten()[bad[0]])} vs {float(ref.flatten()[bad[0]])}")
+
+
+@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("dtype", TORCH_DTYPES)
+def test_local_backend_on_one_gpu_collectives(n, dtype):
+    import torch
+    from ncclavg import Communicator
+
+    comm = local_on_gpu(n)
+    dt = getattr(torch, dtype)
+    assert (comm.backend, comm.size, comm.local_size, comm.devices) == ("local", n, n, ["cuda:0"] * n)
+    cpu = Communicator.local(n)
+    gen = torch.Generator().manual_seed(n)
+    for numel in (0, 1, 17, 4097, (1 << 20) + 3):
+        x = exact_rank_inputs(n, numel, seed=numel)   # exact mean: bit for bit
+        ts = [torch.tensor(x[i], dtype=dt, device="cuda:0") for i in range(n)]
+        comm.all_reduce_avg(ts)
+        want = torch.tensor(x.mean(0), dtype=dt)
+        assert all(torch.equal(t.cpu(), want) for t in ts), (dtype, numel)
+        # random inputs, async: the same arithmetic as the CPU path (fp32 sum in tower order, one division,
+        # one rounding; DESIGN section 4), so bit for bit equal to it, and within the float64 bound
+        xs = [(torch.randn(numel, generator=gen) * 10).to(dt) for _ in range(n)]
+        ts = [x.to("cuda:0") for x in xs]
+        work = comm.all_reduce_avg_async(ts, tag="r")
+        work.wait_stream()        # ordered on the device; the host reads below through the same stream
+        on_cpu = [x.clone() for x in xs]
+        cpu.all_reduce_avg(on_cpu)
+        for t in ts:
+            assert torch.equal(t.cpu(), on_cpu[0]), (dtype, numel)
+            assert_local_mean(t, xs, dtype, f"{dtype} numel {numel}")
+        work.wait()
+        assert work.done() and work.elapsed is not None and work.divisor == 1.0
+    shard = 33
+    x = exact_rank_inputs(n, shard * n, 5)
+    ins = [torch.tensor(x[i], dtype=dt, device="cuda:0") for i in range(n)]
+    outs = [torch.empty(shard, dtype=dt, device="cuda:0") for _ in range(n)]
+    comm.reduce_scatter_avg(ins, outs)
+    mean = torch.tensor(x.mean(0), dtype=dt)
+    for i, o in enumerate(outs):
+        assert torch.equal(o.cpu(), mean[i * shard:(i + 1) * shard])
+    full = [torch.empty(shard * n, dtype=dt, device="cuda:0") for _ in range(n)]
+    comm.all_gather(outs, full)
+    assert all(torch.equal(f.cpu(), mean) for f in full)
+    comm.close()
+    cpu.close()
+
+
+def test_local_backend_on_one_gpu_wait_is_bounded():
+    import torch
+    from ncclavg import CommError, CommTimeoutError
+
+    comm = local_on_gpu(2)
+    ts = [torch.ones(1000, device="cuda:0"), torch.full((1000,), 3.0, device="cuda:0")]
+    torch.cuda._sleep(2 ** 31 - 1)   # about a second of device time: the stream does not reach the kernel
+    work = comm.all_reduce_avg_async(ts)
+    with pytest.raises(CommTimeoutError, match="did not complete within 0.05 s"):
+        work.wait(timeout=0.05)
+    torch.cuda.synchronize()
+    assert work.done() and torch.equal(ts[0].cpu(), torch.full((1000,), 2.0))
+    with pytest.raises(CommError, match="unusable: local all_reduce_avg of 4000 bytes .* did not complete"):
+        comm.all_reduce_avg(ts)
+
+
+class ParamsTimesInput:
+    """A module whose gradient is exactly its input: forward(cs) = sum_i (p_i * c_i).sum()."""
+
+    @staticmethod
+    def make(torch, shapes, dtype):
+        class M(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.ps = torch.nn.ParameterList([torch.nn.Parameter(torch.zeros(s, dtype=dtype)) for s in shapes])
+
+            def forward(self, cs):
+                return sum((p * c).sum() for p, c in zip(self.ps, cs))
+        return M()
+
+
+@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("overlap", [True, False])
+def test_averager_towers_sharing_one_gpu_match_float64(n, dtype, overlap):
+    import torch
+    from ncclavg import Communicator, GradientAverager
+
+    comm = local_on_gpu(n)
+    dt = getattr(torch, dtype)
+    shapes = [(300,), (17, 5), (1,), (0,), (4097,), (64, 64), (3,)]
+    towers = [ParamsTimesInput.make(torch, shapes, dt).to("cuda:0") for _ in range(n)]
+    # several buckets, so that with overlap=True some are averaged by the hooks while backward goes on
+    avg = GradientAverager(comm, towers, bucket_cap_mb=0.005, first_bucket_mb=0.002, overlap=overlap,
+                           check_finite=True)
+    assert len(avg.plan.buckets) >= 3
+    cpu = Communicator.local(n)
+    gen = torch.Generator().manual_seed(7)
+    for step in range(3):
+        cs = [[(torch.randn(s, generator=gen) * 4).to(dt) for s in shapes] for _ in range(n)]
+        if step == 1:   # exact inputs: the mean is bit for bit the float64 one
+            x = exact_rank_inputs(n, sum(torch.Size(s).numel() for s in shapes), seed=step)
+            cs, off = [[None] * len(shapes) for _ in range(n)], 0
+            for i, s in enumerate(shapes):
+                k = torch.Size(s).numel()
+                for t in range(n):
+                    cs[t][i] = torch.tensor(x[t, off:off + k], dtype=dt).view(s)
+                off += k
+        avg.zero_grad()
+        for t in range(n):
+            towers[t]([c.to("cuda:0") for c in cs[t]]).backward()
+        avg.average()
+        assert avg.nonfinite() == []
+        for i in range(len(shapes)):
+            xs = [cs[t][i].clone() for t in range(n)]
+            cpu.all_reduce_avg(xs)          # the CPU path's result: the same arithmetic (DESIGN section 4)
+            for t in range(n):
+                g = towers[t].ps[i].grad
+                assert g.device == torch.device("cuda:0")
+                assert torch.equal(g.cpu(), xs[0]), (step, i, t)
+                assert_local_mean(g, [cs[u][i] for u in range(n)], dtype, f"step {step} param {i} tower {t}")
+                if step == 1:
+                    assert torch.equal(g.cpu().double(), torch.stack([cs[u][i].double() for u in range(n)]).mean(0))
+    # a tower with an inf: found before the average (read without waiting for the averages), on its bucket
+    avg.zero_grad()
+    cs = [[torch.ones(s, dtype=dt) for s in shapes] for _ in range(n)]
+    cs[n - 1][4][7] = float("inf")
+    for t in range(n):
+        towers[t]([c.to("cuda:0") for c in cs[t]]).backward()
+    avg.average(block=True)
+    assert avg.nonfinite() == [(n - 1, avg.plan.slots[4].bucket)]
+    avg.close()
+    comm.close()
+    cpu.close()
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_towers_sharing_one_gpu_equal_one_model_on_full_batch(n):
+    import torch
+    from ncclavg import GradientAverager
+
+    comm = local_on_gpu(n)
+    torch.manual_seed(0)
+    prev = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False   # float32 runs of one training, as the reference
+    try:
+        ref = MLP.make(torch).cuda(0)
+        init = copy.deepcopy(ref)
+        towers = [copy.deepcopy(ref) for _ in range(n)]
+        avg = GradientAverager(comm, towers, bucket_cap_mb=0.01, first_bucket_mb=0.005)
+        opt_ref = torch.optim.SGD(ref.parameters(), lr=0.1)
+        opts = [torch.optim.SGD(t.parameters(), lr=0.1) for t in towers]
+        gen = torch.Generator().manual_seed(1)
+        batches = []
+        for step in range(5):
+            x, y = torch.randn(8 * n, 12, generator=gen), torch.randint(0, 3, (8 * n,), generator=gen)
+            batches.append((x, y))
+            opt_ref.zero_grad()
+            torch.nn.functional.cross_entropy(ref(x.cuda(0)), y.cuda(0)).backward()
+            opt_ref.step()
+            for t, (tower, opt) in enumerate(zip(towers, opts)):
+                opt.zero_grad()
+                sl = slice(t * 8, (t + 1) * 8)
+                torch.nn.functional.cross_entropy(tower(x[sl].cuda(0)), y[sl].cuda(0)).backward()
+            avg.average()           # stream-ordered: the optimizers below run after it on the same stream
+            for opt in opts:
+                opt.step()
+        torch.cuda.synchronize()
+        # The noise floor of test_cuda_towers_equal_one_model_on_full_batch (Note [Tolerance of training
+        # equivalence tests]): equally valid float32 runs (the batch's gradient over 2 and n slices, and the
+        # float64 run); the towers are one more such run, so within 2 floors of the reference.
+        runs = [sgd_reference(init, batches, chunks) for chunks in sorted({2, n})]
+        runs.append(sgd_reference(init, batches, dtype=torch.float64))
+        floor = max(2.0 ** -23, max(max_rel(a, b) for run in runs for a, b in zip(run, ref.parameters())))
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = prev
+    for p_ref, *ps in zip(ref.parameters(), *[t.parameters() for t in towers]):
+        for p in ps:
+            assert torch.equal(p.cpu(), ps[0].cpu())
+        assert max_rel(ps[0], p_ref) <= 2 * floor, (max_rel(ps[0], p_ref), floor)
+    avg.close()
+    comm.close()

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import datetime
 import functools
+import math
 import os
 import threading
 from typing import Any, Callable, Optional, Sequence
@@ -97,6 +98,12 @@ class Work:
     def done(self) -> bool:
         raise NotImplementedError
 
+    def wait_stream(self) -> None:
+        """Orders the caller's current streams (each local tower's device) after THIS collective without
+        blocking the host (CUDA backends); backends without streams (local on the CPU, gloo) complete it
+        on the host: the same as wait(). See Note [Stream-ordered average] in ncclavg/averager.py."""
+        self.wait()
+
 
 class CompletedWork(Work):
     """A Work that was complete when it was issued (nothing to average: one tower)."""
@@ -143,9 +150,11 @@ class Communicator:
 
     # ------------------------------------------------------------------ constructors
     @classmethod
-    def local(cls, n: int, timeout: Optional[float] = None) -> "Communicator":
-        """`n` CPU towers in this process."""
-        return _backend("local")(n, timeout)
+    def local(cls, n: int, timeout: Optional[float] = None, *, device: Any = "cpu") -> "Communicator":
+        """`n` towers in this process on one `device`: CPU towers (default), or towers sharing one GPU
+        ("cuda:N", N or a torch.device: ONE CUDA average-kernel launch per bucket on that device's current
+        stream, no NCCL; see Note [Towers sharing one GPU] in local.py)."""
+        return _backend("local")(n, timeout, device=device)
 
     @classmethod
     def nccl(cls, devices: Sequence[Any], timeout: Optional[float] = None, predivide: bool = False) -> "Communicator":
@@ -226,6 +235,32 @@ class Communicator:
     def allgather_object(self, obj: Any, *, timeout: Optional[float] = None) -> list:
         """One picklable object per process, in rank order (bounded by `timeout`)."""
         raise NotImplementedError
+
+    def sum_over_processes(self, values: Sequence[float], *, timeout: Optional[float] = None) -> list:
+        """The elementwise sum of a few numbers over every process, as float64 (e.g. a step's loss sum and
+        sample count); bounded by `timeout`. One process: the values themselves."""
+        self._check_open()
+        limit = self._timeout_arg(timeout)
+        mine = [float(v) for v in values]
+        if self.world_size == 1:
+            return mine
+        rows = self.allgather_object(mine, timeout=limit)
+        if any(len(r) != len(mine) for r in rows):
+            raise ValueError(f"values: processes passed different numbers of values ({[len(r) for r in rows]})")
+        return [math.fsum(col) for col in zip(*rows)]
+
+    def broadcast_tensors(self, tensors: Sequence[torch.Tensor], *, timeout: Optional[float] = None) -> None:
+        """In place: every process's `tensors` (same shapes and dtypes everywhere) become rank 0's, e.g. the
+        initial weights, so that every process starts from the same model. Bounded by `timeout`."""
+        self._check_open()
+        limit = self._timeout_arg(timeout)
+        if self.world_size == 1:
+            return
+        mine = [t.detach().cpu() for t in tensors]
+        rows = self.allgather_object(mine if self.rank == 0 else None, timeout=limit)
+        with torch.no_grad():
+            for t, src in zip(tensors, rows[0]):
+                t.copy_(src)
 
     # ------------------------------------------------------------------ failure state
     @property

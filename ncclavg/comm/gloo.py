@@ -168,6 +168,38 @@ class GlooCommunicator(Communicator):
         for out in outputs[1:]:
             out.view(-1).copy_(outputs[0].view(-1))
 
+    def sum_over_processes(self, values: Sequence[float], *, timeout: Optional[float] = None) -> list:
+        self._check_open()
+        limit = self._timeout_arg(timeout)
+        buf = torch.tensor([float(v) for v in values], dtype=torch.float64)
+        if self.world_size > 1:
+            what = f"gloo sum_over_processes of {buf.numel()} values (rank {self.rank} of {self.world_size})"
+            work = _issue_dist(self, what, self._dist.all_reduce, buf, op=self._dist.ReduceOp.SUM,
+                               group=self.group, async_op=True)
+            _wait_dist(self, work, limit, what)
+        return buf.tolist()
+
+    def broadcast_tensors(self, tensors: Sequence[torch.Tensor], *, timeout: Optional[float] = None) -> None:
+        self._check_open()
+        limit = self._timeout_arg(timeout)
+        if self.world_size == 1 or not tensors:
+            return
+        what = f"gloo broadcast_tensors of {len(tensors)} tensors from rank 0 (rank {self.rank} of {self.world_size})"
+        src = self._dist.get_global_rank(self.group, 0) if self.group is not None else 0
+        # one message per dtype: the tensors of a dtype travel as one flat buffer
+        by_dtype: dict = {}
+        for t in tensors:
+            by_dtype.setdefault(t.dtype, []).append(t)
+        for group_tensors in by_dtype.values():
+            flat = torch.cat([t.detach().reshape(-1).cpu() for t in group_tensors])
+            work = _issue_dist(self, what, self._dist.broadcast, flat, src=src, group=self.group, async_op=True)
+            _wait_dist(self, work, limit, what)
+            pos = 0
+            with torch.no_grad():
+                for t in group_tensors:
+                    t.copy_(flat[pos:pos + t.numel()].view_as(t))
+                    pos += t.numel()
+
     def allgather_object(self, obj: Any, *, timeout: Optional[float] = None) -> list:
         self._check_open()
         return _allgather_object_bounded(self, self._dist, self.group, obj, self._timeout_arg(timeout))

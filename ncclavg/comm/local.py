@@ -1,7 +1,9 @@
-"""The local backend: CPU towers of one process (`Communicator.local(n)`). The average is the core's
+"""The local backend: towers of one process that share one device (`Communicator.local(n)`: CPU towers;
+`Communicator.local(n, device="cuda:0")`: towers sharing one GPU). On the CPU the average is the core's
 one-pass host reduction (`_C.average_`: each buffer read once, fp32 accumulation, the mean written to
 all); async ops run on one worker thread, which the core's released GIL lets overlap the rest of
-backward, except small ones (Note [Small averages run inline]).
+backward, except small ones (Note [Small averages run inline]). On a GPU it is the core's CUDA average
+kernel, stream-ordered (Note [Towers sharing one GPU]).
 
 Note [Small averages run inline]
 Handing a job to the worker thread and waiting for it costs 15-30 us (a queue, two thread wake-ups, a
@@ -10,6 +12,19 @@ INLINE_BYTES per tower runs at once on the caller's thread and returns a complet
 overlap is lost, and a model with many small buckets no longer pays a hand-off per bucket. Only when no
 job is still queued or running: jobs then keep the order they were issued in, so two calls on
 overlapping memory can never run at the same time.
+
+Note [Towers sharing one GPU]
+Towers on one GPU need no NCCL: `_C.average_` with a CUDA stream averages every tower's buffer of a
+bucket in ONE kernel launch (each buffer read once, fp32 accumulation, the mean written to all; the
+element math of the CPU path). It is enqueued at issue time on the device's CURRENT stream (of the
+issuing thread: autograd's hooks see the stream the gradients were produced on), so it is ordered after
+the towers' work like an NCCL collective, and nothing waits on the host. The Work holds a CUDA event
+recorded right after the kernel: `wait_stream()` makes the caller's current stream wait for it (a
+device-side wait, for a caller on another stream than the one that issued), `wait()` also waits on the
+host, polling the event until the timeout. There are no peers, so nothing can hang but the stream
+itself; a timeout or CUDA error still marks the communicator failed, as on the CPU. reduce_scatter_avg
+and all_gather are torch ops on the same current stream. The kernel takes at most MAX_CUDA_TOWERS
+buffers (csrc/cuda/average_kernel.cu, kMaxBuffers).
 """
 from __future__ import annotations
 
@@ -21,11 +36,12 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from .._ext import _C
+from .._ext import _C, cuda_built
 from ..errors import CommError, CommTimeoutError
 from .base import Communicator, CompletedWork, Work, check_timeout
 
 INLINE_BYTES = 64 * 1024   # per tower; See Note [Small averages run inline]
+MAX_CUDA_TOWERS = 256      # kMaxBuffers of the CUDA average kernel; See Note [Towers sharing one GPU]
 
 
 class _FutureWork(Work):
@@ -54,6 +70,85 @@ class _FutureWork(Work):
         return self._future.done()
 
 
+class _CudaEventWork(Work):
+    """An average kernel enqueued on a CUDA stream; `event` was recorded right after it. See
+    Note [Towers sharing one GPU]."""
+
+    def __init__(self, comm: "LocalCommunicator", event: Any, what: Any, keep_alive: list):
+        self._comm = comm
+        self._event = event
+        self._what = what
+        self._keep_alive = keep_alive   # the buffers stay allocated until the kernel is known to be done
+        self._t0 = time.perf_counter()
+
+    def wait_stream(self) -> None:
+        """Orders the current stream of the towers' device after the average, without blocking the host."""
+        torch.cuda.current_stream(self._comm._device).wait_event(self._event)
+
+    def wait(self, timeout: Optional[float] = None) -> None:
+        t = check_timeout(timeout) if timeout is not None else self._comm.timeout
+        deadline = time.monotonic() + t
+        pause = 1e-5
+        while not self._query():
+            if time.monotonic() >= deadline:
+                msg = f"{self._what} did not complete within {t:g} s"
+                self._comm._fail(msg)
+                raise CommTimeoutError(msg + " (its CUDA stream did not reach it); the communicator is "
+                                       "unusable now")
+            time.sleep(pause)
+            pause = min(pause * 2, 1e-3)
+        if self.elapsed is None:
+            self.elapsed = time.perf_counter() - self._t0   # seen done on the host: an upper bound
+        self._keep_alive = []
+        self.wait_stream()
+
+    def done(self) -> bool:
+        return self._query()
+
+    def _query(self) -> bool:
+        try:
+            return bool(self._event.query())
+        except RuntimeError as e:   # a CUDA error on the stream (sticky): say which collective saw it
+            msg = f"{self._what} failed: {type(e).__name__}: {e}"
+            self._comm._fail(msg)
+            raise CommError(msg) from e
+
+
+def _tower_device(device: Any) -> torch.device:
+    """'cpu' | 'cuda' | 'cuda:N' | N (GPU ordinal) | torch.device -> the validated device shared by the
+    towers, with errors naming the `device` argument."""
+    if isinstance(device, bool):
+        raise TypeError(f"device: expected 'cpu', 'cuda:N', a GPU ordinal or a torch.device, got {device!r}")
+    if isinstance(device, int):
+        if device < 0:
+            raise ValueError(f"device: a GPU ordinal must be >= 0, got {device}")
+        dev = torch.device("cuda", device)
+    elif isinstance(device, (str, torch.device)):
+        try:
+            dev = torch.device(device.strip().lower() if isinstance(device, str) else device)
+        except (RuntimeError, ValueError, TypeError):
+            raise ValueError(f"device: unknown device {device!r}; use 'cpu' or 'cuda:N'") from None
+    else:
+        raise TypeError(f"device: expected 'cpu', 'cuda:N', a GPU ordinal or a torch.device, got "
+                        f"{type(device).__name__}")
+    if dev.type == "cpu":
+        return torch.device("cpu")
+    if dev.type != "cuda":
+        raise ValueError(f"device: {dev} is not supported; towers of the local backend share 'cpu' or one "
+                         "'cuda:N'")
+    if not cuda_built():
+        raise ValueError(f"device: {dev} needs ncclavg built with CUDA support, but this build is CPU-only "
+                         "(reinstall with the CUDA toolkit present: `NCCLAVG_CUDA=1 pip install .`)")
+    if not torch.cuda.is_available():
+        raise ValueError(f"device: {dev} needs a CUDA device, but torch.cuda.is_available() is False (torch "
+                         f"{torch.__version__}, CUDA build: {torch.version.cuda or 'no'})")
+    index = torch.cuda.current_device() if dev.index is None else dev.index
+    count = torch.cuda.device_count()
+    if index >= count:
+        raise ValueError(f"device: cuda:{index} does not exist ({count} visible CUDA device(s))")
+    return torch.device("cuda", index)
+
+
 def _check_count(n: Any, argname: str) -> int:
     if isinstance(n, bool) or not hasattr(n, "__index__"):
         raise TypeError(f"{argname}: expected an int, got {type(n).__name__}")
@@ -64,18 +159,25 @@ def _check_count(n: Any, argname: str) -> int:
 
 
 class LocalCommunicator(Communicator):
-    """CPU towers of one process. Async ops run on one worker thread (the core releases the GIL, so
-    they overlap Python work such as the rest of backward)."""
+    """`n` towers of one process on one `device`: "cpu" (default; async ops run on one worker thread,
+    the core releases the GIL, so they overlap Python work such as the rest of backward) or one GPU
+    ("cuda:N", N or a torch.device; see Note [Towers sharing one GPU])."""
 
     backend = "local"
 
-    def __init__(self, n: int, timeout: Optional[float] = None):
+    def __init__(self, n: int, timeout: Optional[float] = None, *, device: Any = "cpu"):
         super().__init__()
         n = _check_count(n, "n")
+        dev = _tower_device(device)
+        if dev.type == "cuda" and n > MAX_CUDA_TOWERS:
+            raise ValueError(f"n: at most {MAX_CUDA_TOWERS} towers can share one GPU (the average kernel's "
+                             f"pointer table), got {n}")
+        self.timeout = check_timeout(timeout)
         self.size = self.local_size = n
         self.rank, self.world_size = 0, 1
-        self.devices = ["cpu"] * n
-        self.timeout = check_timeout(timeout)
+        self._device = dev
+        self._cuda = dev.type == "cuda"
+        self.devices = [str(dev)] * n
         self._executor: Optional[ThreadPoolExecutor] = None
         self._executor_lock = threading.Lock()
         self._inflight: list = []   # (future, description) of jobs not known to be finished
@@ -98,15 +200,25 @@ class LocalCommunicator(Communicator):
                        debug_key: Optional[Sequence[int]] = None, timeout: Optional[float] = None) -> None:
         tensors, bufs = self._checked_buffers(tensors, "tensors")
         if timeout is not None:
-            check_timeout(timeout)  # validated; a host pass over memory has nothing to wait for
+            check_timeout(timeout)  # validated; a host pass (or a stream-ordered kernel) has nothing to wait for
         if self.size > 1:
-            _C.average_(bufs, 0)
+            _C.average_(bufs, self._stream())
+
+    def _stream(self) -> int:
+        """0 on the CPU; the device's current stream (of this thread) on a GPU."""
+        return int(torch.cuda.current_stream(self._device).cuda_stream) if self._cuda else 0
 
     def all_reduce_avg_async(self, tensors: Sequence[torch.Tensor], defer_scale: bool = False, *,
                              tag: Optional[str] = None, debug_key: Optional[Sequence[int]] = None) -> Work:
         tensors, bufs = self._checked_buffers(tensors, "tensors")
         if self.size == 1:
             return CompletedWork()
+        if self._cuda:   # See Note [Towers sharing one GPU]
+            stream = torch.cuda.current_stream(self._device)
+            _C.average_(bufs, int(stream.cuda_stream))
+            event = torch.cuda.Event()
+            event.record(stream)
+            return _CudaEventWork(self, event, self._what("all_reduce_avg", tensors, tag), list(tensors))
         if tensors[0].numel() * tensors[0].element_size() <= INLINE_BYTES and self._idle():
             t0 = time.perf_counter()   # See Note [Small averages run inline]
             _C.average_(bufs, 0)

@@ -1,7 +1,11 @@
 """`ncclavg train`: multi-tower training on real data out of the box (scikit-learn's bundled digits, no
 download), or on synthetic data for throughput. Ends with one machine-readable line:
 
-    summary: test_accuracy=0.973 epochs=5 samples_per_s=1234.5 wall_s=41.2 towers=2 devices=cpu,cpu
+    summary: test_accuracy=0.973 epochs=5 samples_per_s=1234.5 wall_s=41.2 processes=1 towers=2 devices=cpu,cpu
+
+Under torchrun every process runs this command with its own towers (--towers / --devices are per
+process) and the average spans the towers of every process (Note [Towers of several processes] in
+distributed.py); rank 0 alone prints, plots and writes metrics and checkpoints.
 """
 from __future__ import annotations
 
@@ -30,8 +34,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                     "master weights are updated on the CPU. Default: 2 CPU towers (all visible GPUs on a "
                     "GPU machine), a small CNN on scikit-learn's bundled 8x8 digits.")
     g = p.add_argument_group("towers")
-    g.add_argument("--towers", type=int, help="number of towers (default: all GPUs, else 2 CPU towers)")
-    g.add_argument("--devices", help="comma-separated tower devices, e.g. cpu,cpu or cuda:0,cuda:1 or 0,1")
+    g.add_argument("--towers", type=int, help="towers of this process (default: all GPUs, else 2 CPU towers; "
+                   "under torchrun: the GPU of LOCAL_RANK, else 2 CPU towers per process)")
+    g.add_argument("--devices", help="comma-separated tower devices of this process, e.g. cpu,cpu or "
+                   "cuda:0,cuda:1 or 0,1")
     g.add_argument("--master", choices=("cpu", "device"),
                    help="where the optimizer runs: fp32 master weights on the CPU (default) or on each device")
     g.add_argument("--amp", choices=("none", "bf16", "fp16"), help="autocast the towers (default none)")
@@ -80,6 +86,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 def _resolve_devices(args: argparse.Namespace) -> list:
     import torch
 
+    from .distributed import launched_with_processes
     from .towers import default_devices, parse_devices
 
     UsageError.check_at_least("--towers", args.towers)
@@ -92,12 +99,19 @@ def _resolve_devices(args: argparse.Namespace) -> list:
             raise UsageError(f"--towers: {args.towers} does not match the {len(devices)} devices of --devices")
         return devices
     base = default_devices()
+    if launched_with_processes() and base[0].type == "cuda":   # one GPU per process: LOCAL_RANK's
+        base = [torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))]
     if args.towers is None:
         return base
     if base[0].type == "cpu":
         return [torch.device("cpu")] * args.towers
-    # More towers than GPUs: several towers per GPU, round robin (needs NCCL >= 2.30, checked later).
-    return [base[i % len(base)] for i in range(args.towers)]
+    if len(base) == 1:   # towers sharing one GPU: averaged by one kernel launch per bucket
+        return base * args.towers
+    if args.towers > len(base):
+        raise UsageError(f"--towers: {args.towers} towers on {len(base)} GPUs; towers either share ONE GPU or "
+                         f"have a GPU each: use --towers {len(base)} or less, or --devices "
+                         f"{','.join([str(base[0])] * args.towers)}")
+    return base[:args.towers]
 
 
 def _load_data(args: argparse.Namespace, seed: int):
@@ -153,7 +167,8 @@ def _run(args: argparse.Namespace) -> int:
                           "every tower needs at least one sample")
     if devices[0].type == "cpu":
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        torch.set_num_threads(args.threads or max(1, cores // len(devices)))
+        per_host = len(devices) * int(os.environ.get("LOCAL_WORLD_SIZE", "1"))   # torchrun's processes here
+        torch.set_num_threads(args.threads or max(1, cores // per_host))
     elif args.threads:
         torch.set_num_threads(args.threads)
     split = _load_data(args, seed)
@@ -184,33 +199,42 @@ def _run(args: argparse.Namespace) -> int:
                "lr_schedule": _value(args, "lr_schedule")}
         cfg.update(overrides)
         trainer = TowerTrainer(model, devices=devices, **cfg)
+    if batch_size < trainer.total_towers:
+        raise UsageError(f"--batch-size: {batch_size} is smaller than the number of towers of all processes "
+                         f"({trainer.total_towers}); every tower needs at least one sample")
 
-    progress = args.progress if args.progress is not None else sys.stderr.isatty()
-    callbacks: list = [ProgressCallback(enabled=progress), EpochPrinter(sys.stdout)]
-    metrics = MetricsLogger(args.metrics, append=resume_path is not None) if args.metrics else None
+    # Under torchrun rank 0 alone prints and writes; every process saves (rank 0 writes the file).
+    # See Note [Towers of several processes].
+    main = trainer.is_main
+    say = print if main else (lambda *a, **k: None)
+    progress = main and (args.progress if args.progress is not None else sys.stderr.isatty())
+    callbacks: list = [ProgressCallback(enabled=progress)] + ([EpochPrinter(sys.stdout)] if main else [])
+    metrics = MetricsLogger(args.metrics, append=resume_path is not None) if args.metrics and main else None
     if metrics:
         callbacks.append(metrics)
     saver = (CheckpointCallback(args.checkpoint_dir, every_epochs=_value(args, "checkpoint_every"),
                                 keep=_value(args, "keep")) if args.checkpoint_dir else None)
     if saver:
         callbacks.append(saver)
-    title = f"ncclavg train: {split.name}, {trainer.num_towers} towers"
-    plot = PlotCallback(args.plot, title=title) if args.plot else None
+    title = f"ncclavg train: {split.name}, {trainer.total_towers} towers"
+    plot = PlotCallback(args.plot, title=title) if args.plot and main else None
     if plot:
         callbacks.append(plot)
 
     info = trainer.describe()
-    print(f"data: {split.name} ({len(split.y_train)} train / {len(split.y_test)} test samples, "
-          f"{'x'.join(map(str, split.input_shape))}, {split.num_classes} classes)")
-    print(f"towers: {info['towers']} on {','.join(info['devices'])}; master={info['master']}; "
-          f"optimizer={info['optimizer']} lr={trainer.config['lr']:g}; amp={info['amp'] or 'none'}; "
-          f"model={_value(args, 'model')} ({info['params']} params, {info['buckets']} bucket"
-          f"{'s' if info['buckets'] != 1 else ''})")
+    say(f"data: {split.name} ({len(split.y_train)} train / {len(split.y_test)} test samples, "
+        f"{'x'.join(map(str, split.input_shape))}, {split.num_classes} classes)")
+    where = (f"{info['towers']} on {','.join(info['devices'])}" if info["processes"] == 1 else
+             f"{info['towers']} in {info['processes']} processes ({','.join(info['devices'])} on rank 0)")
+    say(f"towers: {where}; master={info['master']}; "
+        f"optimizer={info['optimizer']} lr={trainer.config['lr']:g}; amp={info['amp'] or 'none'}; "
+        f"model={_value(args, 'model')} ({info['params']} params, {info['buckets']} bucket"
+        f"{'s' if info['buckets'] != 1 else ''})")
     if resume_path:
-        print(f"resumed: {resume_path} (step {trainer.step}, epoch {trainer.epoch})")
+        say(f"resumed: {resume_path} (step {trainer.step}, epoch {trainer.epoch})")
     # See Note [Schedules over a resumed run]: what this run's schedule is, and what changed.
     note = trainer.plan_schedule(len(train_loader), epochs, args.max_steps, log_note=False)
-    print(note if note else f"lr schedule: {trainer.schedule!r}")
+    say(note if note else f"lr schedule: {trainer.schedule!r}")
     sys.stdout.flush()
 
     trainer.fit(train_loader, epochs=epochs, eval_loader=test_loader, callbacks=callbacks,
@@ -218,19 +242,25 @@ def _run(args: argparse.Namespace) -> int:
     final = trainer.evaluate(test_loader)
     trainer.close()
 
-    print(f"metrics: {os.path.abspath(metrics.path)}" if metrics else "metrics: not written (pass --metrics FILE)")
+    say(f"metrics: {os.path.abspath(metrics.path)}" if metrics else "metrics: not written (pass --metrics FILE)")
     if saver:
-        print(f"checkpoints: {os.path.abspath(args.checkpoint_dir)} (latest: {saver.last_path})")
+        say(f"checkpoints: {os.path.abspath(args.checkpoint_dir)} (latest: {saver.last_path})")
     else:
-        print("checkpoints: not written (pass --checkpoint-dir DIR)")
+        say("checkpoints: not written (pass --checkpoint-dir DIR)")
     if plot and trainer.history:
-        print(f"plot: {os.path.abspath(plot.path)}")
+        say(f"plot: {os.path.abspath(plot.path)}")
     else:
-        print("plot: not written (pass --plot [FILE])" if not plot else "plot: not written (no completed epoch)")
+        say("plot: not written (pass --plot [FILE])" if not plot else "plot: not written (no completed epoch)")
     sps = trainer.last_fit.get("samples_per_s", 0.0)
     acc = final["accuracy"] if final["accuracy"] is not None else float("nan")
-    print(f"summary: test_accuracy={acc:.3f} epochs={trainer.epoch} samples_per_s={sps:.1f} "
-          f"wall_s={time.perf_counter() - t_start:.1f} towers={trainer.num_towers} "
-          f"devices={','.join(str(d) for d in trainer.devices)}", flush=True)
+    say(f"summary: test_accuracy={acc:.3f} epochs={trainer.epoch} samples_per_s={sps:.1f} "
+        f"wall_s={time.perf_counter() - t_start:.1f} processes={trainer.processes} towers={trainer.total_towers} "
+        f"devices={','.join(str(d) for d in trainer.devices)}", flush=True)
+    if trainer.processes > 1 and trainer.comm.backend == "gloo":
+        # Every process is past its last collective (the final evaluation): leave without torch's gloo
+        # teardown, which aborts now and then. See Note [Gloo teardown] in ncclavg/comm/dist.py.
+        from ..comm import end_process
+
+        end_process(0)
     return 0
 

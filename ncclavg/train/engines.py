@@ -95,22 +95,50 @@ def _bucket_sumsq(flats: Sequence[torch.Tensor]) -> torch.Tensor:
     return torch.stack(parts).sum()
 
 
+def tower_communicator(devices: Sequence[Any]) -> Any:
+    """The communicator of this process's towers, one per entry of `devices`:
+    - every tower on the CPU: the local backend (the core's one-pass host average);
+    - every tower on one and the same GPU (a single GPU tower too): the local backend on that device
+      (ONE average-kernel launch per bucket for all towers, stream-ordered; no NCCL needed);
+    - every tower on a GPU of its own: NCCL over those devices (one grouped call per bucket).
+    Anything else raises ValueError naming `devices`: cpu and cuda towers mixed, or several GPUs of which
+    one holds several towers (e.g. cuda:0,cuda:0,cuda:1), which neither backend averages."""
+    from ..comm import Communicator
+
+    devs = [torch.device(d) for d in devices]
+    if not devs:
+        raise ValueError("devices: the list is empty; give one device per tower")
+    listed = ",".join(str(d) for d in devs)
+    kinds = {d.type for d in devs}
+    if kinds == {"cpu"}:
+        return Communicator.local(len(devs))
+    if kinds != {"cuda"}:
+        raise ValueError(f"devices: {listed} mixes {' and '.join(sorted(kinds))} towers; put every tower on "
+                         "the CPU or every tower on a GPU")
+    index = [torch.cuda.current_device() if d.index is None else d.index for d in devs]
+    if len(set(index)) == 1:
+        return Communicator.local(len(devs), device=torch.device("cuda", index[0]))
+    if len(set(index)) == len(index):
+        return Communicator.nccl(index)
+    counts = ", ".join(f"cuda:{i} x{index.count(i)}" for i in sorted(set(index)))
+    raise ValueError(f"devices: {listed} puts several towers on some GPUs ({counts}); either give every tower "
+                     "a GPU of its own (averaged with NCCL) or put all towers on one GPU (averaged by one "
+                     "kernel), e.g. cuda:0,cuda:0")
+
+
 class DeviceMasterEngine:
     """master="device": GradientAverager + one optimizer per tower (identical updates)."""
     kind = "device"
 
     def __init__(self, tower_params: Sequence[Sequence[torch.Tensor]], names: Sequence[str],
                  devices: Sequence[torch.device], opt: OptimConfig, bucket_cap_mb: float,
-                 first_bucket_mb: float, overlap: bool = True, check_finite: bool = True):
+                 first_bucket_mb: float, overlap: bool = True, check_finite: bool = True, comm: Any = None):
         from ..averager import GradientAverager
-        from ..comm import Communicator
 
         self.devices = list(devices)
         self.tower_params = [list(ps) for ps in tower_params]
-        if self.devices[0].type == "cpu":
-            self.comm = Communicator.local(len(self.devices))
-        else:
-            self.comm = Communicator.nccl([d.index for d in self.devices])
+        # comm: the towers of several processes (Note [Towers of several processes] in distributed.py)
+        self.comm = comm if comm is not None else tower_communicator(self.devices)
         self.averager = GradientAverager(self.comm, self.tower_params, bucket_cap_mb=bucket_cap_mb,
                                          first_bucket_mb=first_bucket_mb, overlap=overlap, names=list(names),
                                          check_finite=check_finite)
@@ -223,12 +251,22 @@ class CpuMasterEngine:
 
     def __init__(self, tower_params: Sequence[Sequence[torch.Tensor]], names: Sequence[str],
                  devices: Sequence[torch.device], opt: OptimConfig, bucket_cap_mb: float,
-                 first_bucket_mb: float, skip_nonfinite: bool = True):
+                 first_bucket_mb: float, skip_nonfinite: bool = True, comm: Any = None):
+        from ..averager import _check_across_processes
         from ..master import MasterWeights
 
         self.devices = list(devices)
         self.tower_params = [list(ps) for ps in tower_params]
-        self.plan = tower_plan(self.tower_params, names, bucket_cap_mb, first_bucket_mb)
+        # comm: None, or the towers of several processes (Note [Towers of several processes]); every
+        # process learns whether every other one could build the same plan before any collective
+        self.comm = comm if comm is not None and comm.world_size > 1 else None
+        plan, error = None, None
+        try:
+            plan = tower_plan(self.tower_params, names, bucket_cap_mb, first_bucket_mb)
+        except (ValueError, TypeError) as e:
+            error = e
+        _check_across_processes(self.comm, plan, error)
+        self.plan = plan
         self.param_flats: list[list[torch.Tensor]] = []
         self.grad_flats: list[list[torch.Tensor]] = []
         for ps in self.tower_params:
@@ -271,10 +309,17 @@ class CpuMasterEngine:
     def step(self, lr: float, loss_scale: float | None, max_grad_norm: float | None,
              times: StepTimes) -> dict:
         self.master.hp["lr"] = lr
-        with times.phase("optimizer"):
-            # One pass: average the N towers' buckets, update master + state, write tower 0's weights.
-            info = self.master.step(self.grad_flats, grad_scale=loss_scale, max_grad_norm=max_grad_norm,
-                                    out=self.param_flats[0])
+        if self.comm is not None:
+            info = self._step_across_processes(loss_scale, max_grad_norm, times)
+        else:
+            with times.phase("optimizer"):
+                # One pass: average the N towers' buckets, update master + state, write tower 0's weights.
+                info = self.master.step(self.grad_flats, grad_scale=loss_scale, max_grad_norm=max_grad_norm,
+                                        out=self.param_flats[0])
+        if info["skipped"] and self.comm is not None:
+            # averaged over the processes already: the towers that held the inf/NaN are not known here
+            bad = [(None, b) for b, g in enumerate(self.grad_flats[0]) if g.numel() and not _finite(g)]
+            return {"skipped": True, "grad_norm": info.get("grad_norm"), "nonfinite": bad}
         if info["skipped"]:
             # The towers' gradients are still separate here: name every (tower, bucket) with an inf/NaN.
             bad = [(t, b) for t, gf in enumerate(self.grad_flats) for b, g in enumerate(gf)
@@ -283,6 +328,27 @@ class CpuMasterEngine:
         with times.phase("broadcast"):
             self._copy_out(first=1)
         return {"skipped": False, "grad_norm": info.get("grad_norm")}
+
+    def _step_across_processes(self, loss_scale: float | None, max_grad_norm: float | None,
+                               times: StepTimes) -> dict:
+        """Towers in several processes: every bucket is averaged over all towers first (local one-pass
+        average, one all-reduce per bucket and process; Note [Hierarchical CPU average]), all buckets in
+        flight at once, then ONE fused step over tower 0's buffers with the division still owed folded
+        into the gradient scale. Every process then holds the same averaged gradients and takes the same
+        step: the master copies stay identical."""
+        nb = len(self.plan.buckets)
+        with times.phase("reduce"):
+            works = [self.comm.all_reduce_avg_async([gf[b] for gf in self.grad_flats], defer_scale=True,
+                                                    tag=f"bucket {b}") for b in range(nb)]
+            for w in works:
+                w.wait()
+        divisors = {float(w.divisor) for w in works}
+        if len(divisors) != 1:
+            raise RuntimeError(f"the communicator left different divisors per bucket ({sorted(divisors)})")
+        scale = (1.0 if loss_scale is None else loss_scale) * divisors.pop()
+        with times.phase("optimizer"):
+            return self.master.step([self.grad_flats[0]], grad_scale=None if scale == 1.0 else scale,
+                                    max_grad_norm=max_grad_norm, out=self.param_flats[0])
 
     def _copy_out(self, first: int = 0) -> None:
         for pf in self.param_flats[first:]:

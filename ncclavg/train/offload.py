@@ -31,7 +31,7 @@ from typing import Any, Sequence
 
 import torch
 
-from .engines import OptimConfig, check_master_state, tower_plan
+from .engines import OptimConfig, check_master_state, tower_communicator, tower_plan
 from ..errors import CommTimeoutError
 from .metrics import StepTimes
 
@@ -47,8 +47,7 @@ class GpuOffloadEngine:
 
     def __init__(self, tower_params: Sequence[Sequence[torch.Tensor]], names: Sequence[str],
                  devices: Sequence[torch.device], opt: OptimConfig, bucket_cap_mb: float,
-                 first_bucket_mb: float, check_finite: bool = True):
-        from ..comm import Communicator
+                 first_bucket_mb: float, check_finite: bool = True, comm: Any = None):
         from ..master import MasterWeights
 
         self.devices = list(devices)
@@ -56,7 +55,7 @@ class GpuOffloadEngine:
         self.T = T = len(self.devices)
         self.check_finite = bool(check_finite)
         self.plan = tower_plan(self.tower_params, names, bucket_cap_mb, first_bucket_mb)
-        self.comm = Communicator.nccl([d.index for d in self.devices])
+        self.comm = comm if comm is not None else tower_communicator(self.devices)
         # Bucket b padded so that it splits into T shards that each start on a 256-byte boundary.
         self.padded = [_pad_to(b.numel, T * (_ALIGN_BYTES // torch.empty((), dtype=b.dtype).element_size()))
                        for b in self.plan.buckets]

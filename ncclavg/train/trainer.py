@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import os
 import time
 from typing import Any, Callable, Iterable, Sequence
 
@@ -41,6 +42,7 @@ from torch import nn
 from . import checkpoint as ckpt
 from .amp import DynamicLossScale, autocast_context, normalise_amp
 from .callbacks import Callback
+from .distributed import processes_communicator, write_once
 from .engines import CpuMasterEngine, DeviceMasterEngine, OptimConfig
 from .metrics import PHASES, StepTimes
 from .schedules import LRSchedule, ScheduleSpec, from_state_dict, make_schedule, replan, schedule_name
@@ -76,7 +78,10 @@ def _accuracy_counts(out: Any, y: Any) -> torch.Tensor | None:
 
 
 class TowerTrainer:
-    """Data-parallel training over towers in one process. See the module docstring and DESIGN.md."""
+    """Data-parallel training over towers: this process's `devices`, and under torchrun (or given `comm`)
+    the towers of every process; see Note [Towers of several processes] in distributed.py. `timeout`
+    (seconds, default NCCLAVG_TIMEOUT or 600) bounds every wait on another process. See the module
+    docstring and DESIGN.md."""
 
     def __init__(self, model: nn.Module, devices: Sequence[Any] | str | None = None, optimizer: str = "adamw",
                  lr: float = 1e-3, lr_schedule: ScheduleSpec = None, weight_decay: float = 0.0,
@@ -85,7 +90,7 @@ class TowerTrainer:
                  seed: int = 0, *, betas: Sequence[float] = (0.9, 0.999), eps: float = 1e-8,
                  first_bucket_mb: float = 1.0, loss_fn: Callable | None = None, concurrent: bool = True,
                  overlap: bool = True, init_loss_scale: float = 2.0 ** 16, on_nonfinite: str = "skip",
-                 replan_schedule: bool = True):
+                 replan_schedule: bool = True, comm: Any = None, timeout: float | None = None):
         # Validate everything before touching the model: a bad argument leaves it as it was.
         if not isinstance(model, nn.Module):
             raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
@@ -135,6 +140,8 @@ class TowerTrainer:
                 raise ValueError(f"devices: {devs[0]} needs ncclavg built with CUDA (NCCLAVG_CUDA=1); this "
                                  "build is CPU only")
 
+        # See Note [Towers of several processes]; building it is a collective when there are several.
+        process_comm = processes_communicator(comm, devs, timeout)
         init_loss_scale = _number(init_loss_scale, "init_loss_scale", strict=True)
         if not isinstance(on_nonfinite, str) or on_nonfinite not in NONFINITE_POLICIES:
             raise ValueError(f"on_nonfinite: must be one of {', '.join(map(repr, NONFINITE_POLICIES))}, got "
@@ -142,6 +149,11 @@ class TowerTrainer:
         scaler = DynamicLossScale(init_scale=init_loss_scale) if amp == "fp16" else None
 
         self.devices = devs
+        self.comm = process_comm   # None: this process's towers are all the towers
+        self.processes = process_comm.world_size if process_comm is not None else 1
+        self.rank = process_comm.rank if process_comm is not None else 0
+        self.total_towers = process_comm.size if process_comm is not None else len(devs)
+        self.tower_offset = getattr(process_comm, "tower_offset", 0) if process_comm is not None else 0
         self.loss_fn = loss_fn if loss_fn is not None else nn.functional.cross_entropy
         self.amp = amp
         self.master = master
@@ -165,6 +177,8 @@ class TowerTrainer:
         opt = OptimConfig(optimizer, lr, weight_decay, momentum, bool(nesterov), betas, eps)
 
         seed_everything(seed, devs)
+        if self.processes > 1:   # every process starts from rank 0's weights and buffers
+            self.comm.broadcast_tensors(list(model.parameters()) + list(model.buffers()))
         self.towers = build_towers(model, devs)
         self.names = names
         self.tower_params = [trainable_parameters(t)[1] for t in self.towers]
@@ -196,14 +210,14 @@ class TowerTrainer:
         check = self.on_nonfinite != "ignore"   # See Note [Non-finite gradients]
         if self.master == "device":
             return DeviceMasterEngine(self.tower_params, self.names, self.devices, opt, bucket_cap_mb,
-                                      first_bucket_mb, overlap=overlap, check_finite=check)
+                                      first_bucket_mb, overlap=overlap, check_finite=check, comm=self.comm)
         if self.devices[0].type == "cpu":
             return CpuMasterEngine(self.tower_params, self.names, self.devices, opt, bucket_cap_mb,
-                                   first_bucket_mb, skip_nonfinite=check or self.amp == "fp16")
+                                   first_bucket_mb, skip_nonfinite=check or self.amp == "fp16", comm=self.comm)
         from .offload import GpuOffloadEngine  # see Note [Pipelined CPU master] there
 
         return GpuOffloadEngine(self.tower_params, self.names, self.devices, opt, bucket_cap_mb,
-                                first_bucket_mb, check_finite=check)
+                                first_bucket_mb, check_finite=check, comm=self.comm)
 
     @property
     def model(self) -> nn.Module:
@@ -212,10 +226,17 @@ class TowerTrainer:
 
     @property
     def num_towers(self) -> int:
+        """This process's towers (`total_towers` counts those of every process)."""
         return len(self.devices)
 
+    @property
+    def is_main(self) -> bool:
+        """True in the process that prints and writes files (rank 0; the only process when alone)."""
+        return self.rank == 0
+
     def describe(self) -> dict:
-        return {"towers": self.num_towers, "devices": [str(d) for d in self.devices], "master": self.master,
+        return {"towers": self.total_towers, "local_towers": self.num_towers, "processes": self.processes,
+                "devices": [str(d) for d in self.devices], "master": self.master,
                 "optimizer": self.config["optimizer"], "amp": self.amp, "params": self.plan.param_numel,
                 "buckets": len(self.plan.buckets), "bucket_bytes": self.plan.total_bytes,
                 "concurrent": self.runner.concurrent}
@@ -276,6 +297,28 @@ class TowerTrainer:
             return contextlib.nullcontext()
         return torch.cuda.device(self.devices[t])  # See Note [Tower streams]
 
+    def _tower_bounds(self, total: int) -> list[int]:
+        """[lo_0, ..., lo_T]: this process's towers' sample ranges in a batch of `total`, split over the
+        towers of every process by global tower index (process-major). See Note [Towers of several
+        processes]."""
+        sizes = split_sizes(total, self.total_towers)
+        first = sum(sizes[:self.tower_offset])
+        bounds = [first]
+        for g in range(self.tower_offset, self.tower_offset + self.num_towers):
+            bounds.append(bounds[-1] + sizes[g])
+        return bounds
+
+    def _sum_results(self, live: list) -> tuple[float, int | None]:
+        """(loss sum, correct predictions or None) over the towers of every process."""
+        loss_sum = sum(float(r[0]) for r in live)
+        correct = None if any(r[1] is None for r in live) else sum(int(r[1]) for r in live)
+        if self.processes == 1:
+            return loss_sum, correct
+        # a process without accuracy counts (a task without class targets) turns accuracy off everywhere
+        loss_sum, correct_sum, no_acc = self.comm.sum_over_processes(
+            [loss_sum, correct or 0, 1.0 if correct is None else 0.0])
+        return loss_sum, None if no_acc else int(round(correct_sum))
+
     def _slice_to(self, t: int, tensors: Sequence[torch.Tensor], lo: int, hi: int) -> list[torch.Tensor]:
         dev = self.devices[t]
         return [x[lo:hi].to(dev, non_blocking=True) for x in tensors]
@@ -293,7 +336,7 @@ class TowerTrainer:
                 loss = self.loss_fn(out, y)
             if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
                 raise ValueError("loss_fn: must return a scalar tensor (the mean loss over the samples)")
-            weight = n * self.num_towers / total  # See Note [Uneven batches]
+            weight = n * self.total_towers / total  # See Note [Uneven batches]
             if loss_scale is not None:
                 weight *= loss_scale
             (loss.float() * weight).backward()
@@ -308,11 +351,10 @@ class TowerTrainer:
         total = int(target.shape[0])
         if total == 0:
             raise ValueError("batch: is empty")
-        if total < self.num_towers and not _allow_idle_towers:
-            raise ValueError(f"batch: has {total} samples, fewer than the {self.num_towers} towers; use a "
-                             f"batch size of at least {self.num_towers}")
-        sizes = split_sizes(total, self.num_towers)
-        bounds = [sum(sizes[:t]) for t in range(self.num_towers + 1)]
+        if total < self.total_towers and not _allow_idle_towers:
+            raise ValueError(f"batch: has {total} samples, fewer than the {self.total_towers} towers; use a "
+                             f"batch size of at least {self.total_towers}")
+        bounds = self._tower_bounds(total)
         lr = self.current_lr()
         loss_scale = self.scaler.scale if self.scaler is not None else None
         for tower in self.towers:
@@ -332,8 +374,8 @@ class TowerTrainer:
         if self.scaler is not None:
             self.scaler.update(bool(info["skipped"]))
         self.step += 1
-        loss = sum(float(r[0]) for r in live) / total
-        correct = None if any(r[1] is None for r in live) else sum(int(r[1]) for r in live)
+        loss_sum, correct = self._sum_results(live)
+        loss = loss_sum / total
         step_s = time.perf_counter() - t0
         record = {"step": self.step, "epoch": self.epoch + 1, "loss": loss,
                   "accuracy": None if correct is None else correct / total, "lr": lr, "samples": total,
@@ -407,15 +449,26 @@ class TowerTrainer:
         mean of the towers' averages equals the average of the per-step means: syncing lazily gives the
         result of syncing every step without the per-step cost.
         """
-        if self.num_towers == 1:
+        if self.total_towers == 1:
             return
         named = [dict(t.named_buffers()) for t in self.towers]
+        sums = {}
         for name, b0 in named[0].items():
             if b0.is_floating_point():
                 total = b0.to(torch.float64)
                 for other in named[1:]:
                     total = total + other[name].to(b0.device, torch.float64)
-                b0.copy_(total / self.num_towers)
+                sums[name] = total
+        if self.processes > 1 and sums:   # one exchange: every floating buffer's sum, flat
+            flat = torch.cat([v.reshape(-1).cpu() for v in sums.values()])
+            flat = torch.tensor(self.comm.sum_over_processes(flat.tolist()), dtype=torch.float64)
+            pos = 0
+            for name, v in sums.items():
+                sums[name] = flat[pos:pos + v.numel()].view_as(v)
+                pos += v.numel()
+        for name, b0 in named[0].items():
+            if name in sums:
+                b0.copy_(sums[name] / self.total_towers)
             for other in named[1:]:
                 other[name].copy_(b0)
 
@@ -431,9 +484,7 @@ class TowerTrainer:
         try:
             for batch in batches:
                 inputs, target = unpack_batch(batch)
-                n = int(target.shape[0])
-                sizes = split_sizes(n, self.num_towers)
-                b = [sum(sizes[:t]) for t in range(self.num_towers + 1)]
+                b = self._tower_bounds(int(target.shape[0]))
                 results = self.runner.map(lambda t: self._tower_eval(t, inputs, target, b[t], b[t + 1]))
                 for r in results:
                     if r is None:
@@ -444,6 +495,10 @@ class TowerTrainer:
         finally:
             for tower, mode in zip(self.towers, was_training):
                 tower.train(mode)
+        if self.processes > 1:   # one exchange for the whole evaluation
+            loss_sum, correct_sum, samples, no_acc = self.comm.sum_over_processes(
+                [loss_sum, correct or 0, samples, 1.0 if correct is None else 0.0])
+            samples, correct = int(round(samples)), None if no_acc else int(round(correct_sum))
         if samples == 0:
             raise ValueError("loader: yielded no samples to evaluate")
         return {"loss": loss_sum / samples, "accuracy": None if correct is None else correct / samples,
@@ -470,9 +525,9 @@ class TowerTrainer:
         if max_steps is not None and (isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps < 1):
             raise ValueError(f"max_steps: must be a positive integer or None, got {max_steps!r}")
         nominal = getattr(loader, "batch_size", None)
-        if isinstance(nominal, int) and nominal < self.num_towers:
+        if isinstance(nominal, int) and nominal < self.total_towers:
             raise ValueError(f"batch_size: the loader's batch size {nominal} is smaller than the number of "
-                             f"towers ({self.num_towers}); every tower needs at least one sample")
+                             f"towers ({self.total_towers}); every tower needs at least one sample")
         for i, cb in enumerate(callbacks):
             if not isinstance(cb, Callback):
                 raise TypeError(f"callbacks[{i}]: expected an ncclavg.train.callbacks.Callback, got {type(cb).__name__}")
@@ -560,14 +615,15 @@ class TowerTrainer:
                 "schedule_plan": self._schedule_plan,
                 "scaler": self.scaler.state_dict() if self.scaler is not None else None,
                 "rng": rng_state(self.devices), "history": list(self.history),
+                "processes": self.processes, "total_towers": self.total_towers,
                 "epoch_acc": dict(self._epoch_acc), "nonfinite_steps": self.nonfinite_steps}
 
     def save(self, path: str, *, _manager: Any = None) -> str:
         """Write a checkpoint atomically (temp file, fsync, rename) with a checksum; returns its path."""
-        state = self.state_dict()
-        if _manager is not None:
-            return _manager.save(state, self.step)
-        return ckpt.save(path, state)
+        state = self.state_dict()   # every process: it syncs buffers across them
+        if _manager is not None:    # See Note [Towers of several processes]: rank 0 writes
+            return write_once(self.comm, lambda: _manager.save(state, self.step))
+        return write_once(self.comm, lambda: ckpt.save(path, state))
 
     def load_state_dict(self, state: dict, path: str = "<state>") -> None:
         check_signature(path, state, self.signature)
@@ -603,10 +659,7 @@ class TowerTrainer:
         config = dict(state["config"])
         saved_devices = config.pop("devices")
         if devices is None:
-            try:
-                devices = parse_devices(saved_devices)
-            except ValueError:  # saved on GPUs, resumed here without them
-                devices = None
+            devices = _resume_devices(path, state, saved_devices, overrides.get("comm"))
         config.update(overrides)
         if "lr_schedule" not in overrides:
             config["lr_schedule"] = from_state_dict(state["schedule"])
@@ -640,3 +693,34 @@ def _run_length(plan: dict) -> str:
     if spe and total:
         return f"{total // spe} epochs ({total} steps)"
     return f"{total} steps" if total else "an unknown number of steps"
+
+
+def _resume_devices(path: str, state: dict, saved: list, comm: Any) -> list | None:
+    """This process's towers for a checkpoint resumed without `devices`: the saved ones when the number
+    of processes is the same; the saved total of CPU towers spread evenly over a new number of processes
+    (4 towers saved by 1 process resume as 2 x 2 or 4 x 1); None (the defaults) for GPU towers resumed
+    without GPUs. See Note [Towers of several processes]."""
+    from .distributed import launched_with_processes
+
+    if comm is not None:
+        return list(comm.devices)
+    processes = 1
+    if launched_with_processes():
+        processes = int(os.environ.get("WORLD_SIZE", "0")) or _dist_world_size()
+    saved_processes, total = int(state.get("processes", 1)), int(state.get("total_towers", len(saved)))
+    try:
+        devices = parse_devices(saved)
+    except ValueError:  # saved on GPUs, resumed here without them
+        return None
+    if processes == saved_processes:
+        return devices
+    if devices[0].type == "cpu" and total % processes == 0:
+        return [torch.device("cpu")] * (total // processes)
+    raise ValueError(f"devices: {path} was saved by {saved_processes} process(es) with {total} towers in all; "
+                     f"with {processes} processes pass this process's devices explicitly")
+
+
+def _dist_world_size() -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size()

@@ -11,8 +11,8 @@ from ncclavg.cli import main
 from ncclavg.train.metrics import read_jsonl
 
 SUMMARY = re.compile(r"^summary: test_accuracy=(?P<acc>\d\.\d{3}) epochs=(?P<epochs>\d+) "
-                     r"samples_per_s=(?P<sps>\d+\.\d) wall_s=(?P<wall>\d+\.\d) towers=(?P<towers>\d+) "
-                     r"devices=(?P<devices>\S+)$")
+                     r"samples_per_s=(?P<sps>\d+\.\d) wall_s=(?P<wall>\d+\.\d) processes=(?P<processes>\d+) "
+                     r"towers=(?P<towers>\d+) devices=(?P<devices>\S+)$")
 
 
 def _summary(out: str) -> dict:

@@ -1,0 +1,56 @@
+"""Bodies of the multi-process TowerTrainer tests (spawned children import this module)."""
+import hashlib
+import os
+
+import torch
+
+from _dist_util import init_rank
+
+DATA = {"even": (96, 24), "uneven": (101, 23)}
+
+
+def digits_loader(data, seed=3):
+    from ncclavg.train.data import TensorLoader, load_digits
+
+    n, bs = DATA[data]
+    d = load_digits()
+    return TensorLoader(d.x_train[:n], d.y_train[:n], batch_size=bs, seed=seed)
+
+
+def fingerprint(tensors):
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(t.detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def train_job(rank, world, port, counts, hp, master, data, steps, out_dir):
+    """Trains the digits MLP with counts[rank] CPU towers in this process; rank 0 saves what the test
+    compares. Checks in every process: replicas identical to the master, bit for bit, in every process."""
+    init_rank(rank, world, port)
+    from ncclavg.train.models import build_model
+    from ncclavg.train.trainer import TowerTrainer
+
+    # a different init seed per process: the trainer must start every process from rank 0's weights
+    tr = TowerTrainer(build_model("mlp", seed=rank), devices=["cpu"] * counts[rank], master=master,
+                      timeout=60, **hp)
+    assert (tr.processes, tr.rank, tr.total_towers, tr.num_towers) == (world, rank, sum(counts), counts[rank])
+    assert tr.tower_offset == sum(counts[:rank])
+    records = []
+
+    from ncclavg.train.callbacks import Callback
+
+    class Recorder(Callback):
+        def on_step_end(self, trainer, record):
+            records.append(record)
+
+    tr.fit(digits_loader(data), epochs=100, max_steps=steps, callbacks=[Recorder()])
+    got = tr.master_params()
+    for t in range(tr.num_towers):
+        assert all(torch.equal(p.detach().float(), m) for p, m in zip(tr.tower_params[t], got)), t
+    prints = tr.comm.allgather_object(fingerprint(got))
+    assert len(set(prints)) == 1, f"processes hold different master weights: {prints}"
+    if rank == 0:
+        torch.save({"master": got, "records": [{k: r[k] for k in ("loss", "accuracy", "samples")} for r in records]},
+                   os.path.join(out_dir, "result.pt"))
+    tr.close()
