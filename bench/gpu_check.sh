@@ -1,66 +1,158 @@
 #!/usr/bin/env bash
 # bench/gpu_check.sh: everything ncclavg needs checked on a GPU machine, in one command of <= 8 minutes.
 #
-#   bench/gpu_check.sh            build for sm_90 (NCCLAVG_CUDA=1), `ncclavg info`, `pytest -m gpu`,
-#                                 the GPU benchmarks (bench/gpu_bench.py, the `ncclavg bench --backend nccl`
-#                                 sweep, bench/trainer.py), compute-sanitizer memcheck over
-#                                 the kernel tests, and a wheel built with --no-build-isolation
-#   bench/gpu_check.sh --dry-run  walks every step without a GPU: the CUDA build (when a toolkit is
-#                                 present) into a scratch folder, import + info of that build, the GPU
-#                                 tests collected and run (they skip), gpu_bench.py --dry-run
+#   bench/gpu_check.sh            in this order (most valuable first, so a cut takes the least):
+#                                 build for sm_90 in place (NCCLAVG_CUDA=1), info (environment report +
+#                                 `ncclavg info`), tests (`pytest -m gpu`), bench (bench/gpu_bench.py),
+#                                 trainer (bench/trainer.py on CUDA towers), sweep (`ncclavg bench
+#                                 --backend nccl`), sanitizer (compute-sanitizer memcheck over the kernel
+#                                 tests), wheel (pip wheel --no-build-isolation, reusing the build's objects)
+#   bench/gpu_check.sh --dry-run  the same steps without a GPU: the build (CUDA when a toolkit is here) into
+#                                 a scratch folder, import + info of that build, the GPU tests (they skip),
+#                                 gpu_bench.py --dry-run, the trainer and sweep on CPU towers, the sanitizer's
+#                                 refusal detector, and a real wheel
+#   bench/gpu_check.sh --plan     prints the steps, their limits and the budget arithmetic, runs nothing
 #
-# Assumes the machine's python3 ($PYTHON) already has torch, cupy, pybind11 and an NCCL, and that
-# nothing can be downloaded: no isolated builds, no installs. Results go under $OUT (or ./gpu-out):
-# logs/<step>.log, gpu_bench.json, pytest-gpu.xml, gpu_check.json; the last lines printed are a table.
-# Every step has its own time limit, all of them share one budget (GPU_CHECK_BUDGET_S, 470 s), and a
-# failing step is recorded without stopping the later ones. Exit status: 0 when every step passed.
+# Assumes the machine's python3 ($PYTHON) already has torch, cupy, pybind11 and an NCCL, and that nothing
+# can be downloaded: no isolated builds, no installs.
+#
+# Time: every step has its own limit (the tables below) and a step starts only when its whole limit still
+# fits in the budget (GPU_CHECK_BUDGET_S, default 470 s), less END_S kept for the summary and the packing.
+# The limits add up to at most the budget less RESERVE_S, so normally nothing is cut; a step that is cut,
+# not selected (GPU_CHECK_STEPS=build,tests,... runs only those) or refused by the machine is "not run",
+# never "pass". A failing step is recorded without stopping the later ones.
+#
+# Output: only what comes back from a GPU machine's $OUT (at most 8 files, 16 MiB each, plain names) is
+# left in $OUT (default ./gpu-out; files of an earlier run there are replaced):
+#   gpu_check.json   steps, per-test outcomes, device, versions, the RESULT line
+#   logs.tar.gz      logs/<step>.log, steps.tsv, pytest-gpu.xml (junit)
+#   the benchmarks' own files: gpu_bench.json, trainer_gpu.json, bench-nccl.json, bench-nccl.png
+#   (dry run: gpu_bench.json, trainer_cpu.json, bench-local.json, bench-local.png)
+# Scratch (the dry build, the wheel, logs before packing) lives in a temp folder that is removed at exit.
+# The script checks $OUT against those rules at the end. The last lines printed are the table and one
+# RESULT line: "all steps passed", "incomplete: not run: ..." or "FAILED: ...".
+# Exit status: 0 when every step ran and passed, 1 otherwise, 2 for bad usage.
 set -u
 
-DRY=0
+DRY=0 PLAN=0
 for arg in "$@"; do
   case "$arg" in
     --dry-run) DRY=1 ;;
-    -h|--help) sed -n '2,17p' "$0"; exit 0 ;;
-    *) echo "gpu_check.sh: unknown argument '$arg' (use --dry-run)" >&2; exit 2 ;;
+    --plan) PLAN=1 ;;
+    -h|--help) sed -n '2,34p' "$0"; exit 0 ;;
+    *) echo "gpu_check.sh: unknown argument '$arg' (use --dry-run, --plan)" >&2; exit 2 ;;
   esac
 done
+
+# The steps, by value, and their limits in seconds. The GPU limits are sized for an H200 machine with 16
+# cores (the build is ~30 s on 2 cores here; the tests spawn NCCL ranks; the sanitizer slows torch down);
+# the dry ones for a 2-core CI runner that builds from scratch.
+STEPS=(build info tests bench trainer sweep sanitizer wheel)
+GPU_LIMITS=(75 25 135 60 45 30 45 25)   # 440 s
+DRY_LIMITS=(150 40 90 30 60 30 10 30)   # 440 s
+BUDGET=${GPU_CHECK_BUDGET_S:-470}
+RESERVE_S=30   # kept out of the plan: nvidia-smi at the start (<= 10 s), END_S, and the steps' overheads
+END_S=15       # kept at the end, at run time: the summary and the packing (a few seconds)
+KILL_S=3       # a step past its limit gets SIGTERM, and SIGKILL this much later
+if ((DRY)); then LIMITS=("${DRY_LIMITS[@]}"); else LIMITS=("${GPU_LIMITS[@]}"); fi
+
+[[ $BUDGET =~ ^[0-9]+$ ]] || { echo "gpu_check.sh: GPU_CHECK_BUDGET_S must be whole seconds, got '$BUDGET'" >&2; exit 2; }
+SELECTED=" ${STEPS[*]} "
+if [[ -n ${GPU_CHECK_STEPS:-} ]]; then
+  SELECTED=" ${GPU_CHECK_STEPS//,/ } "
+  for s in $SELECTED; do
+    [[ " ${STEPS[*]} " == *" $s "* ]] || { echo "gpu_check.sh: GPU_CHECK_STEPS: unknown step '$s' (steps: ${STEPS[*]})" >&2; exit 2; }
+  done
+fi
+
+plan() {
+  local i sum=0 line=""
+  for i in "${!STEPS[@]}"; do
+    sum=$((sum + LIMITS[i]))
+    line+="${line:+ + }${STEPS[i]} ${LIMITS[i]}"
+  done
+  echo "plan: $line = ${sum}s of limits + ${RESERVE_S}s reserve = $((sum + RESERVE_S))s, budget ${BUDGET}s"
+  if ((sum + RESERVE_S > BUDGET)); then
+    echo "plan: over the budget by $((sum + RESERVE_S - BUDGET))s: the last steps will be cut (not run)"
+    return 1
+  fi
+}
+if ((PLAN)); then plan; exit; fi
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 OUT_DIR=${OUT:-$ROOT/gpu-out}
 PY=${PYTHON:-python3}
-BUDGET=${GPU_CHECK_BUDGET_S:-470}
 ARCHS=${NCCLAVG_CUDA_ARCHS:-90}
-mkdir -p "$OUT_DIR/logs" || exit 1
+mkdir -p "$OUT_DIR" || exit 1
 OUT_DIR=$(cd "$OUT_DIR" && pwd)
-STEPS="$OUT_DIR/steps.tsv"
-: > "$STEPS"
+# What an earlier run (this layout or the older one) left in $OUT, so that the check at the end counts
+# this run's files only.
+rm -rf "$OUT_DIR"/{gpu_check.json,logs.tar.gz,gpu_bench.json,trainer_gpu.json,bench-nccl.json,bench-nccl.png} \
+  "$OUT_DIR"/{trainer_cpu.json,bench-local.json,bench-local.png,logs,steps.tsv,pytest-gpu.xml,dry-stage,dry-lib,wheel}
+SCRATCH=$(mktemp -d "${TMPDIR:-/tmp}/gpu_check.XXXXXX") || exit 1
+trap 'rm -rf "$SCRATCH"' EXIT
+KEEP=$SCRATCH/keep   # what goes into logs.tar.gz
+mkdir -p "$KEEP/logs" || exit 1
+: > "$KEEP/steps.tsv"
 START=$(date +%s)
 cd "$ROOT" || exit 1
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1   # a step killed at its limit still leaves what it printed in its log
 
-# step NAME LIMIT_S CMD...: runs CMD with min(LIMIT_S, what is left of the budget), logs it, records it.
+# A signal (the lease's own timeout, ^C) stops the step in flight, records the rest as not run, and still
+# packs and summarises: the logs are only in $SCRATCH until then.
+INTERRUPTED=0 CUR_PID=""
+trap 'INTERRUPTED=1; [[ -n $CUR_PID ]] && kill -TERM "$CUR_PID" 2> /dev/null' TERM INT HUP
+
+NOT_RUN_RC=86   # a step's way of saying "not run" (reason: its log's last line, "not run: <reason>")
+
+record() { printf '%s\t%s\t%s\t%s\t%s\t%s\n' "$@" >> "$KEEP/steps.tsv"; }
+
+# step NAME LIMIT_S CMD...: runs CMD under LIMIT_S when that still fits the budget, logs it, records it.
 step() {
   local name=$1 limit=$2
   shift 2
-  local left=$((BUDGET - ($(date +%s) - START) - 15))
-  local log="$OUT_DIR/logs/$name.log"
-  if ((left < 20)); then
-    printf '%s\tskipped\t-\t0\tbudget of %ss spent\n' "$name" "$BUDGET" >> "$STEPS"
-    echo "== $name: skipped (budget spent)"
+  local log="$KEEP/logs/$name.log"
+  local used=$(($(date +%s) - START))
+  local why=""
+  if ((INTERRUPTED)); then
+    why="interrupted: a signal stopped the run"
+  elif [[ $SELECTED != *" $name "* ]]; then
+    why="not selected: GPU_CHECK_STEPS=${GPU_CHECK_STEPS:-}"
+  elif ((used + limit + KILL_S > BUDGET - END_S)); then
+    why="budget: $((BUDGET - END_S - used))s left of ${BUDGET}s, the step needs $((limit + KILL_S))s"
+  fi
+  if [[ -n $why ]]; then
+    record "$name" "not run" - 0 "$limit" "$why"
+    echo "== $name: not run ($why)"
     return 0
   fi
-  ((limit > left)) && limit=$left
   echo "== $name (limit ${limit}s)"
-  local t0=$(date +%s)
-  # through `bash -c` so that the step may be one of the (exported) functions below
-  timeout --kill-after=10 "$limit" bash -c '"$@"' step "$@" > "$log" 2>&1
-  local rc=$?
+  local t0=$(date +%s) rc
+  # Through `bash -c` so that the step may be one of the (exported) functions below; in the background so
+  # that a signal's trap runs at once instead of after the step.
+  STEP_LIMIT=$limit timeout --kill-after=$KILL_S "$limit" bash -c '"$@"' step "$@" > "$log" 2>&1 < /dev/null &
+  CUR_PID=$!
+  wait "$CUR_PID"
+  rc=$?
+  if ((INTERRUPTED)); then  # the trap woke `wait` and stopped the step: reap it for its real status
+    local rc2
+    wait "$CUR_PID" 2> /dev/null
+    rc2=$?
+    ((rc2 == 127)) || rc=$rc2
+  fi
+  CUR_PID=""
   local dt=$(($(date +%s) - t0))
-  local status=pass
-  if ((rc == 124 || rc == 137)); then status=timeout; elif ((rc != 0)); then status=fail; fi
-  printf '%s\t%s\t%s\t%s\t%s\n' "$name" "$status" "$rc" "$dt" "logs/$name.log" >> "$STEPS"
-  echo "   $status (rc $rc, ${dt}s) -> $log"
-  if [[ $status != pass ]]; then tail -n 15 "$log" | sed 's/^/   | /'; fi
+  local status=pass reason=""
+  if ((INTERRUPTED)); then status=interrupted reason="interrupted: a signal stopped the run"
+  elif ((rc == 124 || rc == 137)); then status=timeout reason="timeout: killed at its ${limit}s limit"
+  elif ((rc == NOT_RUN_RC)) && tail -n 1 "$log" | grep -q '^not run: '; then
+    status="not run" reason=$(tail -n 1 "$log" | sed 's/^not run: //')
+  elif ((rc != 0)); then status=fail
+  fi
+  record "$name" "$status" "$rc" "$dt" "$limit" "$reason"
+  echo "   $status (rc $rc, ${dt}s)${reason:+: $reason}"
+  if [[ $status != pass && $status != "not run" ]]; then tail -n 15 "$log" | sed 's/^/   | /'; fi
   return 0
 }
 
@@ -68,8 +160,8 @@ env_report() {
   echo "date: $(date -u +%FT%TZ)"
   echo "host: $(uname -a)"
   if command -v nvidia-smi > /dev/null; then
-    nvidia-smi || true
-    nvidia-smi --query-gpu=name,driver_version,memory.total,compute_cap --format=csv || true
+    timeout 15 nvidia-smi || true
+    timeout 15 nvidia-smi --query-gpu=name,driver_version,memory.total,compute_cap --format=csv || true
   else
     echo "nvidia-smi: not present"
     ((DRY)) || return 1
@@ -93,134 +185,150 @@ EOF
 }
 
 # The dry run builds into a scratch folder and imports that build from a staged copy of the package, so
-# the checkout's own build (the one its tests use) is left alone.
-STAGE="$OUT_DIR/dry-stage"
-dry_build() {
-  rm -rf "$STAGE" && mkdir -p "$STAGE/ncclavg" || return 1
-  NCCLAVG_CUDA=${NCCLAVG_CUDA:-auto} NCCLAVG_CUDA_ARCHS=$ARCHS "$PY" setup.py build_ext \
-    --build-temp "$ROOT/build/gpu_check/temp-dry" --build-lib "$OUT_DIR/dry-lib" || return 1
-  # the package's sources, subpackages included (comm/, train/, bench/), then the fresh build
-  tar -C ncclavg --exclude=__pycache__ --exclude='*.so' -cf - . | tar -C "$STAGE/ncclavg" -xf - &&
-    cp "$OUT_DIR"/dry-lib/ncclavg/_C*.so "$STAGE/ncclavg/"
+# the checkout's own build (the one its tests use) is left alone. Its objects stay in build/gpu_check/
+# (ignored), so a second dry run, and the wheel step, compile nothing.
+STAGE="$SCRATCH/dry-stage"
+if ((DRY)); then BUILD_TEMP="$ROOT/build/gpu_check/temp-dry" CUDA_MODE=${NCCLAVG_CUDA:-auto}
+else BUILD_TEMP="$ROOT/build/gpu_check/temp" CUDA_MODE=1; fi
+
+do_build() {
+  if ((DRY)); then
+    rm -rf "$STAGE" && mkdir -p "$STAGE/ncclavg" || return 1
+    NCCLAVG_CUDA=$CUDA_MODE NCCLAVG_CUDA_ARCHS=$ARCHS "$PY" setup.py build_ext \
+      --build-temp "$BUILD_TEMP" --build-lib "$SCRATCH/dry-lib" || return 1
+    # the package's sources, subpackages included (comm/, train/, bench/), then the fresh build
+    tar -C ncclavg --exclude=__pycache__ --exclude='*.so' -cf - . | tar -C "$STAGE/ncclavg" -xf - &&
+      cp "$SCRATCH"/dry-lib/ncclavg/_C*.so "$STAGE/ncclavg/"
+  else
+    NCCLAVG_CUDA=1 NCCLAVG_CUDA_ARCHS=$ARCHS "$PY" setup.py build_ext --inplace --build-temp "$BUILD_TEMP"
+  fi
 }
-dry_import() {
-  (cd "$STAGE" && PYTHONPATH="$STAGE" "$PY" - <<'EOF'
+do_info() {
+  local rc=0
+  env_report || rc=1
+  echo
+  if ((DRY)); then
+    [[ -d $STAGE/ncclavg ]] || { echo "no staged build ($STAGE): the build step did not run"; return 1; }
+    (cd "$STAGE" && PYTHONPATH="$STAGE" "$PY" - <<'EOF'
 import ncclavg, ncclavg._ext as ext
 import ncclavg.bench.cli, ncclavg.comm, ncclavg.train.trainer  # every layer of the staged copy loads
 info = ncclavg.build_info()
 print("imported", ncclavg.__file__)
 print("cuda_built", info["cuda"], "archs", info["cuda_archs"], "NcclComm", hasattr(ext._C, "NcclComm"))
 print("devices", info["device_count"], info["driver_error"])
-print("nccl", info["nccl"]["version"] or "not found")
 EOF
-  ) && (cd "$STAGE" && PYTHONPATH="$STAGE" "$PY" -m ncclavg info)
+    ) && (cd "$STAGE" && PYTHONPATH="$STAGE" "$PY" -m ncclavg info) || rc=1
+  else
+    "$PY" -m ncclavg info || rc=1
+  fi
+  return $rc
 }
-sanitizer_cmd() {
-  local cs
-  cs=$(command -v compute-sanitizer || echo "${CUDA_HOME:-/usr/local/cuda}/bin/compute-sanitizer")
-  echo "$cs"
+do_tests() {
+  # A test module of another area that cannot be imported here must not stop the GPU tests, one that needs
+  # a missing optional package is a skip (bench/gpu_check_pytest.py, from a folder of its own so that
+  # bench/'s scripts cannot shadow test imports), and one hung test must not take the whole step
+  # (pytest-timeout, when installed).
+  local extra=()
+  "$PY" -c "import pytest_timeout" 2> /dev/null && extra+=(--timeout=60)
+  mkdir -p "$SCRATCH/plugins" && cp bench/gpu_check_pytest.py "$SCRATCH/plugins/" || return 1
+  PYTHONPATH="$SCRATCH/plugins:$PYTHONPATH" "$PY" -m pytest -m gpu -q -rs -p no:cacheprovider -p gpu_check_pytest \
+    --continue-on-collection-errors "${extra[@]}" --junitxml="$KEEP/pytest-gpu.xml" -o junit_family=xunit1 tests
 }
-run_sanitizer() {
-  local cs
-  cs=$(sanitizer_cmd)
-  [[ -x $cs ]] || { echo "compute-sanitizer not found (looked on PATH and $cs)"; return 1; }
-  "$cs" --tool memcheck --error-exitcode 3 "$PY" -m pytest -q -p no:cacheprovider \
+do_bench() {
+  if ((DRY)); then "$PY" bench/gpu_bench.py --dry-run --out "$OUT_DIR/gpu_bench.json"
+  else "$PY" bench/gpu_bench.py --out "$OUT_DIR/gpu_bench.json"; fi
+}
+do_trainer() {
+  if ((DRY)); then "$PY" bench/trainer.py --quick --json "$OUT_DIR/trainer_cpu.json"
+  else "$PY" bench/trainer.py --json "$OUT_DIR/trainer_gpu.json"; fi
+}
+do_sweep() {
+  local name plot=()
+  if ((DRY)); then name=bench-local; else name=bench-nccl; fi
+  "$PY" -c "import matplotlib" 2> /dev/null && plot=(--plot "$OUT_DIR/$name.png")
+  if ((DRY)); then
+    # On CPU towers, small: checks the arguments and the outputs.
+    "$PY" -m ncclavg bench --backend local --towers 2 -b 8 -e 64K --quiet --json "$OUT_DIR/$name.json" "${plot[@]}"
+  else
+    # Every 4th power of two and 0.25 s per point and contender: 13 sizes x 4 contenders fit the limit.
+    "$PY" -m ncclavg bench --backend nccl --towers 1 --compare -b 8 -e 256M -f 4 --budget 0.25 --quiet \
+      --json "$OUT_DIR/$name.json" "${plot[@]}"
+  fi
+}
+sanitizer_path() { command -v compute-sanitizer || echo "${CUDA_HOME:-/usr/local/cuda}/bin/compute-sanitizer"; }
+do_sanitizer() {
+  local cs rc
+  cs=$(sanitizer_path)
+  if ((DRY)); then
+    # No device to check here: test the detector that tells "refused here" from a finding instead.
+    printf '========= COMPUTE-SANITIZER\n========= Error: Device not supported\n' > "$SCRATCH/refused.txt"
+    printf '========= Invalid __global__ write of size 4 bytes\n========= ERROR SUMMARY: 1 error\n' > "$SCRATCH/found.txt"
+    "$PY" bench/gpu_check_summary.py refused "$SCRATCH/refused.txt" || { echo "detector missed a refusal"; return 1; }
+    if "$PY" bench/gpu_check_summary.py refused "$SCRATCH/found.txt"; then echo "detector took a finding for a refusal"; return 1; fi
+    if [[ -x $cs ]]; then "$cs" --version | tail -n 1; fi
+    echo "would run: $cs --tool memcheck --report-api-errors no --error-exitcode 3 over the kernel tests"
+    return 0
+  fi
+  [[ -x $cs ]] || { echo "not run: not installed here: no compute-sanitizer on PATH or at $cs"; return "$NOT_RUN_RC"; }
+  # API errors the code expects and handles (probing, capability checks) are not memory errors. Its own
+  # limit, inside the step's, so that a refusal that ends in a hang is still recognised below.
+  timeout --kill-after=2 $((STEP_LIMIT - 6)) \
+    "$cs" --tool memcheck --report-api-errors no --error-exitcode 3 "$PY" -m pytest -q -p no:cacheprovider \
     "tests/test_gpu_average.py::test_average_exact_inputs_bit_for_bit[float32]" \
-    "tests/test_gpu_pack.py::test_many_tensors_exact_round_trip[float32]"
+    "tests/test_gpu_pack.py::test_many_tensors_exact_round_trip[float32]" 2>&1 | tee "$SCRATCH/sanitizer.out"
+  rc=${PIPESTATUS[0]}
+  # Some runtimes refuse the sanitizer ("Device not supported"); then it checked nothing, pass or fail.
+  if "$PY" bench/gpu_check_summary.py refused "$SCRATCH/sanitizer.out" > "$SCRATCH/refused.txt"; then
+    echo "not run: $(cat "$SCRATCH/refused.txt")"
+    return "$NOT_RUN_RC"
+  fi
+  return "$rc"
 }
-dry_sanitizer() {
-  local cs
-  cs=$(sanitizer_cmd)
-  if [[ -x $cs ]]; then echo "would run: $cs --tool memcheck over the kernel tests"; else echo "compute-sanitizer not present here ($cs); on the GPU machine it runs memcheck over the kernel tests"; fi
-}
-dry_wheel() {
-  "$PY" -m pip --version && "$PY" -c "import setuptools, pybind11; print('setuptools', setuptools.__version__, 'pybind11', pybind11.__version__)"
-  echo "would run: $PY -m pip wheel --no-build-isolation --no-deps -w \$OUT/wheel ."
-}
-
-export DRY PY STAGE OUT_DIR ROOT ARCHS
-export -f env_report dry_build dry_import sanitizer_cmd run_sanitizer dry_sanitizer dry_wheel
-
-if ((DRY)); then
-  echo "gpu_check.sh --dry-run: $ROOT -> $OUT_DIR"
-  step env 60 env_report
-  step build 400 dry_build
-  step import 60 dry_import
-  step tests_list 120 "$PY" -m pytest -m gpu --collect-only -q -p no:cacheprovider tests
-  step tests 240 "$PY" -m pytest -m gpu -q -rs -p no:cacheprovider --continue-on-collection-errors tests
-  step sanitizer 30 dry_sanitizer
-  step bench 120 "$PY" bench/gpu_bench.py --dry-run --out "$OUT_DIR/gpu_bench.json"
-  # The sweep and trainer steps on the CPU path, small: checks their arguments and outputs.
-  step sweep 90 "$PY" -m ncclavg bench --backend local --towers 2 -b 8 -e 64K --quiet \
-    --json "$OUT_DIR/bench-local.json"
-  step trainer 90 "$PY" bench/trainer.py --quick --json "$OUT_DIR/trainer_cpu.json"
-  step wheel 60 dry_wheel
-else
-  echo "gpu_check.sh: $ROOT -> $OUT_DIR (budget ${BUDGET}s)"
-  timeout 20 nvidia-smi --query-gpu=index,name,driver_version,memory.total,compute_cap --format=csv \
-    || echo "nvidia-smi: not available"
-  step env 30 env_report
-  step build 240 env NCCLAVG_CUDA=1 NCCLAVG_CUDA_ARCHS="$ARCHS" "$PY" setup.py build_ext --inplace \
-    --build-temp "$ROOT/build/gpu_check/temp"
-  step info 60 "$PY" -m ncclavg info
-  # A test module of another area that cannot be imported here must not stop the GPU tests.
-  step tests 270 "$PY" -m pytest -m gpu -q -rs -p no:cacheprovider --continue-on-collection-errors \
-    --junitxml="$OUT_DIR/pytest-gpu.xml" tests
-  step bench 150 "$PY" bench/gpu_bench.py --out "$OUT_DIR/gpu_bench.json"
-  step sweep 90 "$PY" -m ncclavg bench --backend nccl --towers 1 --compare -b 8 -e 256M \
-    --json "$OUT_DIR/bench-nccl.json" --plot "$OUT_DIR/bench-nccl.png"
-  step trainer 90 "$PY" bench/trainer.py --json "$OUT_DIR/trainer_gpu.json"
-  step sanitizer 90 run_sanitizer
-  step wheel 120 env NCCLAVG_CUDA=1 NCCLAVG_CUDA_ARCHS="$ARCHS" "$PY" -m pip wheel --no-build-isolation \
-    --no-deps --no-index -w "$OUT_DIR/wheel" .
-fi
-
-# The summary: gpu_check.json and the short table, printed last.
-"$PY" - "$OUT_DIR" "$DRY" "$(($(date +%s) - START))" <<'EOF'
-import json, re, sys
-from pathlib import Path
-out, dry, total = Path(sys.argv[1]), sys.argv[2] == "1", int(sys.argv[3])
-steps = []
-for line in (out / "steps.tsv").read_text().splitlines():
-    name, status, rc, secs, log = line.split("\t")
-    steps.append({"step": name, "status": status, "rc": rc, "seconds": int(secs), "log": log})
-doc = {"dry_run": dry, "seconds": total, "steps": steps}
-junit = out / "pytest-gpu.xml"
-if junit.exists():
-    head = junit.read_text()[:2000]
-    m = re.search(r'<testsuite[^>]*', head)
-    if m:
-        doc["tests"] = {k: int(v) for k, v in re.findall(r'(tests|failures|errors|skipped)="(\d+)"', m.group(0))}
-info_log = out / "logs" / ("import.log" if dry else "info.log")
-if info_log.exists():
-    for line in info_log.read_text().splitlines():
-        if line.startswith("NCCL") or line.startswith("nccl "):
-            text = line.split(None, 1)[1].strip() if " " in line else line
-            doc["nccl"] = text if len(text) < 120 else text[:117] + "..."
-bench = out / "gpu_bench.json"
-if bench.exists():
-    try:
-        b = json.loads(bench.read_text())
-        doc["bench"] = {name: sec.get("status") for name, sec in b.get("sections", {}).items()}
-        doc["device"] = b.get("header", {}).get("device") or ", ".join(b.get("header", {}).get("devices", []))
-    except ValueError as e:
-        doc["bench"] = f"unreadable: {e}"
-(out / "gpu_check.json").write_text(json.dumps(doc, indent=2))
-ok = all(s["status"] in ("pass", "skipped") for s in steps)
-print()
-print(f"gpu_check {'DRY RUN ' if dry else ''}summary ({total}s; {out / 'gpu_check.json'})")
-if doc.get("device"):
-    print(f"  device: {doc['device']}")
-if doc.get("nccl"):
-    print(f"  NCCL:   {doc['nccl']}")
-if doc.get("tests"):
-    t = doc["tests"]
-    print(f"  tests:  {t.get('tests', 0)} run, {t.get('failures', 0)} failed, {t.get('errors', 0)} errors, "
-          f"{t.get('skipped', 0)} skipped")
-print(f"  {'step':<11}{'status':<9}{'seconds':>8}  log")
-for s in steps:
-    print(f"  {s['step']:<11}{s['status']:<9}{s['seconds']:>8}  {s['log']}")
-print("  RESULT: " + ("all steps passed" if ok else "FAILED steps: " +
-                      ", ".join(s["step"] for s in steps if s["status"] not in ("pass", "skipped"))))
-sys.exit(0 if ok else 1)
+do_wheel() {
+  # pip builds in the checkout; this config sends setuptools' build and egg-info folders to scratch and
+  # points it at the build step's objects, so only the link runs again.
+  mkdir -p "$SCRATCH/wheel-egg" || return 1
+  cat > "$SCRATCH/wheel.cfg" <<EOF
+[build]
+build_base = $SCRATCH/wheel-build
+build_temp = $BUILD_TEMP
+[egg_info]
+egg_base = $SCRATCH/wheel-egg
 EOF
+  DIST_EXTRA_CONFIG="$SCRATCH/wheel.cfg" NCCLAVG_CUDA=$CUDA_MODE NCCLAVG_CUDA_ARCHS=$ARCHS \
+    "$PY" -m pip wheel --no-build-isolation --no-deps --no-index -w "$SCRATCH/wheel" . || return 1
+  "$PY" - "$SCRATCH"/wheel/ncclavg-*.whl <<'EOF'
+import sys, zipfile
+names = zipfile.ZipFile(sys.argv[1]).namelist()
+print(sys.argv[1].rsplit("/", 1)[-1], len(names), "files")
+need = ["ncclavg/__init__.py", "ncclavg/comm/__init__.py", "ncclavg/train/__init__.py", "ncclavg/bench/__init__.py"]
+missing = [n for n in need if n not in names] + ([] if any(n.startswith("ncclavg/_C") for n in names) else ["ncclavg/_C*.so"])
+print("missing from the wheel:", ", ".join(missing) if missing else "nothing")
+sys.exit(1 if missing else 0)
+EOF
+}
+
+export DRY PY STAGE OUT_DIR ROOT ARCHS SCRATCH KEEP BUILD_TEMP CUDA_MODE NOT_RUN_RC
+export -f env_report do_build do_info do_tests do_bench do_trainer do_sweep sanitizer_path do_sanitizer do_wheel
+
+MODE=""; ((DRY)) && MODE=" --dry-run"
+echo "gpu_check.sh$MODE: $ROOT -> $OUT_DIR (budget ${BUDGET}s)"
+plan
+((DRY)) || timeout 10 nvidia-smi --query-gpu=index,name,driver_version,memory.total,compute_cap --format=csv \
+  || echo "nvidia-smi: not available"
+for i in "${!STEPS[@]}"; do
+  step "${STEPS[i]}" "${LIMITS[i]}" "do_${STEPS[i]}"
+done
+
+# The summary (gpu_check.json, the table, the RESULT line), the archive of the logs and the check of $OUT.
+"$PY" bench/gpu_check_summary.py finish --out "$OUT_DIR" --keep "$KEEP" $MODE \
+  --seconds $(($(date +%s) - START)) --budget "$BUDGET"
+rc=$?
+case $rc in
+  0) exit 0 ;;
+  10) exit 1 ;;
+  *)  # the helper broke: keep the logs anyway
+    tar -C "$KEEP" -czf "$OUT_DIR/logs.tar.gz" . 2> /dev/null
+    echo "  RESULT: FAILED: the summary helper (bench/gpu_check_summary.py) exited $rc; logs in $OUT_DIR/logs.tar.gz"
+    exit 1 ;;
+esac

@@ -1,18 +1,25 @@
-"""bench/gpu_check.sh --dry-run walks every step of the GPU check without a GPU: the CUDA build (when
-a toolkit is here) into a scratch folder, import of that build, the GPU tests collected and run (they
-skip), and gpu_bench.py --dry-run, which checks its arguments and writes JSON marked dry_run."""
+"""bench/gpu_check.sh --dry-run walks every step of the GPU check without a GPU, in the GPU run's order:
+the CUDA build (when a toolkit is here) into a scratch folder, import + info of that build, the GPU tests
+collected and run (they skip), gpu_bench.py --dry-run (JSON marked dry_run), the trainer and the sweep on
+CPU towers, the sanitizer's refusal detector, and a wheel that reuses the build's objects. $OUT is left as a
+GPU machine sends it back: the summary, the benchmarks' files and one archive of the logs. The fast tests
+of the same machinery are test_gpu_check_script.py and test_gpu_check_summary.py."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 import pytest
 
 from _paths import ROOT
+
+ORDER = ["build", "info", "tests", "bench", "trainer", "sweep", "sanitizer", "wheel"]
 
 
 def toolkit_present() -> bool:
@@ -22,27 +29,49 @@ def toolkit_present() -> bool:
 
 @pytest.mark.slow
 def test_gpu_check_dry_run(tmp_path):
-    env = dict(os.environ, OUT=str(tmp_path), PYTHON=sys.executable)
+    out, tmp = tmp_path / "out", tmp_path / "tmp"
+    tmp.mkdir()
+    env = dict(os.environ, OUT=str(out), PYTHON=sys.executable, TMPDIR=str(tmp))
+    env.pop("GPU_CHECK_STEPS", None)
+    env.pop("GPU_CHECK_BUDGET_S", None)
     r = subprocess.run(["bash", str(ROOT / "bench" / "gpu_check.sh"), "--dry-run"], capture_output=True,
                        text=True, env=env, cwd=str(ROOT), timeout=900)
     assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]
-    assert "RESULT: all steps passed" in r.stdout.splitlines()[-1]
-    doc = json.loads((tmp_path / "gpu_check.json").read_text())
-    assert doc["dry_run"] is True
-    assert [s["step"] for s in doc["steps"]] == ["env", "build", "import", "tests_list", "tests", "sanitizer",
-                                                  "bench", "sweep", "trainer", "wheel"]
+    assert r.stdout.rstrip().splitlines()[-1] == "  RESULT: all steps passed"
+    doc = json.loads((out / "gpu_check.json").read_text())
+    assert doc["dry_run"] is True and doc["ok"] is True and doc["result"] == "all steps passed"
+    assert [s["step"] for s in doc["steps"]] == ORDER
     assert all(s["status"] == "pass" for s in doc["steps"]), doc["steps"]
-    sweep = json.loads((tmp_path / "bench-local.json").read_text())
+    assert sum(s["limit_s"] for s in doc["steps"]) + 30 <= doc["budget_s"]
+
+    # $OUT: only what comes back from a GPU machine, scratch gone
+    plot = importlib.util.find_spec("matplotlib") is not None
+    want = {"gpu_check.json", "logs.tar.gz", "gpu_bench.json", "trainer_cpu.json", "bench-local.json"}
+    assert {p.name for p in out.iterdir()} == want | ({"bench-local.png"} if plot else set())
+    assert all(p.is_file() for p in out.iterdir()) and doc["out_problems"] == []
+    assert not [p.name for p in tmp.iterdir() if p.name.startswith("gpu_check.")]
+
+    sweep = json.loads((out / "bench-local.json").read_text())
     assert sweep["rows"] and all(row["wrong"] == 0 for row in sweep["rows"])
-    assert json.loads((tmp_path / "trainer_cpu.json").read_text())
-    bench = json.loads((tmp_path / "gpu_bench.json").read_text())
+    assert json.loads((out / "trainer_cpu.json").read_text())
+    bench = json.loads((out / "gpu_bench.json").read_text())
     assert bench["header"]["dry_run"] is True
     assert set(bench["sections"]) == {"copy", "average", "pack", "allreduce", "pinned"}
-    listed = (tmp_path / "logs" / "tests_list.log").read_text()
-    assert "test_gpu_nccl.py" in listed and "test_gpu_average.py" in listed
-    imported = (tmp_path / "logs" / "import.log").read_text()
+
+    # per-test outcomes, from the junit XML
+    ids = [c["id"] for c in doc["tests"]["cases"]]
+    assert any(i.startswith("tests/comm/test_gpu_nccl.py::") for i in ids)
+    assert any(i.startswith("tests/test_gpu_average.py::") for i in ids)
+    assert doc["tests"]["counts"]["total"] == len(ids) and doc["tests"]["counts"]["failed"] == 0
+
+    with tarfile.open(out / "logs.tar.gz") as tar:
+        names = set(tar.getnames())
+        assert names == {f"logs/{s}.log" for s in ORDER} | {"steps.tsv", "pytest-gpu.xml"}
+        log = {n: tar.extractfile(f"logs/{n}.log").read().decode() for n in ORDER}
+    assert "missing from the wheel: nothing" in log["wheel"]
+    assert "not supported here" in log["sanitizer"]
     if toolkit_present():
-        assert "cuda_built True" in imported and "NcclComm True" in imported, imported
+        assert "cuda_built True" in log["info"] and "NcclComm True" in log["info"], log["info"]
 
 
 def test_gpu_check_rejects_unknown_arguments():

@@ -1,0 +1,173 @@
+"""bench/gpu_check.sh itself, fast: the plan (step order, limits that fit the budget), steps cut for time
+or not selected recorded as "not run" and the RESULT "incomplete", a failing step, a signal mid-step, and
+what is left in $OUT (only what a GPU machine sends back). None of these builds anything; the whole dry run
+is tests/bench/test_gpu_check_dry_run.py (slow)."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tarfile
+
+import pytest
+
+from _paths import ROOT
+
+SCRIPT = ROOT / "bench" / "gpu_check.sh"
+ORDER = ["build", "info", "tests", "bench", "trainer", "sweep", "sanitizer", "wheel"]
+
+
+def run(out, *args, timeout=240, **env):
+    e = dict(os.environ, OUT=str(out), PYTHON=sys.executable)
+    e.pop("GPU_CHECK_STEPS", None)
+    e.pop("GPU_CHECK_BUDGET_S", None)
+    e.update({k: str(v) for k, v in env.items()})
+    return subprocess.run(["bash", str(SCRIPT), *args], capture_output=True, text=True, env=e, cwd=str(ROOT),
+                          timeout=timeout)
+
+
+def summary(out):
+    return json.loads((out / "gpu_check.json").read_text())
+
+
+@pytest.mark.parametrize("mode", [[], ["--dry-run"]])
+def test_plan_orders_steps_by_value_and_fits_the_budget(tmp_path, mode):
+    r = run(tmp_path, "--plan", *mode)
+    assert r.returncode == 0, r.stdout + r.stderr
+    m = re.search(r"plan: (.*) = (\d+)s of limits \+ (\d+)s reserve = (\d+)s, budget 470s", r.stdout)
+    assert m, r.stdout
+    limits = [(name, int(v)) for name, v in re.findall(r"(\w+) (\d+)", m.group(1))]
+    assert [n for n, _ in limits] == ORDER
+    assert sum(v for _, v in limits) == int(m.group(2))
+    assert int(m.group(2)) + int(m.group(3)) == int(m.group(4)) <= 470
+    assert not list(tmp_path.iterdir())  # --plan runs and writes nothing
+
+
+def test_plan_over_a_small_budget_says_so(tmp_path):
+    r = run(tmp_path, "--plan", GPU_CHECK_BUDGET_S=300)
+    assert r.returncode == 1 and "over the budget by 170s" in r.stdout
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"GPU_CHECK_STEPS": "build,nope"}, "unknown step 'nope'"),
+    ({"GPU_CHECK_BUDGET_S": "7m"}, "whole seconds"),
+])
+def test_bad_knobs_are_usage_errors(tmp_path, env, message):
+    r = run(tmp_path, "--dry-run", **env)
+    assert r.returncode == 2 and message in r.stderr
+
+
+def test_budget_too_small_runs_nothing_and_says_incomplete(tmp_path):
+    # earlier runs' leftovers of the old layout: removed, so that $OUT holds this run's files only
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "logs" / "env.log").write_text("old")
+    (tmp_path / "steps.tsv").write_text("old")
+    (tmp_path / "dry-stage" / "ncclavg").mkdir(parents=True)
+    r = run(tmp_path, "--dry-run", GPU_CHECK_BUDGET_S=20, timeout=120)
+    assert r.returncode == 1, r.stdout + r.stderr
+    last = r.stdout.rstrip().splitlines()[-1]
+    assert last == "  RESULT: incomplete: not run: " + ", ".join(ORDER) + " (budget)"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["gpu_check.json", "logs.tar.gz"]
+    doc = summary(tmp_path)
+    assert [s["step"] for s in doc["steps"]] == ORDER
+    assert all(s["status"] == "not run" and s["reason"].startswith("budget: ") for s in doc["steps"])
+    assert doc["ok"] is False and doc["result"].startswith("incomplete")
+    with tarfile.open(tmp_path / "logs.tar.gz") as tar:
+        assert tar.getnames() == ["steps.tsv"]
+
+
+def test_a_step_that_no_longer_fits_is_cut_and_the_rest_kept(tmp_path):
+    # dry limits: bench 30 s, trainer 60 s; 15 s are kept for the end and 3 s for a kill. With a 58 s budget
+    # bench fits when it starts within 10 s; trainer can never fit.
+    r = run(tmp_path, "--dry-run", GPU_CHECK_BUDGET_S=58, GPU_CHECK_STEPS="bench,trainer", timeout=120)
+    assert r.returncode == 1, r.stdout + r.stderr
+    doc = summary(tmp_path)
+    status = {s["step"]: s for s in doc["steps"]}
+    assert status["bench"]["status"] == "pass"
+    assert status["trainer"]["status"] == "not run" and status["trainer"]["reason"].startswith("budget: ")
+    assert status["build"]["reason"] == "not selected: GPU_CHECK_STEPS=bench,trainer"
+    assert r.stdout.rstrip().splitlines()[-1] == (
+        "  RESULT: incomplete: not run: build, info, tests (not selected); trainer (budget); "
+        "sweep, sanitizer, wheel (not selected)")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["gpu_bench.json", "gpu_check.json", "logs.tar.gz"]
+    assert json.loads((tmp_path / "gpu_bench.json").read_text())["header"]["dry_run"] is True
+    assert doc["bench"] and doc["files"] and doc["out_problems"] == []
+    with tarfile.open(tmp_path / "logs.tar.gz") as tar:
+        assert sorted(tar.getnames()) == ["logs/bench.log", "steps.tsv"]
+
+
+def test_the_sanitizer_detector_selftest_passes_and_a_failing_step_fails_the_run(tmp_path):
+    # info without the build step has no staged build to import: a real failure
+    r = run(tmp_path, "--dry-run", GPU_CHECK_STEPS="info,sanitizer", timeout=180)
+    assert r.returncode == 1, r.stdout + r.stderr
+    status = {s["step"]: s["status"] for s in summary(tmp_path)["steps"]}
+    assert status["info"] == "fail" and status["sanitizer"] == "pass"
+    last = r.stdout.rstrip().splitlines()[-1]
+    assert last == "  RESULT: FAILED: info; not run: build, tests, bench, trainer, sweep, wheel (not selected)"
+    with tarfile.open(tmp_path / "logs.tar.gz") as tar:
+        info = tar.extractfile("logs/info.log").read().decode()
+        sanitizer = tar.extractfile("logs/sanitizer.log").read().decode()
+    assert "the build step did not run" in info
+    assert "not supported here: Error: Device not supported" in sanitizer
+
+
+def test_foreign_files_in_out_that_would_not_come_back_fail_the_run(tmp_path):
+    for i in range(7):
+        (tmp_path / f"mine{i}.txt").write_text("x")
+    r = run(tmp_path, "--dry-run", GPU_CHECK_BUDGET_S=20, timeout=120)
+    assert r.returncode == 1
+    last = r.stdout.rstrip().splitlines()[-1]
+    assert last.startswith("  RESULT: FAILED: $OUT would not come back whole") and "9 files" in last
+
+
+def test_a_signal_stops_the_step_and_still_packs(tmp_path):
+    e = dict(os.environ, OUT=str(tmp_path), PYTHON=sys.executable, GPU_CHECK_STEPS="tests,bench")
+    p = subprocess.Popen(["bash", str(SCRIPT), "--dry-run"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                         text=True, env=e, cwd=str(ROOT))
+    lines = []
+    try:
+        for line in p.stdout:
+            lines.append(line)
+            if line.startswith("== tests (limit"):
+                p.send_signal(signal.SIGTERM)  # pytest takes seconds to start: the step is in flight
+                break
+        rest, _ = p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    out = "".join(lines) + rest
+    assert p.returncode == 1, out
+    doc = summary(tmp_path)
+    status = {s["step"]: s for s in doc["steps"]}
+    assert status["tests"]["status"] == "interrupted"
+    assert status["bench"]["status"] == "not run" and status["bench"]["reason"].startswith("interrupted")
+    assert out.rstrip().splitlines()[-1].startswith("  RESULT: FAILED: tests (interrupted)")
+    assert sorted(p_.name for p_ in tmp_path.iterdir()) == ["gpu_check.json", "logs.tar.gz"]
+
+
+@pytest.mark.parametrize("says, rc, status, result", [
+    ("========= Error: Device not supported", 1, "not run",
+     "incomplete: not run: build, info, tests, bench, trainer, sweep (not selected); sanitizer (not supported here); "
+     "wheel (not selected)"),
+    ("========= Invalid __global__ write of size 4 bytes\n========= ERROR SUMMARY: 1 error", 3, "fail",
+     "FAILED: sanitizer; not run: build, info, tests, bench, trainer, sweep, wheel (not selected)"),
+])
+def test_sanitizer_refused_here_is_not_run_and_a_finding_fails(tmp_path, says, rc, status, result):
+    # the GPU run's sanitizer step against a stand-in compute-sanitizer on PATH
+    fake = tmp_path / "bin" / "compute-sanitizer"
+    fake.parent.mkdir()
+    fake.write_text(f"#!/bin/sh\necho '========= COMPUTE-SANITIZER'\nprintf '%s\\n' \"{says}\"\nexit {rc}\n")
+    fake.chmod(0o755)
+    out = tmp_path / "out"
+    r = run(out, GPU_CHECK_STEPS="sanitizer", PATH=f"{fake.parent}{os.pathsep}{os.environ['PATH']}", timeout=120)
+    assert r.returncode == 1, r.stdout + r.stderr
+    doc = summary(out)
+    san = next(s for s in doc["steps"] if s["step"] == "sanitizer")
+    assert san["status"] == status, san
+    if status == "not run":
+        assert san["reason"] == "not supported here: Error: Device not supported"
+    assert doc["result"] == result and doc["dry_run"] is False
+    assert sorted(p.name for p in out.iterdir()) == ["gpu_check.json", "logs.tar.gz"]
