@@ -55,6 +55,12 @@ def _is_timeout(e: BaseException) -> bool:
     return "timed out" in text or "timeout" in text
 
 
+def _lost(comm: Any) -> str:
+    """Which peer stopped, when the communicator keeps heartbeats: Note [Naming the lost rank]."""
+    liveness = getattr(comm, "_liveness", None)
+    return liveness.diagnose() if liveness is not None and comm.failure is None else ""
+
+
 def _wait_dist(comm: Any, work: Any, timeout: float, what: str) -> None:
     """Bounded wait for a torch.distributed work; every failure marks `comm` unusable. See Note [A failed
     communicator stays failed]."""
@@ -67,10 +73,10 @@ def _wait_dist(comm: Any, work: Any, timeout: float, what: str) -> None:
             # the process group's own (shorter) timeout may fire first: say which one did
             msg = (f"{what} did not complete within {timeout:g} s" if elapsed >= 0.9 * timeout else
                    f"{what} timed out after {elapsed:.1f} s in torch.distributed (the process group's own "
-                   f"timeout, shorter than this communicator's {timeout:g} s)")
+                   f"timeout, shorter than this communicator's {timeout:g} s)") + _lost(comm)
             comm._fail(msg)
             raise CommTimeoutError(f"{msg}; the communicator is unusable now (torch.distributed: {e})") from None
-        msg = f"{what} failed: {e}"
+        msg = f"{what} failed{_lost(comm)}: {e}"
         comm._fail(msg)
         raise CommError(msg + "; the communicator is unusable now (did a peer process die?)") from e
 
@@ -81,7 +87,7 @@ def _issue_dist(comm: Any, what: str, fn: Callable, *args: Any, **kwargs: Any) -
     try:
         return fn(*args, **kwargs)
     except RuntimeError as e:
-        msg = f"{what} could not start: {e}"
+        msg = f"{what} could not start{_lost(comm)}: {e}"
         comm._fail(msg)
         raise (CommTimeoutError if _is_timeout(e) else CommError)(msg + "; the communicator is unusable now") from e
 

@@ -27,6 +27,7 @@ from .._ext import _C
 from ..buffers import as_buffer
 from .base import Communicator, Work, check_timeout
 from .dist import _DistWork, _allgather_object_bounded, _debug_allgather_dist, _issue_dist, _wait_dist
+from .liveness import Liveness
 
 
 def _check_towers(towers: Any) -> int:
@@ -67,6 +68,8 @@ class GlooCommunicator(Communicator):
         self.size = sum(self.tower_counts)
         self.tower_offset = sum(self.tower_counts[:self.rank])   # global index of local tower 0
         self._uniform = len(set(self.tower_counts)) == 1
+        # See Note [Naming the lost rank] in liveness.py
+        self._liveness = Liveness.for_group(dist, group, self.rank, self.world_size) if self.world_size > 1 else None
 
     def _scale(self, buf: Any, scale: float, divisor: float, dsts: Optional[list] = None) -> None:
         """dsts (default [buf]) = buf * scale / divisor in one fused pass (the core's unpack)."""
@@ -199,6 +202,11 @@ class GlooCommunicator(Communicator):
                 for t in group_tensors:
                     t.copy_(flat[pos:pos + t.numel()].view_as(t))
                     pos += t.numel()
+
+    def close(self) -> None:
+        if getattr(self, "_liveness", None) is not None:
+            self._liveness.stop()
+        super().close()
 
     def allgather_object(self, obj: Any, *, timeout: Optional[float] = None) -> list:
         self._check_open()

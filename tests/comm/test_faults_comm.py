@@ -29,6 +29,8 @@ def test_peer_dies_mid_step_others_raise_within_timeout(tmp_path, world, victim,
         # names the operation, the bucket, the bytes and the rank
         assert re.search(r"gloo all_reduce_avg\[bucket \d+\] of \d+ bytes \(\d+ x float32 per tower\) on rank "
                          rf"{r} of {world}", msg), msg
+        # names the rank that was lost (Note [Naming the lost rank])
+        assert f"rank {victim} stopped responding" in msg, msg
         if how == "stop":   # a silent peer: only the timeout can end the wait
             assert rep["type"] == "CommTimeoutError" and f"did not complete within {TIMEOUT:g} s" in msg, msg
         # unusable afterwards, and every later call says so

@@ -1,0 +1,97 @@
+"""Which process was lost: every process of a multi-process communicator bumps a counter in
+torch.distributed's store from a daemon thread; after a collective failed or timed out, the survivor
+reads the counters twice and names the ranks whose counter stopped.
+
+Note [Naming the lost rank]
+A collective that fails says only what this process saw: "Connection closed by peer" after a peer died,
+nothing at all (a timeout) when a peer froze (SIGSTOP, a stuck kernel, a debugger). Which rank is gone
+is what the user needs. The store torchrun (or init_process_group) set up is shared by every process
+and outlives most failures, so each process adds 1 to its key `ncclavg/alive/<communicator>/<rank>`
+every PERIOD_S; a killed or frozen process stops counting. A survivor whose collective failed first
+marks itself failed (`.../failed/<rank>`): it is alive, and may stop counting soon because it exits
+with the error, which must not make it look lost to a slower survivor. It then reads every counter,
+waits 2.5 periods and reads them again (at most DIAGNOSE_S in all, on a helper thread, so a
+store that no longer answers, e.g. one hosted by the dead process under init_method="tcp://", cannot
+prolong the failure), and names the ranks that did not count. The cost while healthy: one store
+round trip every PERIOD_S per process, off the training thread.
+"""
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from typing import Any, Optional
+
+PERIOD_S = 0.5
+DIAGNOSE_S = 2.0
+_SEQ = itertools.count()   # communicators are built in the same order everywhere: the same number
+
+
+class Liveness:
+    """Heartbeats of one communicator's processes in the store; `diagnose()` names the ranks lost."""
+
+    def __init__(self, store: Any, rank: int, world: int, members: str):
+        self._store = store
+        self._rank, self._world = rank, world
+        self._prefix = f"ncclavg/alive/{members}/{next(_SEQ)}/"
+        self._stop = threading.Event()
+        self._store.add(self._key(rank), 1)   # exists before the first collective can fail
+        self._thread = threading.Thread(target=self._beat, name="ncclavg-heartbeat", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def for_group(cls, dist: Any, group: Any, rank: int, world: int) -> Optional["Liveness"]:
+        """None when there is no store to use (the failure messages then name no rank)."""
+        try:
+            store = dist.distributed_c10d._get_default_store()
+        except (AttributeError, RuntimeError, ValueError):
+            return None
+        members = "world" if group is None else ",".join(map(str, dist.get_process_group_ranks(group)))
+        try:
+            return cls(store, rank, world, members)
+        except RuntimeError:   # the store refused a key: run without heartbeats
+            return None
+
+    def _key(self, rank: int) -> str:
+        return f"{self._prefix}{rank}"
+
+    def _failed_key(self, rank: int) -> str:
+        return f"{self._prefix}failed/{rank}"
+
+    def _beat(self) -> None:
+        while not self._stop.wait(PERIOD_S):
+            try:
+                self._store.add(self._key(self._rank), 1)
+            except Exception:   # the store is gone (its host died): nothing left to tell anyone
+                return
+
+    def _counts(self) -> list:
+        return [int(self._store.add(self._key(r), 0)) for r in range(self._world)]
+
+    def diagnose(self) -> str:
+        """' (rank 2 stopped responding: its heartbeat stopped)' or '' when every rank still counts or it
+        cannot be told within DIAGNOSE_S. See Note [Naming the lost rank]."""
+        found: list = []
+
+        def look() -> None:
+            self._store.add(self._failed_key(self._rank), 1)
+            before = self._counts()
+            time.sleep(2.5 * PERIOD_S)
+            after = self._counts()
+            failed = [int(self._store.add(self._failed_key(r), 0)) for r in range(self._world)]
+            found.append([r for r in range(self._world)
+                          if r != self._rank and after[r] == before[r] and not failed[r]])
+
+        t = threading.Thread(target=look, name="ncclavg-diagnose", daemon=True)
+        t.start()
+        t.join(DIAGNOSE_S)
+        if not found:
+            return " (which rank was lost is unknown: the store did not answer)"
+        lost = found[0]
+        if not lost:
+            return ""
+        names = ", ".join(map(str, lost))
+        return f" (rank{'s' if len(lost) > 1 else ''} {names} stopped responding: heartbeat stopped)"
+
+    def stop(self) -> None:
+        self._stop.set()
