@@ -183,7 +183,7 @@ class Communicator:
             raise RuntimeError("from_torch_distributed: this torch build has no torch.distributed")
         if not dist.is_initialized():
             if all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")):
-                dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=t))
+                _init_torchrun_group(dist, t)
             else:
                 raise RuntimeError("from_torch_distributed: torch.distributed is not initialized; call "
                                    "torch.distributed.init_process_group(...) first or run under torchrun")
@@ -427,6 +427,23 @@ class LazyText:
 
     def __add__(self, other: str) -> str:
         return str(self) + other
+
+
+def _init_torchrun_group(dist: Any, timeout: float) -> None:
+    """init_process_group("gloo") from torchrun's environment, every key of this attempt under its own
+    prefix.
+
+    Note [Process groups of a restarted run]
+    torchrun keeps one store (its agent's, at the same MASTER_PORT) for every attempt of a run. After a
+    restart (--max-restarts), the new rank 0 can read the listening address a rank of the FAILED attempt
+    left in the store under the same key and fail with "Gloo connectFullMesh ... Connection refused"
+    (measured: 1 restart in 2 here, depending on which new process starts first). So the group is built
+    on a PrefixStore named after TORCHELASTIC_RESTART_COUNT: each attempt sees only its own keys (the
+    rendezvous itself is torchrun's, as before)."""
+    store, rank, world = next(dist.rendezvous("env://", timeout=datetime.timedelta(seconds=timeout)))
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    dist.init_process_group("gloo", store=dist.PrefixStore(f"ncclavg/attempt-{attempt}/", store), rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=timeout))
 
 
 def _parse_process_devices(devices: Any) -> Optional[list]:

@@ -129,6 +129,26 @@ def _load_data(args: argparse.Namespace, seed: int):
     return load_digits(test_fraction=test_fraction, seed=seed)
 
 
+def _elastic_resume(args: argparse.Namespace) -> str | None:
+    """The newest complete checkpoint of --checkpoint-dir when torchrun restarted this run, else None.
+
+    Note [Elastic restart]
+    Under `torchrun --max-restarts K`, a worker that dies makes torchrun stop the others and start the
+    whole group again, with TORCHELASTIC_RESTART_COUNT raised by one and the same arguments. A restarted
+    `ncclavg train` with --checkpoint-dir therefore resumes from the newest checkpoint there that verifies
+    (checkpoints are written atomically: a write cut short is never taken), or from --resume when the
+    directory holds none yet, or starts afresh. Every process takes the same file, and resuming is bit for
+    bit on CPU towers, so the run ends with the weights of an uninterrupted one. Without --checkpoint-dir
+    a restart starts from the beginning (or from --resume)."""
+    from .checkpoint import CheckpointManager
+
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) < 1 or not args.checkpoint_dir:
+        return None
+    if not os.path.isdir(args.checkpoint_dir):
+        return None
+    return CheckpointManager(args.checkpoint_dir).latest()
+
+
 def _value(args: argparse.Namespace, name: str) -> Any:
     v = getattr(args, name)
     return DEFAULTS[name] if v is None else v
@@ -186,8 +206,9 @@ def _run(args: argparse.Namespace) -> int:
         raise UsageError("--keep-schedule: only applies with --resume")
     if args.keep_schedule:
         overrides["replan_schedule"] = False
-    if args.resume:
-        resume_path = ckpt.resolve(args.resume)
+    restarted = _elastic_resume(args)   # See Note [Elastic restart]
+    if restarted or args.resume:
+        resume_path = restarted or ckpt.resolve(args.resume)
         if args.lr_schedule is not None:
             overrides["lr_schedule"] = args.lr_schedule
         trainer = TowerTrainer.load(resume_path, model, devices=devices, **overrides)
@@ -231,7 +252,8 @@ def _run(args: argparse.Namespace) -> int:
         f"model={_value(args, 'model')} ({info['params']} params, {info['buckets']} bucket"
         f"{'s' if info['buckets'] != 1 else ''})")
     if resume_path:
-        say(f"resumed: {resume_path} (step {trainer.step}, epoch {trainer.epoch})")
+        how = f" after torchrun restart {os.environ.get('TORCHELASTIC_RESTART_COUNT')}" if restarted else ""
+        say(f"resumed{how}: {resume_path} (step {trainer.step}, epoch {trainer.epoch})")
     # See Note [Schedules over a resumed run]: what this run's schedule is, and what changed.
     note = trainer.plan_schedule(len(train_loader), epochs, args.max_steps, log_note=False)
     say(note if note else f"lr schedule: {trainer.schedule!r}")
