@@ -159,6 +159,11 @@ PYBIND11_MODULE(_C, m) {
     }
     return nccl_info_dict(*i);
   }, py::arg("wheel_candidates"));
+  m.def("nccl_multi_rank_gpu_refusal", [](int version_code, std::optional<std::string> env_value) {
+    return nccl::multi_rank_gpu_refusal(version_code, env_value ? env_value->c_str() : nullptr);
+  }, py::arg("version_code"), py::arg("env_value") = py::none(),
+     "Why NCCL `version_code` with NCCL_MULTI_RANK_GPU_ENABLE=`env_value` (None: unset) refuses several ranks "
+     "on one GPU, or '' when it allows them.");
 
   m.def("simd_level", [] { return cpu::simd_level_name(cpu::current_simd_level()); });
   m.def("set_simd_level", &cpu::set_simd_level, py::arg("level"),
@@ -310,7 +315,7 @@ PYBIND11_MODULE(_C, m) {
       .def_static("init_all", [](const std::vector<int>& devices, double timeout_s) {
              return NcclCommHolder(NcclComm::init_all(devices, timeout_s).release());
            }, py::arg("devices"), py::arg("timeout_s"), Release(),
-           "One process over several CUDA devices (non-blocking NCCL init, bounded by timeout_s).")
+           "One process over several CUDA devices, one rank per entry (non-blocking NCCL init, bounded by timeout_s).")
       .def_static("init_rank", [](const std::string& unique_id, int nranks, int rank, int device, double timeout_s) {
              return NcclCommHolder(NcclComm::init_rank(unique_id, nranks, rank, device, timeout_s).release());
            }, py::arg("unique_id"), py::arg("nranks"), py::arg("rank"), py::arg("device"), py::arg("timeout_s"),
@@ -323,6 +328,9 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("nccl_version", &NcclComm::nccl_version)
       .def_property_readonly("nccl_version_string", [](const NcclComm& c) { return nccl::version_string(c.nccl_version()); })
       .def_property_readonly("timeout", &NcclComm::timeout)
+      .def_property_readonly("collective_mode", &NcclComm::collective_mode,
+                             "'blocking' or 'nonblocking': the communicators the collectives run on.")
+      .def_property_readonly("collective_mode_reason", &NcclComm::collective_mode_reason)
       // These take the communicator's mutex, which an enqueue holds while it polls NCCL: drop the GIL.
       .def_property_readonly("aborted", [](const NcclComm& c) { py::gil_scoped_release g; return c.aborted(); })
       .def_property_readonly("destroyed", [](const NcclComm& c) { py::gil_scoped_release g; return c.destroyed(); })
@@ -394,7 +402,8 @@ PYBIND11_MODULE(_C, m) {
              std::string devs;
              for (size_t i = 0; i < c.devices().size(); ++i) devs += (i ? ", " : "") + std::to_string(c.devices()[i]);
              return "NcclComm(size=" + std::to_string(c.size()) + ", rank=" + std::to_string(c.rank()) +
-                    ", devices=[" + devs + "], nccl=" + nccl::version_string(c.nccl_version()) + ", " + state + ")";
+                    ", devices=[" + devs + "], nccl=" + nccl::version_string(c.nccl_version()) + ", " +
+                    c.collective_mode() + " collectives, " + state + ")";
            });
 #endif
 }

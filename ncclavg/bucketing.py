@@ -5,8 +5,9 @@ Parameters are grouped by (bucket dtype, device) and walked in REVERSE registrat
 which backward produces their gradients, so the first bucket fills (and can be reduced) while backward
 is still running. Each group's first bucket holds up to `first_bucket_mb` (small, so the first
 collective starts early), later ones up to `bucket_cap_mb`; a parameter larger than the cap gets a
-bucket of its own. Every slot starts at a 256-byte boundary: vector loads in the pack kernels, NCCL's
-preferred alignment, and a slot view never shares a cache line with its neighbour. The bucket's own
+bucket of its own. Every slot starts at a 256-byte boundary: the pack kernels move a slot in 16-byte
+vector accesses when the tensor's own address allows it too (csrc/cuda/vector_io.h), NCCL prefers it,
+and a slot view never shares a cache line with its neighbour. The bucket's own
 size is rounded up to 256 bytes too. Size-0 parameters are legal: they get a slot of 0 elements.
 
 The plan depends only on shapes, dtypes and order, so every tower (and every process) computes the

@@ -8,7 +8,8 @@ from .buffers import as_buffer, as_buffers
 
 
 def _stream_for(x: Any) -> int:
-    """The CUDA stream to enqueue on for a device tensor: torch's / cupy's current stream."""
+    """The CUDA stream to enqueue on for a device tensor: torch's / cupy's current stream OF THE TENSOR'S
+    DEVICE (each device has its own current stream; the current device's may belong to another GPU)."""
     mod = type(x).__module__ or ""
     if mod.startswith("torch"):
         import torch
@@ -17,7 +18,8 @@ def _stream_for(x: Any) -> int:
     if mod.startswith("cupy"):
         import cupy
 
-        return int(cupy.cuda.get_current_stream().ptr)
+        with x.device:   # cupy's current stream is per device: ask with the array's device current
+            return int(cupy.cuda.get_current_stream().ptr)
     return 0
 
 

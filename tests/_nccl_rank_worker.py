@@ -5,6 +5,10 @@ Prints one JSON line: {"rank", "ok", "failures": [...], ...}. Modes:
   hang         a warm-up all-reduce, then rank 0 reduces alone and must get CommTimeoutError; the other
                ranks sleep until killed
   never_joins  init of rank 0 of 2 whose peer never starts: must raise CommTimeoutError
+  towers       ONE process, Communicator.nccl([device] * nranks): several NCCL ranks on one GPU (NCCL >= 2.30,
+               NCCL_MULTI_RANK_GPU_ENABLE=1); exact average bit for bit, every dtype
+  no_context   a single-rank communicator on --device from a thread that never chose a device: no CUDA
+               context may appear on any other GPU (the device guard must not "restore" device 0)
 """
 from __future__ import annotations
 
@@ -19,7 +23,7 @@ import numpy as np
 
 def main() -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("--mode", required=True, choices=["collectives", "hang", "never_joins"])
+    p.add_argument("--mode", required=True, choices=["collectives", "hang", "never_joins", "towers", "no_context"])
     p.add_argument("--uid", default="", help="hex of the 128-byte unique id")
     p.add_argument("--nranks", type=int, default=1)
     p.add_argument("--rank", type=int, default=0)
@@ -44,7 +48,13 @@ def run(a, out):
     from ncclavg.buffers import as_buffers
 
     NcclComm = _ext.nccl_comm_class()
+    if a.mode == "no_context":   # before anything chooses a device for this thread
+        no_context(a, out, NcclComm)
+        return
     torch.cuda.set_device(a.device)
+    if a.mode == "towers":
+        towers(a, out)
+        return
     if a.mode == "never_joins":
         t0 = time.monotonic()
         try:
@@ -164,6 +174,66 @@ def run(a, out):
             out["failures"].append("the collective did not wait for the producing stream")
     comm.wait(a.timeout)
     comm.destroy()
+
+
+def towers(a, out):
+    """Several NCCL ranks on one GPU in ONE process: one rank per tower of Communicator.nccl."""
+    import torch
+
+    import ncclavg
+
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
+    from _bits import bits_mismatch
+    from _gpu import exact_rank_inputs
+
+    n, dev = a.nranks, f"cuda:{a.device}"
+    comm = ncclavg.Communicator.nccl([a.device] * n, timeout=a.timeout)
+    out["size"], out["local_size"], out["mode"] = comm.size, comm.local_size, comm.collective_mode
+    for dtype in ("float32", "float16", "bfloat16"):
+        dt = getattr(torch, dtype)
+        for size in (1, 4097, 1_000_003):
+            x = exact_rank_inputs(n, size, seed=size)
+            ts = [torch.from_numpy(x[r]).to(dt).to(dev) for r in range(n)]
+            comm.all_reduce_avg(ts, tag=f"{dtype} {size}")
+            torch.cuda.synchronize(a.device)
+            want = torch.from_numpy(x.mean(axis=0)).to(dt)
+            for r, t in enumerate(ts):
+                why = bits_mismatch(t, want)
+                if why and (n & (n - 1)) == 0:   # 1/n pre-multiplies are exact only for powers of two
+                    out["failures"].append(f"{dtype} {size} tower {r}: {why}")
+    comm.close()
+
+
+def primary_context_active(device: int) -> bool:
+    """Whether GPU `device` has an active primary context in this process, asked of the driver directly
+    (torch.cuda calls could create one themselves)."""
+    import ctypes
+
+    cuda = ctypes.CDLL("libcuda.so.1")
+    dev, flags, active = ctypes.c_int(), ctypes.c_uint(), ctypes.c_int()
+    if cuda.cuInit(0) != 0 or cuda.cuDeviceGet(ctypes.byref(dev), device) != 0:
+        raise RuntimeError("the CUDA driver did not answer cuInit / cuDeviceGet")
+    if cuda.cuDevicePrimaryCtxGetState(dev, ctypes.byref(flags), ctypes.byref(active)) != 0:
+        raise RuntimeError("cuDevicePrimaryCtxGetState failed")
+    return bool(active.value)
+
+
+def no_context(a, out, NcclComm):
+    """init_rank and a collective on --device must leave every other GPU without a context."""
+    import torch
+
+    from ncclavg import _ext
+    from ncclavg.buffers import as_buffers
+
+    comm = NcclComm.init_rank(_ext.nccl_unique_id(), 1, 0, a.device, a.timeout)
+    t = torch.ones(1024, device=f"cuda:{a.device}")
+    comm.all_reduce_avg(as_buffers([t]), [int(torch.cuda.current_stream(a.device).cuda_stream)])
+    comm.wait(a.timeout)
+    comm.destroy()
+    out["contexts"] = [primary_context_active(d) for d in range(torch.cuda.device_count())]
+    for d, active in enumerate(out["contexts"]):
+        if active and d != a.device:
+            out["failures"].append(f"a CUDA context appeared on GPU {d}; only GPU {a.device} was used")
 
 
 if __name__ == "__main__":

@@ -1,10 +1,12 @@
 """The CUDA average_ kernel: float64 reference, crafted exact inputs bit for bit, bit-for-bit agreement
-with the CPU kernel (they share the element math), and bad input."""
+with the CPU kernel (they share the element math), buffers at every alignment (the 16-byte path, its
+head and tail, and the element path), and bad input."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
+from _bits import assert_same_bits
 from _gpu import TORCH_DTYPES, assert_close_to_mean, bits, exact_rank_inputs, require_cuda, tdtype, to_f64
 from ncclavg import ops
 
@@ -46,6 +48,25 @@ def test_average_exact_inputs_bit_for_bit(dtype):
             torch.cuda.synchronize()
             for k, d in enumerate(dev):
                 assert np.array_equal(bits(d), bits(want)), f"n={n} size={size} {dtype} buffer {k}"
+
+
+@pytest.mark.parametrize("dtype", TORCH_DTYPES)
+@pytest.mark.parametrize("shifts", [(0, 0), (3, 3), (0, 1), (1, 2, 3), (5, 5, 5, 5, 5, 5)])
+def test_average_unaligned_buffers_match_cpu(dtype, shifts):
+    # Buffers starting `shift` elements into their storage: equal shifts share a 16-byte head, unequal
+    # ones go element by element. 5 and 6 buffers leave partial groups of the kernel's 4-buffer loads.
+    torch = require_cuda()
+    dt = tdtype(torch, dtype)
+    for size in (1, 7, 9, 17, 4097, 100_003):
+        gen = torch.Generator().manual_seed(size + 31 * len(shifts))
+        host = [(torch.randn(size + 8, generator=gen) * 4).to(dt)[k:k + size] for k in shifts]
+        dev = [torch.empty(size + 8, dtype=dt, device="cuda")[k:k + size].copy_(h) for k, h in zip(shifts, host)]
+        ops.average_(dev)
+        cpu = [h.clone() for h in host]
+        ops.average_(cpu)
+        torch.cuda.synchronize()
+        for k, d in enumerate(dev):
+            assert_same_bits(d, cpu[0], f"{dtype} shifts={shifts} size={size} buffer {k}")
 
 
 def test_average_runs_on_the_current_stream():

@@ -1,12 +1,14 @@
-"""The CUDA pack/unpack kernel (one chunk-table launch per bucket): bit-for-bit equal to the CPU kernel
-and to the float32 reference (the element math is shared), close to float64, exact on crafted inputs,
-padding untouched, many tensors in ONE call, ordered on the bucket's current stream, bad input."""
+"""The CUDA pack/unpack kernel (a segment table in the launch parameters): bit-for-bit equal to the CPU
+kernel and to the float32 reference (the element math is shared; NaNs compared as NaNs, see
+tests/_bits.py), close to float64, exact on crafted inputs, padding untouched, many tensors per call,
+unaligned views and in-place scales (the element path next to the 16-byte one), ordered on the bucket's
+current stream, bad input."""
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
-from _gpu import TORCH_DTYPES, bits, require_cuda, tdtype
+from _bits import assert_same_bits
+from _gpu import TORCH_DTYPES, require_cuda, tdtype
 from ncclavg import ops
 
 pytestmark = pytest.mark.gpu
@@ -61,10 +63,10 @@ def test_pack_unpack_gpu_matches_cpu_and_reference(src, dst):
         cpu_bucket = torch.full((total,), 7.0, dtype=ddt)
         ops.pack_(host, cpu_bucket, offs, scale=scale, divisor=divisor)
         got = bucket.cpu()
-        assert np.array_equal(bits(got), bits(cpu_bucket)), f"{src}->{dst} {scale}/{divisor}: GPU != CPU"
+        assert_same_bits(got, cpu_bucket, f"{src}->{dst} {scale}/{divisor}: GPU vs CPU")
         mask = torch.ones(total, dtype=torch.bool)
         for h, o in zip(host, offs):
-            assert np.array_equal(bits(got[o:o + h.numel()]), bits(reference(h, ddt, scale, divisor)))
+            assert_same_bits(got[o:o + h.numel()], reference(h, ddt, scale, divisor), f"{src}->{dst} vs reference")
             # Its roundings of the float64 truth (scale and divisor are exact): a float32 multiply and divide,
             # then the cast to dst, each (1 + delta), |delta| <= the unit roundoff; plus at most one subnormal
             # spacing of dst for a result that underflows (1e-40 among the inputs).
@@ -78,7 +80,63 @@ def test_pack_unpack_gpu_matches_cpu_and_reference(src, dst):
         outs = [torch.full_like(d, -1.0) for d in devs]
         ops.unpack_(bucket, outs, offs, scale=scale, divisor=divisor)
         for out, o, h in zip(outs, offs, host):
-            assert np.array_equal(bits(out), bits(reference(got[o:o + h.numel()], sdt, scale, divisor)))
+            assert_same_bits(out, reference(got[o:o + h.numel()], sdt, scale, divisor), f"unpack {dst}->{src}")
+
+
+@pytest.mark.parametrize("src", TORCH_DTYPES)
+@pytest.mark.parametrize("dst", TORCH_DTYPES)
+def test_unaligned_views_match_cpu(src, dst):
+    # Views starting 0..8 elements into their storage, and bucket offsets that are not 256-byte aligned:
+    # co-aligned pairs take the 16-byte path after a head, the others go element by element. Sizes
+    # around the vector widths and across chunks (8192 elements). All must equal the CPU bit for bit.
+    torch = require_pack()
+    sdt, ddt = tdtype(torch, src), tdtype(torch, dst)
+    gen = torch.Generator().manual_seed(11 + TORCH_DTYPES.index(src) * 3 + TORCH_DTYPES.index(dst))
+    sizes = [1, 3, 4, 5, 8, 9, 15, 16, 17, 31, 8191, 8192, 8193, 20001]
+    base = (torch.randn(sum(sizes) + 9 * len(sizes), generator=gen) * 5).to(sdt)
+    host, at = [], 0
+    for k, n in enumerate(sizes):
+        at += k % 9
+        host.append(base[at:at + n])
+        at += n
+    offs, used = [], 0
+    for k, n in enumerate(sizes):
+        used += (3 * k) % 8
+        offs.append(used)
+        used += n
+    dev_base = base.cuda()
+    devs = [dev_base[h.storage_offset():h.storage_offset() + h.numel()] for h in host]
+    for scale, divisor in MODES:
+        bucket = torch.full((used + 5,), 7.0, dtype=ddt, device="cuda")
+        ops.pack_(devs, bucket, offs, scale=scale, divisor=divisor)
+        cpu_bucket = torch.full((used + 5,), 7.0, dtype=ddt)
+        ops.pack_(host, cpu_bucket, offs, scale=scale, divisor=divisor)
+        assert_same_bits(bucket, cpu_bucket, f"pack {src}->{dst} {scale}/{divisor}")
+        outs = [torch.full_like(d, -1.0) for d in devs]
+        cpu_outs = [torch.full_like(h, -1.0) for h in host]
+        ops.unpack_(bucket, outs, offs, scale=scale, divisor=divisor)
+        ops.unpack_(cpu_bucket, cpu_outs, offs, scale=scale, divisor=divisor)
+        for k, (o, c) in enumerate(zip(outs, cpu_outs)):
+            assert_same_bits(o, c, f"unpack {dst}->{src} {scale}/{divisor} tensor {k} ({sizes[k]} elements)")
+
+
+@pytest.mark.parametrize("dtype", TORCH_DTYPES)
+def test_in_place_scale_of_bucket_views(dtype):
+    # A tensor that IS its bucket slot (same dtype) is scaled in place: the kernel's aliasing path.
+    torch = require_pack()
+    dt = tdtype(torch, dtype)
+    gen = torch.Generator().manual_seed(5)
+    sizes = [1, 7, 4097, 70001]
+    offs, total = layout(sizes, torch.empty((), dtype=dt).element_size())
+    offs[1] += 1   # one slot not 16-byte aligned: the element path in place
+    host = (torch.randn(total, generator=gen) * 3).to(dt)
+    for scale, divisor in MODES[1:]:
+        bucket = host.cuda()
+        views = [bucket[o:o + n] for o, n in zip(offs, sizes)]
+        ops.unpack_(bucket, views, offs, scale=scale, divisor=divisor)
+        cpu = host.clone()
+        ops.unpack_(cpu, [cpu[o:o + n] for o, n in zip(offs, sizes)], offs, scale=scale, divisor=divisor)
+        assert_same_bits(bucket, cpu, f"in-place {dtype} {scale}/{divisor}")
 
 
 @pytest.mark.parametrize("dtype", TORCH_DTYPES)

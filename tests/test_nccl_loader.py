@@ -194,3 +194,37 @@ def test_comm_on_a_machine_without_gpu_raises_a_clear_error():
         kind, msg = out[name]
         assert kind in ("CudaError", "NcclError"), (name, kind, msg)
         assert "CUDA device" in msg, msg
+
+
+@needs_cuda_build
+def test_bad_collective_mode_variable_is_refused_before_nccl_or_cuda():
+    # See Note [Blocking collectives after a bounded init] in csrc/cuda/comm_init.cpp.
+    out = run_py("""
+        import json
+        from ncclavg._ext import _C
+        out = {}
+        for name, f in {"init_all": lambda: _C.NcclComm.init_all([0], 10),
+                        "init_rank": lambda: _C.NcclComm.init_rank(b"x" * 128, 2, 0, 0, 5)}.items():
+            try:
+                f()
+                out[name] = ["no error", ""]
+            except Exception as e:
+                out[name] = [type(e).__name__, str(e)]
+        print(json.dumps(out))
+    """, {"NCCLAVG_NCCL_COLLECTIVES": "sometimes"}, drop=("NCCLAVG_NCCL_LIBRARY",))
+    for name, (kind, msg) in out.items():
+        assert kind == "ValueError", (name, kind, msg)
+        assert "NCCLAVG_NCCL_COLLECTIVES" in msg and "'sometimes'" in msg and "nonblocking" in msg, msg
+
+
+def test_multi_rank_gpu_rule_of_the_core():
+    # The pure rule behind Communicator.nccl([0, 0]) (Note [Several ranks on one GPU] in nccl_api.cpp),
+    # present in every build: it names the NCCL found, the one needed and the variable.
+    refuse = _ext._C.nccl_multi_rank_gpu_refusal
+    assert refuse(23000, "1") == "" and refuse(23203, "1") == ""
+    old = refuse(22903, "1")
+    assert "2.29.3" in old and "2.30.0" in old and "NCCL_MULTI_RANK_GPU_ENABLE" in old
+    unset = refuse(23000, None)
+    assert "NCCL_MULTI_RANK_GPU_ENABLE" in unset and "unset" in unset
+    assert "'0'" in refuse(23000, "0")
+    assert "no NCCL is loaded" in refuse(0, "1")

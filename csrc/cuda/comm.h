@@ -5,8 +5,9 @@
 // the caller's streams with events (never a device sync), and tracked by per-device "done" events that
 // the watchdog (wait / done) polls together with ncclCommGetAsyncError. A wait that passes its deadline
 // aborts every local communicator and raises TimeoutError; the object then refuses every later call.
-// See Note [Non-blocking init and abort], Note [Watchdog] and Note [Teardown] in comm.cpp, and
-// Note [Choosing the reduction] in comm_collectives.cpp.
+// See Note [Non-blocking init and abort] and Note [Blocking collectives after a bounded init] in
+// comm_init.cpp, Note [Watchdog] and Note [Teardown] in comm.cpp, and Note [Choosing the reduction] in
+// comm_collectives.cpp.
 //
 // No CUDA types in this header: streams and events cross as opaque handles, so bindings.cpp needs no
 // CUDA headers. Every method is thread-safe (one mutex); wait() sleeps without holding it, so another
@@ -32,11 +33,20 @@ namespace nccl {
 
 struct CollectivePlan;  // what one collective sends where, with which reduction (comm_collectives.cpp)
 
+// A point on now_s()'s clock (comm_impl.h), and the seconds it was set from: timeout messages name the
+// limit of the call that ran out, not the communicator's default.
+struct Deadline {
+  double at;
+  double seconds;
+};
+
 class NcclComm {
  public:
-  // One process, several devices (duplicates rejected). Non-blocking ncclCommInitRankConfig per device
-  // in one group when the loaded NCCL has it (>= 2.14), else ncclCommInitRank per device in one group
-  // (what ncclCommInitAll does inside; blocking, so no init timeout there).
+  // One process, several devices: one rank per entry. A device listed twice is refused unless NCCL
+  // allows several ranks on one GPU (See Note [Several ranks on one GPU] in nccl_api.cpp). Non-blocking
+  // ncclCommInitRankConfig per device in one group when the loaded NCCL has it (>= 2.14), else
+  // ncclCommInitRank per device in one group (what ncclCommInitAll does inside; blocking, so no init
+  // timeout there).
   static std::unique_ptr<NcclComm> init_all(const std::vector<int>& devices, double timeout_s);
   // One rank of a multi-process communicator; `unique_id` is the 128 bytes of rank 0's nccl_unique_id().
   static std::unique_ptr<NcclComm> init_rank(const std::string& unique_id, int nranks, int rank, int device,
@@ -55,6 +65,10 @@ class NcclComm {
   const std::vector<int>& devices() const { return devices_; }
   int nccl_version() const { return version_; }
   double timeout() const { return timeout_s_; }
+  // "blocking" or "nonblocking": the kind of communicator the collectives run on, and why. See
+  // Note [Blocking collectives after a bounded init] in comm_init.cpp.
+  const std::string& collective_mode() const { return mode_; }
+  const std::string& collective_mode_reason() const { return mode_reason_; }
   bool aborted() const;
   bool destroyed() const;
   std::string abort_reason() const;
@@ -63,9 +77,10 @@ class NcclComm {
 
   // In place: every buffer (one per local device, same numel and dtype) becomes the mean over all
   // ranks. `after_streams` (one per device, or empty = the legacy default stream) are the streams the
-  // collective is ordered after. `op` is "avg" or "sum". `timeout_s` bounds the enqueue (empty: the
-  // communicator's timeout); `tag` names the collective in errors (e.g. "bucket 3"). Returns the
-  // collective's sequence number for wait()/done() (0 when there was nothing to do).
+  // collective is ordered after. `op` is "avg" or "sum". `timeout_s` bounds the enqueue on non-blocking
+  // communicators (empty: the communicator's timeout; a blocking enqueue cannot be bounded, see Note
+  // [Blocking collectives after a bounded init]); `tag` names the collective in errors (e.g.
+  // "bucket 3"). Returns the collective's sequence number for wait()/done() (0: nothing to do).
   uint64_t all_reduce(const std::vector<Buffer>& buffers, const std::vector<uintptr_t>& after_streams,
                       bool predivide, const std::string& op, std::optional<double> timeout_s,
                       const std::string& tag);
@@ -99,21 +114,29 @@ class NcclComm {
   struct Device;  // per local device: comm, stream, events (comm_impl.h)
   struct Op;      // one enqueued collective: its done events and description (comm_impl.h)
 
+  enum class Which { kComm, kParent };  // the collectives' communicators, or the init ones they split off
+
   NcclComm() = default;
   static std::unique_ptr<NcclComm> create(const std::vector<int>& devices, int process_rank,
                                           double timeout_s);
-  void init_comms(const ncclUniqueId& id, int nranks, const std::vector<int>& comm_ranks,
+  void init_comms(const ncclUniqueId& id, int nranks, const std::vector<int>& comm_ranks, bool want_blocking,
                   const std::string& what);
 
   // Every *_locked member expects mu_ to be held.
+  bool choose_mode_locked(bool nonblocking_init, bool want_blocking);
+  void start_init_locked(const ncclUniqueId& id, int nranks, const std::vector<int>& comm_ranks, bool nonblocking,
+                         const std::string& what);
+  void split_blocking_locked(const std::vector<int>& comm_ranks, const Deadline& deadline, const std::string& what);
+  void read_back_locked(int nranks, const std::vector<int>& comm_ranks);
   void check_usable_locked(const char* what) const;
   void check_async_errors_locked(const std::string& during);
-  void poll_ready_locked(double deadline, const std::string& what);
+  void poll_ready_locked(const Deadline& deadline, const std::string& what, Which which = Which::kComm);
   void abort_locked(const std::string& reason);
+  void abort_comms_locked();
   void destroy_comms_locked();
   void release_cuda_locked();
   bool prune_locked();  // drops completed ops from the front; true when none is left
-  ncclRedOp_t premulsum_locked(size_t device_index, DType dtype);
+  ncclRedOp_t premulsum_locked(size_t device_index, DType dtype, const Deadline& deadline);
   uint64_t run_locked(const CollectivePlan& plan, const std::vector<uintptr_t>& after_streams,
                       std::optional<double> timeout_s);
   std::string where() const;  // "rank 0 of 2, devices [0]"
@@ -128,6 +151,8 @@ class NcclComm {
   int process_rank_ = 0;
   int version_ = 0;
   double timeout_s_ = 600.0;
+  std::string mode_ = "nonblocking";  // See Note [Blocking collectives after a bounded init]
+  std::string mode_reason_;
   bool ready_ = false;  // every communicator finished its init
   bool aborted_ = false;
   bool destroyed_ = false;

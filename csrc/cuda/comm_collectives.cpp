@@ -230,7 +230,7 @@ std::string NcclComm::reduction(DType dtype, bool predivide, const std::string& 
   return reduction_name(p, size_);
 }
 
-ncclRedOp_t NcclComm::premulsum_locked(size_t i, DType dtype) {
+ncclRedOp_t NcclComm::premulsum_locked(size_t i, DType dtype, const Deadline& deadline) {
   Device& d = *dev_[i];
   const int t = static_cast<int>(dtype);
   if (d.has_premul[t]) return d.premul[t];
@@ -247,7 +247,7 @@ ncclRedOp_t NcclComm::premulsum_locked(size_t i, DType dtype) {
   ncclRedOp_t op = ncclSum;
   ncclResult_t r = a.RedOpCreatePreMulSum(&op, scalar, nccl_dtype(dtype), ncclScalarHostImmediate, d.comm);
   if (r == ncclInProgress) {
-    poll_ready_locked(now_s() + timeout_s_, "ncclRedOpCreatePreMulSum");
+    poll_ready_locked(deadline, "ncclRedOpCreatePreMulSum");
   } else {
     NCCLAVG_NCCL_CHECK(r, d.comm);
   }
@@ -261,14 +261,13 @@ uint64_t NcclComm::run_locked(const CollectivePlan& p, const std::vector<uintptr
   const Api& a = api();
   const size_t n = dev_.size();
   const std::vector<uintptr_t> after = checked_streams(after_streams, n);
-  const double timeout = timeout_s ? checked_timeout(*timeout_s, "timeout_s") : timeout_s_;
-  const double deadline = now_s() + timeout;
+  const Deadline deadline = deadline_in(timeout_s ? checked_timeout(*timeout_s, "timeout_s") : timeout_s_);
   prune_locked();  // keeps the in-flight queue short when nobody waits
   check_async_errors_locked("starting " + p.what);
 
   std::vector<ncclRedOp_t> redops(n, p.op);
   if (p.premulsum) {
-    for (size_t i = 0; i < n; ++i) redops[i] = premulsum_locked(i, p.dtype);
+    for (size_t i = 0; i < n; ++i) redops[i] = premulsum_locked(i, p.dtype, deadline);
   }
   auto op = std::make_unique<Op>();
   op->what = p.what;
@@ -291,6 +290,7 @@ uint64_t NcclComm::run_locked(const CollectivePlan& p, const std::vector<uintptr
   NCCLAVG_NCCL_CHECK(a.GroupStart(), nullptr);
   ncclResult_t first = ncclSuccess;
   size_t first_i = 0;
+  bool in_progress = false;
   const ncclDataType_t dt = nccl_dtype(p.dtype);
   for (size_t i = 0; i < n; ++i) {
     Device& d = *dev_[i];
@@ -304,12 +304,14 @@ uint64_t NcclComm::run_locked(const CollectivePlan& p, const std::vector<uintptr
         break;
       case CollectivePlan::kAllGather: r = a.AllGather(send, recv, p.count, dt, d.comm, d.stream); break;
     }
+    in_progress |= r == ncclInProgress;
     if (r != ncclSuccess && r != ncclInProgress && first == ncclSuccess) {
       first = r;
       first_i = i;
     }
   }
   const ncclResult_t end = a.GroupEnd();
+  in_progress |= end == ncclInProgress;
   if (first != ncclSuccess || (end != ncclSuccess && end != ncclInProgress)) {
     const ncclResult_t bad = first != ncclSuccess ? first : end;
     const std::string msg = p.what + " could not be enqueued" +
@@ -318,8 +320,10 @@ uint64_t NcclComm::run_locked(const CollectivePlan& p, const std::vector<uintptr
     check_async_errors_locked("enqueueing " + p.what);  // aborts when the communicator itself broke
     throw NcclError(msg);
   }
-  // See Note [Non-blocking init and abort]: nothing may touch the comm streams until this returns.
-  poll_ready_locked(deadline, p.what + " (enqueue)");
+  // See Note [Non-blocking init and abort]: after ncclInProgress nothing may touch the comm streams
+  // until the state is back to ncclSuccess. Blocking communicators never get here: their GroupEnd has
+  // enqueued everything when it returns (See Note [Blocking collectives after a bounded init]).
+  if (in_progress) poll_ready_locked(deadline, p.what + " (enqueue)");
 
   for (size_t i = 0; i < n; ++i) {
     Device& d = *dev_[i];

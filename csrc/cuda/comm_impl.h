@@ -16,7 +16,14 @@ namespace nccl {
 
 struct NcclComm::Device {
   int device = 0;
+  // The collectives run on `comm`. With blocking collectives it is a blocking ncclCommSplit of
+  // `parent`, the non-blocking communicator of the bounded init, kept until teardown; otherwise
+  // `parent` is null. `split` is the output slot of a split in flight: NCCL's thread writes it, so it
+  // is read only after the split finished (or its parent was aborted, which joins that thread). See
+  // Note [Blocking collectives after a bounded init] in comm_init.cpp.
   ncclComm_t comm = nullptr;
+  ncclComm_t parent = nullptr;
+  ncclComm_t split = nullptr;
   cudaStream_t stream = nullptr;  // the comm stream: NCCL and our scale kernels run here
   cudaEvent_t ready = nullptr;    // recorded on the caller's stream; the comm stream waits for it
   // PreMulSum(1/size) reduction ops, created on first use per dtype, destroyed with the communicator.
@@ -43,6 +50,8 @@ struct NcclComm::Op {
 inline double now_s() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
+
+inline Deadline deadline_in(double seconds) { return Deadline{now_s() + seconds, seconds}; }
 
 // Polling pace for host waits: yield for the first millisecond (a collective that is about to finish
 // is seen at once, which latency benchmarks need), then sleep 50 us, then 1 ms once the wait is long.

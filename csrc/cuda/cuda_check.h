@@ -20,19 +20,26 @@
 namespace ncclavg {
 namespace cuda {
 
-// Makes `device` current for the scope and restores the previous device afterwards.
+// The device whose context is current on the calling thread, or -1 when the thread has none (it never
+// chose a device). See Note [Device guard without a current context] in device_guard.cpp.
+int current_device_or_none();
+
+// Makes `device` current for the scope (code inside may switch further). Afterwards the thread's
+// previous device is made current again, but only when the thread had one: a thread that never chose a
+// device is left on `device` rather than "restored" to device 0, which would create a context
+// (~0.5 GB) on GPU 0 in every rank's process.
 class DeviceGuard {
  public:
-  explicit DeviceGuard(int device) {
-    NCCLAVG_CUDA_CHECK(cudaGetDevice(&prev_));
+  explicit DeviceGuard(int device) : prev_(current_device_or_none()), device_(device) {
     if (prev_ != device) NCCLAVG_CUDA_CHECK(cudaSetDevice(device));
   }
-  ~DeviceGuard() { cudaSetDevice(prev_); }
+  ~DeviceGuard() { cudaSetDevice(prev_ >= 0 ? prev_ : device_); }  // a no-op when already current
   DeviceGuard(const DeviceGuard&) = delete;
   DeviceGuard& operator=(const DeviceGuard&) = delete;
 
  private:
-  int prev_ = 0;
+  int prev_;
+  int device_;
 };
 
 }  // namespace cuda

@@ -48,6 +48,7 @@ std::string bind_api(void* h) {
   resolve(h, "ncclCommInitAll", a.CommInitAll, true, missing);
   resolve(h, "ncclCommInitRank", a.CommInitRank, true, missing);
   resolve(h, "ncclCommInitRankConfig", a.CommInitRankConfig, false, missing);
+  resolve(h, "ncclCommSplit", a.CommSplit, false, missing);
   resolve(h, "ncclCommDestroy", a.CommDestroy, true, missing);
   resolve(h, "ncclCommAbort", a.CommAbort, true, missing);
   resolve(h, "ncclCommGetAsyncError", a.CommGetAsyncError, true, missing);
@@ -148,6 +149,39 @@ std::string version_string(int code) {
     os << code / 10000 << "." << (code % 10000) / 100 << "." << code % 100;
   }
   return os.str();
+}
+
+// Note [Several ranks on one GPU]
+// NCCL refuses two ranks of one communicator on the same GPU unless it is >= 2.30 AND the process
+// environment has NCCL_MULTI_RANK_GPU_ENABLE set to a non-zero integer (NCCL parses it with strtoll;
+// "1" is the documented value). Both conditions are checked here, before NCCL is asked, so the error
+// names the NCCL found, the one needed and the variable instead of NCCL's bare ncclInvalidUsage.
+// The value is parsed strictly (the whole string must be an integer): "1abc" would enable it in NCCL,
+// but it is refused here, which is the safe direction. NCCL reads the variable once per process and
+// caches it, so a value set in os.environ after the first NCCL communicator of the process is seen
+// here but not by NCCL; NCCL then fails the init with its own words, which the error carries.
+std::string multi_rank_gpu_refusal(int version, const char* env_value) {
+  std::ostringstream why;
+  if (version < since::kMultiRankPerGpu) {
+    why << "several NCCL ranks on one GPU need NCCL >= " << version_string(since::kMultiRankPerGpu)
+        << " with " << kMultiRankGpuEnv << "=1, but "
+        << (version > 0 ? "the loaded NCCL is " + version_string(version) : std::string("no NCCL is loaded"));
+    return why.str();
+  }
+  char* end = nullptr;
+  const long long value = env_value && env_value[0] ? std::strtoll(env_value, &end, 0) : 0;
+  const bool parsed = env_value && env_value[0] && end && *end == '\0';
+  if (!parsed || value == 0) {
+    why << "several NCCL ranks on one GPU need " << kMultiRankGpuEnv << "=1 in the environment before the "
+        << "first NCCL communicator of the process (NCCL " << version_string(version) << " >= "
+        << version_string(since::kMultiRankPerGpu) << " is loaded; " << kMultiRankGpuEnv << " is "
+        << (env_value ? "'" + std::string(env_value) + "'" : std::string("unset")) << ")";
+  }
+  return why.str();
+}
+
+std::string multi_rank_gpu_refusal() {
+  return multi_rank_gpu_refusal(load_info().loaded ? load_info().version : 0, std::getenv(kMultiRankGpuEnv));
 }
 
 void check(ncclResult_t r, const char* what, ncclComm_t comm, const char* file, int line) {

@@ -7,6 +7,7 @@
 #pragma once
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -24,6 +25,7 @@ typedef enum {
   ncclInvalidUsage = 5,
   ncclRemoteError = 6,
   ncclInProgress = 7,
+  ncclTimeout = 8,  // NCCL >= 2.30
 } ncclResult_t;
 // Dynamically created reduction ops (PreMulSum) are further values of this enum.
 typedef enum { ncclSum = 0, ncclProd = 1, ncclMax = 2, ncclMin = 3, ncclAvg = 4 } ncclRedOp_t;
@@ -33,8 +35,9 @@ typedef enum {
 } ncclDataType_t;
 typedef enum { ncclScalarDevice = 0, ncclScalarHostImmediate = 1 } ncclScalarResidence_t;
 
-// ncclConfig_t as of NCCL 2.17 (first fields are stable; NCCL reads `size` and `version` to know how
-// much of the struct the caller filled in, so a newer NCCL accepts this older layout).
+// ncclConfig_t as of NCCL 2.18 (splitShare arrived with ncclCommSplit). Its first fields are stable;
+// NCCL copies `size` bytes and ignores the fields newer than `version`, so a newer NCCL accepts this
+// older layout.
 typedef struct {
   size_t size;
   unsigned int magic;
@@ -65,8 +68,20 @@ constexpr int kBfloat16 = version_code(2, 10, 0);        // ncclBfloat16
 constexpr int kPreMulSum = version_code(2, 11, 0);       // ncclRedOpCreatePreMulSum / ncclRedOpDestroy
 constexpr int kLastError = version_code(2, 13, 0);       // ncclGetLastError
 constexpr int kNonBlocking = version_code(2, 14, 0);     // ncclCommInitRankConfig, config.blocking = 0
+constexpr int kCommSplit = version_code(2, 18, 0);       // ncclCommSplit (a blocking child of a non-blocking comm)
 constexpr int kMultiRankPerGpu = version_code(2, 30, 0); // several ranks on one GPU (NCCL_MULTI_RANK_GPU_ENABLE)
 }  // namespace since
+
+// The variable NCCL >= 2.30 reads before it lets several ranks share one GPU (src/init.cc,
+// NCCL_PARAM(MultiRankGpuEnable, "MULTI_RANK_GPU_ENABLE", 0)); documented as experimental.
+constexpr const char* kMultiRankGpuEnv = "NCCL_MULTI_RANK_GPU_ENABLE";
+
+// Why several ranks may NOT share one GPU with this NCCL and this value of NCCL_MULTI_RANK_GPU_ENABLE
+// (null: unset), or "" when they may. Pure, so both the C++ check and the Python one (through the
+// binding) give the same answer and tests can ask it without a GPU. `version` is a version_code.
+std::string multi_rank_gpu_refusal(int version, const char* env_value);
+// The same for the loaded NCCL and this process's environment.
+std::string multi_rank_gpu_refusal();
 
 // The loaded library's entry points. Optional ones are null when the loaded NCCL predates them.
 struct Api {
@@ -77,6 +92,7 @@ struct Api {
   ncclResult_t (*CommInitAll)(ncclComm_t*, int, const int*);
   ncclResult_t (*CommInitRank)(ncclComm_t*, int, ncclUniqueId, int);
   ncclResult_t (*CommInitRankConfig)(ncclComm_t*, int, ncclUniqueId, int, ncclConfig_t*);  // >= 2.14
+  ncclResult_t (*CommSplit)(ncclComm_t, int, int, ncclComm_t*, ncclConfig_t*);              // >= 2.18
   ncclResult_t (*CommDestroy)(ncclComm_t);
   ncclResult_t (*CommAbort)(ncclComm_t);
   ncclResult_t (*CommGetAsyncError)(ncclComm_t, ncclResult_t*);
@@ -102,14 +118,16 @@ struct LoadInfo {
 };
 
 // NCCL_CONFIG_INITIALIZER for the layout above: every attribute "undefined" (NCCL picks its default),
-// magic and version set so that NCCL accepts the struct. See Note [Non-blocking init and abort] in
-// comm.cpp for why ncclavg sets blocking = 0.
+// magic and version set so that NCCL accepts the struct. Zeroed first: NCCL copies `size` bytes, the
+// tail padding included, so no byte it reads is left indeterminate. See Note [Non-blocking init and
+// abort] in comm.cpp for why ncclavg sets blocking = 0 for the init.
 inline ncclConfig_t default_config() {
   ncclConfig_t c;
+  std::memset(&c, 0, sizeof(c));  // padding too: aggregate `{}` initialisation leaves it indeterminate
   const int undef = -2147483647 - 1;  // NCCL_CONFIG_UNDEF_INT (INT_MIN)
   c.size = sizeof(ncclConfig_t);
   c.magic = 0xcafebeef;             // NCCL_API_MAGIC
-  c.version = version_code(2, 17, 0);  // the release whose layout this struct mirrors
+  c.version = version_code(2, 18, 0);  // the release whose layout this struct mirrors
   c.blocking = undef;
   c.cgaClusterSize = undef;
   c.minCTAs = undef;

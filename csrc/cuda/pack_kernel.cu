@@ -1,112 +1,189 @@
-// CUDA twin of cpu::run_segments: one launch packs (or unpacks) many tensors through a chunk table, the
-// way apex's multi_tensor_apply does, with the dtype cast and scale of common/pack_math.h fused in.
+// CUDA twin of cpu::run_segments: one launch packs (or unpacks) many tensors through a segment table,
+// the way apex's multi_tensor_apply does, with the dtype cast and scale of common/pack_math.h fused in.
 //
 // Note [Pack chunk table]
-// Every segment is cut into chunks of kChunk elements; block b handles chunk b. A chunk entry names its
-// segment and its start, the segment entry holds pointers, dtypes and size. Unlike apex, whose table
-// travels in the kernel parameters (so a long tensor list needs several launches), the table lives in
-// device memory: it is staged in a host vector, copied with cudaMemcpyAsync (pageable source: the copy
-// is staged by the driver before the call returns, so the host vector may die right after) into memory
-// from the stream-ordered allocator, which is freed on the same stream after the kernel. So a bucket is
-// always ONE launch, however many tensors it holds, and nothing synchronises the host.
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
+// Every segment (one tensor <-> its bucket slot) is cut into chunks of kChunk elements; block b handles
+// one chunk. The table travels in the KERNEL PARAMETERS, like apex's: a segment entry holds the
+// pointers, dtypes, size and the first block that works on it, and a block finds its segment by a
+// binary search over those first blocks (7 steps for a full table, on uniform constant-bank loads).
+// Parameters need no copy of their own: no cudaMemcpyAsync from pageable memory, which the driver may
+// turn into a wait for the stream (inside a backward hook that would stall the host until the
+// backward kernels queued so far have run), no stream-ordered allocation, no host synchronisation. The
+// price is the 4 KiB parameter limit (every toolkit and architecture): a table holds kMaxSegments
+// segments, so a bucket of more tensors takes one launch per kMaxSegments of them (a few microseconds
+// of launch each, on the same stream, in order).
+// Chunks of kChunk = 8192 elements give a 25 MiB fp32 bucket 800 blocks (several waves on an H200's
+// 132 SMs) while each thread still moves 32-64 bytes per chunk in 16-byte accesses with kUnroll loads
+// in flight. See Note [16-byte accesses] in vector_io.h.
 #include <cuda_runtime.h>
 
-#include <cstring>
 #include <vector>
 
 #include "../common/check.h"
 #include "../common/pack_math.h"
 #include "cuda_check.h"
 #include "pack_cuda.h"
+#include "vector_io.h"
 
 namespace ncclavg {
 namespace cuda {
 namespace {
 
 constexpr int kThreads = 256;
-constexpr int64_t kChunk = 16384;  // elements per block: 64 KiB of fp32, big enough to amortise the lookup
+constexpr int kUnroll = 4;          // independent vector loads in flight per thread
+constexpr int64_t kChunk = 8192;    // elements per block; a multiple of every vector width
+constexpr int kMaxSegments = 120;   // per launch: the table must fit the 4 KiB parameter limit
 
 struct SegmentEntry {
   const void* src;
   void* dst;
   int64_t numel;
-  int src_dtype;
-  int dst_dtype;
+  int32_t first_block;  // blocks [first_block, next entry's first_block) of this launch work on it
+  int16_t src_dtype;
+  int16_t dst_dtype;
 };
 
-struct ChunkEntry {
-  int segment;
-  int64_t start;
+struct SegmentTable {
+  SegmentEntry seg[kMaxSegments];
+  int32_t count;
+};
+static_assert(sizeof(SegmentTable) + 2 * sizeof(float) <= 4096, "kernel parameters are limited to 4 KiB");
+
+template <typename S, typename D, int kMode>
+__device__ __forceinline__ typename D::T convert(typename S::T x, float mul, float div) {
+  return D::from_float(ew::pack_scale<kMode>(S::to_float(x), mul, div));
+}
+
+// `__restrict__` pointers: a segment's source and destination never overlap (the plan checks it), so
+// the compiler may keep loads ahead of stores. Except for an in-place scale (a tensor that IS its
+// bucket slot), where they are the same memory and that promise would be false.
+template <typename T, bool kInPlace>
+struct Ptr {
+  using type = T* __restrict__;
+};
+template <typename T>
+struct Ptr<T, true> {
+  using type = T*;
 };
 
-__device__ __forceinline__ float load_as_float(const void* p, int dtype, int64_t i) {
-  switch (dtype) {
-    case static_cast<int>(DType::kFloat16): return __half2float(static_cast<const __half*>(p)[i]);
-    case static_cast<int>(DType::kBFloat16): return __bfloat162float(static_cast<const __nv_bfloat16*>(p)[i]);
-    default: return static_cast<const float*>(p)[i];
+// Copies n elements src -> dst (one chunk) with the whole block. See Note [16-byte accesses].
+template <typename S, typename D, int kMode, bool kInPlace>
+__device__ void copy_chunk(typename Ptr<const typename S::T, kInPlace>::type src,
+                           typename Ptr<typename D::T, kInPlace>::type dst, int n, float mul, float div) {
+  constexpr int V = VecElems<S, D>::value;
+  using SV = Vec<typename S::T, V>;
+  using DV = Vec<typename D::T, V>;
+  const int head = static_cast<int>(common_head(reinterpret_cast<uintptr_t>(src), sizeof(typename S::T),
+                                                reinterpret_cast<uintptr_t>(dst), sizeof(typename D::T), n));
+  const int nvec = (n - head) / V;
+  const int tid = threadIdx.x;
+  for (int i = tid; i < head; i += blockDim.x) dst[i] = convert<S, D, kMode>(src[i], mul, div);
+  typename Ptr<const SV, kInPlace>::type vsrc = reinterpret_cast<const SV*>(src + head);
+  typename Ptr<DV, kInPlace>::type vdst = reinterpret_cast<DV*>(dst + head);
+  for (int base = tid; base < nvec; base += kUnroll * blockDim.x) {
+    SV in[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {  // every load first: kUnroll requests in flight
+      const int j = base + u * blockDim.x;
+      if (j < nvec) in[u] = vsrc[j];
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int j = base + u * blockDim.x;
+      if (j >= nvec) continue;
+      DV out;
+#pragma unroll
+      for (int e = 0; e < V; ++e) out.e[e] = convert<S, D, kMode>(in[u].e[e], mul, div);
+      vdst[j] = out;
+    }
+  }
+  for (int i = head + nvec * V + tid; i < n; i += blockDim.x) dst[i] = convert<S, D, kMode>(src[i], mul, div);
+}
+
+template <typename S, typename D, int kMode, bool kInPlace = false>
+__device__ __forceinline__ void copy_chunk_of(const SegmentEntry& s, int64_t start, int n, float mul, float div) {
+  copy_chunk<S, D, kMode, kInPlace>(static_cast<const typename S::T*>(s.src) + start,
+                                    static_cast<typename D::T*>(s.dst) + start, n, mul, div);
+}
+
+// The dtype pair is uniform over the block (one segment per block): no divergence.
+template <typename S, int kMode>
+__device__ __forceinline__ void dispatch_dst(const SegmentEntry& s, int64_t start, int n, float mul, float div) {
+  if (s.src == s.dst) {  // an in-place scale; the plan allows that overlap only with the same dtype
+    copy_chunk_of<S, S, kMode, true>(s, start, n, mul, div);
+    return;
+  }
+  switch (static_cast<DType>(s.dst_dtype)) {
+    case DType::kFloat16: copy_chunk_of<S, F16, kMode>(s, start, n, mul, div); break;
+    case DType::kBFloat16: copy_chunk_of<S, BF16, kMode>(s, start, n, mul, div); break;
+    default: copy_chunk_of<S, F32, kMode>(s, start, n, mul, div); break;
   }
 }
 
-__device__ __forceinline__ void store_from_float(void* p, int dtype, int64_t i, float v) {
-  switch (dtype) {
-    case static_cast<int>(DType::kFloat16): static_cast<__half*>(p)[i] = __float2half_rn(v); break;
-    case static_cast<int>(DType::kBFloat16): static_cast<__nv_bfloat16*>(p)[i] = __float2bfloat16_rn(v); break;
-    default: static_cast<float*>(p)[i] = v; break;
+// The entry whose blocks include `block`: the last one with first_block <= block.
+__device__ __forceinline__ int find_segment(const SegmentTable& t, int block) {
+  int lo = 0, hi = t.count - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (t.seg[mid].first_block <= block) {
+      lo = mid;
+    } else {
+      hi = mid - 1;
+    }
   }
+  return lo;
 }
 
 template <int kMode>
-__global__ void pack_kernel(const SegmentEntry* __restrict__ segs, const ChunkEntry* __restrict__ chunks,
-                            float mul, float div) {
-  const ChunkEntry c = chunks[blockIdx.x];
-  const SegmentEntry s = segs[c.segment];
-  const int64_t end = min(s.numel, c.start + kChunk);
-  // The dtype switch is uniform over the block (one segment per block): no divergence.
-  for (int64_t i = c.start + threadIdx.x; i < end; i += blockDim.x) {
-    const float x = load_as_float(s.src, s.src_dtype, i);
-    store_from_float(s.dst, s.dst_dtype, i, ew::pack_scale<kMode>(x, mul, div));
+__global__ void __launch_bounds__(kThreads) pack_kernel(const SegmentTable table, float mul, float div) {
+  const SegmentEntry s = table.seg[find_segment(table, blockIdx.x)];
+  const int64_t start = static_cast<int64_t>(blockIdx.x - s.first_block) * kChunk;
+  const int n = static_cast<int>(s.numel - start < kChunk ? s.numel - start : kChunk);
+  switch (static_cast<DType>(s.src_dtype)) {
+    case DType::kFloat16: dispatch_dst<F16, kMode>(s, start, n, mul, div); break;
+    case DType::kBFloat16: dispatch_dst<BF16, kMode>(s, start, n, mul, div); break;
+    default: dispatch_dst<F32, kMode>(s, start, n, mul, div); break;
   }
 }
+
+void launch(const SegmentTable& table, unsigned blocks, float mul, float div, cudaStream_t st) {
+  switch (ew::pack_mode(mul, div)) {
+    case ew::kPackCopy: pack_kernel<ew::kPackCopy><<<blocks, kThreads, 0, st>>>(table, mul, div); break;
+    case ew::kPackMul: pack_kernel<ew::kPackMul><<<blocks, kThreads, 0, st>>>(table, mul, div); break;
+    case ew::kPackDiv: pack_kernel<ew::kPackDiv><<<blocks, kThreads, 0, st>>>(table, mul, div); break;
+    default: pack_kernel<ew::kPackMulDiv><<<blocks, kThreads, 0, st>>>(table, mul, div); break;
+  }
+  NCCLAVG_CUDA_CHECK_LAUNCH();
+}
+
+int64_t chunks_of(int64_t numel) { return (numel + kChunk - 1) / kChunk; }
 
 }  // namespace
 
 void run_segments(const std::vector<CopySegment>& segs, float mul, float div, int device, uintptr_t stream) {
-  if (segs.empty()) return;
-  std::vector<SegmentEntry> seg_table;
-  std::vector<ChunkEntry> chunk_table;
-  seg_table.reserve(segs.size());
-  for (size_t k = 0; k < segs.size(); ++k) {
-    const CopySegment& s = segs[k];
-    seg_table.push_back({reinterpret_cast<const void*>(s.src), reinterpret_cast<void*>(s.dst), s.numel,
-                         static_cast<int>(s.src_dtype), static_cast<int>(s.dst_dtype)});
-    for (int64_t start = 0; start < s.numel; start += kChunk) chunk_table.push_back({static_cast<int>(k), start});
+  constexpr int64_t kMaxBlocks = 0x7fffffff;  // gridDim.x, and first_block is an int32
+  for (const CopySegment& s : segs) {
+    NCCLAVG_CHECK_ARG(chunks_of(s.numel) <= kMaxBlocks, "srcs", "a tensor of ", s.numel,
+                      " elements is too large for one launch");
   }
-  NCCLAVG_CHECK_ARG(chunk_table.size() <= 0x7fffffffULL, "srcs", "too many elements for one launch");
   DeviceGuard guard(device);
   cudaStream_t st = reinterpret_cast<cudaStream_t>(stream);
-  const size_t seg_bytes = seg_table.size() * sizeof(SegmentEntry);
-  const size_t seg_bytes_aligned = (seg_bytes + 255) / 256 * 256;
-  const size_t table_bytes = seg_bytes_aligned + chunk_table.size() * sizeof(ChunkEntry);
-  // See Note [Pack chunk table].
-  std::vector<char> host(table_bytes);
-  std::memcpy(host.data(), seg_table.data(), seg_bytes);
-  std::memcpy(host.data() + seg_bytes_aligned, chunk_table.data(), chunk_table.size() * sizeof(ChunkEntry));
-  void* dev = nullptr;
-  NCCLAVG_CUDA_CHECK(cudaMallocAsync(&dev, table_bytes, st));
-  NCCLAVG_CUDA_CHECK(cudaMemcpyAsync(dev, host.data(), table_bytes, cudaMemcpyHostToDevice, st));
-  const auto* d_segs = static_cast<const SegmentEntry*>(dev);
-  const auto* d_chunks = reinterpret_cast<const ChunkEntry*>(static_cast<char*>(dev) + seg_bytes_aligned);
-  const unsigned blocks = static_cast<unsigned>(chunk_table.size());
-  switch (ew::pack_mode(mul, div)) {
-    case ew::kPackCopy: pack_kernel<ew::kPackCopy><<<blocks, kThreads, 0, st>>>(d_segs, d_chunks, mul, div); break;
-    case ew::kPackMul: pack_kernel<ew::kPackMul><<<blocks, kThreads, 0, st>>>(d_segs, d_chunks, mul, div); break;
-    case ew::kPackDiv: pack_kernel<ew::kPackDiv><<<blocks, kThreads, 0, st>>>(d_segs, d_chunks, mul, div); break;
-    default: pack_kernel<ew::kPackMulDiv><<<blocks, kThreads, 0, st>>>(d_segs, d_chunks, mul, div); break;
+  // See Note [Pack chunk table]: fill a table, launch it when full, start the next one.
+  SegmentTable table{};
+  int64_t blocks = 0;
+  for (const CopySegment& s : segs) {
+    if (s.numel == 0) continue;
+    if (table.count == kMaxSegments || blocks + chunks_of(s.numel) > kMaxBlocks) {
+      launch(table, static_cast<unsigned>(blocks), mul, div, st);
+      table.count = 0;
+      blocks = 0;
+    }
+    table.seg[table.count++] = {reinterpret_cast<const void*>(s.src), reinterpret_cast<void*>(s.dst), s.numel,
+                                static_cast<int32_t>(blocks), static_cast<int16_t>(s.src_dtype),
+                                static_cast<int16_t>(s.dst_dtype)};
+    blocks += chunks_of(s.numel);
   }
-  NCCLAVG_CUDA_CHECK_LAUNCH();
-  NCCLAVG_CUDA_CHECK(cudaFreeAsync(dev, st));
+  if (table.count > 0) launch(table, static_cast<unsigned>(blocks), mul, div, st);
 }
 
 void pack(const std::vector<Buffer>& srcs, const Buffer& dst, const std::vector<int64_t>& offsets, float mul,

@@ -8,7 +8,8 @@ timeout the core aborts the communicator and raises CommTimeoutError.
 from __future__ import annotations
 
 import itertools
-from typing import Any, Optional, Sequence
+import os
+from typing import Any, Mapping, Optional, Sequence
 
 import torch
 
@@ -19,6 +20,7 @@ from .base import Communicator, Work, check_timeout
 from .dist import _allgather_object_bounded
 
 _UID_SEQ = itertools.count()  # one store key per communicator built under torch.distributed
+MULTI_RANK_GPU_ENV = "NCCL_MULTI_RANK_GPU_ENABLE"  # NCCL >= 2.30: several ranks may share one GPU
 
 
 def require_nccl_comm() -> None:
@@ -42,6 +44,38 @@ def require_nccl_comm() -> None:
                            "(is this torch build CPU-only, or is no GPU visible?)")
 
 
+# Note [A Work keeps its tensors alive]
+# A collective only enqueues work: NCCL reads and writes the tensors on the comm streams later. torch's
+# caching allocator hands a freed block to the next allocation on the stream it was allocated on at
+# once, ordered only by that stream. all_reduce_avg orders the callers' streams after the collective
+# right away (stream_wait), so freeing then is safe; the async form does that only in Work.wait(). A
+# caller that dropped its tensors before wait() would let the allocator give memory NCCL is still
+# writing to new work. So the Work holds the tensors until wait() returned or done() said True, and a
+# Work dropped without either orders the callers' streams after the collective as it goes.
+# (record_stream on the comm streams would also work, but then freeing a tensor after the
+# communicator was closed would record an event on a destroyed stream inside torch's allocator.)
+
+
+def multi_rank_gpu_problem(nccl_version: int, env: Mapping[str, str]) -> Optional[str]:
+    """Why NCCL `nccl_version` (a version code, e.g. 23000 for 2.30.0) with the environment `env` cannot
+    run several ranks of one communicator on one GPU, or None when it can. The rule is the core's (See
+    Note [Several ranks on one GPU] in csrc/cuda/nccl_api.cpp): NCCL >= 2.30 and
+    NCCL_MULTI_RANK_GPU_ENABLE=1."""
+    why = _C.nccl_multi_rank_gpu_refusal(int(nccl_version), env.get(MULTI_RANK_GPU_ENV))
+    return why or None
+
+
+def _check_repeated_devices(ids: list, env: Mapping[str, str]) -> None:
+    """A device listed twice is a second NCCL rank on that GPU: allowed only where NCCL allows it."""
+    for i, d in enumerate(ids):
+        if d in ids[:i]:
+            why = multi_rank_gpu_problem(nccl_info().get("version_code", 0), env)
+            if why:
+                raise ValueError(f"devices[{i}]: cuda:{d} is listed twice (also devices[{ids.index(d)}]), i.e. "
+                                 f"two NCCL ranks on one GPU: {why}")
+            return
+
+
 def _device_index(d: Any, argname: str) -> int:
     if isinstance(d, bool):
         raise TypeError(f"{argname}: expected a CUDA device ordinal or 'cuda:N', got {d!r}")
@@ -63,21 +97,37 @@ def _device_index(d: Any, argname: str) -> int:
 class _NcclWork(Work):
     """A collective enqueued on the core's comm streams. wait() blocks the host until it completed
     (bounded; the core aborts the communicator on timeout) and orders the callers' streams after it.
-    Nothing waits at issue time, so compute (e.g. the rest of backward) overlaps the collective."""
+    Nothing waits at issue time, so compute (e.g. the rest of backward) overlaps the collective.
+    See Note [A Work keeps its tensors alive]."""
 
-    def __init__(self, comm: "NcclCommunicator", seq: Any, streams: list, default_timeout: float):
+    def __init__(self, comm: "NcclCommunicator", seq: Any, streams: list, default_timeout: float,
+                 tensors: Sequence[Any] = ()):
         self._comm = comm
         self._seq = int(seq) if isinstance(seq, int) else 0   # 0: "everything enqueued so far"
         self._streams = streams
         self._timeout = default_timeout
+        self._tensors: Optional[tuple] = tuple(tensors)   # released once the collective is safe to forget
 
     def wait(self, timeout: Optional[float] = None) -> None:
         t = check_timeout(timeout) if timeout is not None else self._timeout
         self._comm._call(self._comm._handle.wait, t, self._seq)
         self._comm._call(self._comm._handle.stream_wait, self._streams)
+        self._tensors = None   # the callers' streams now run after the collective
 
     def done(self) -> bool:
-        return bool(self._comm._call(self._comm._handle.done, self._seq))
+        finished = bool(self._comm._call(self._comm._handle.done, self._seq))
+        if finished:
+            self._tensors = None   # NCCL no longer touches them
+        return finished
+
+    def __del__(self) -> None:
+        # Dropped without wait(): order the callers' streams after the collective before the tensors go,
+        # so their memory is not handed to new work on those streams while NCCL still writes it.
+        if getattr(self, "_tensors", None):
+            try:
+                self._comm._handle.stream_wait(self._streams)
+            except Exception:   # an aborted or destroyed communicator runs nothing any more
+                pass
 
 
 class NcclCommunicator(Communicator):
@@ -95,6 +145,10 @@ class NcclCommunicator(Communicator):
         self.predivide = bool(predivide)
         self.group = group
         self.nccl_version = getattr(handle, "nccl_version", None)
+        # "blocking" / "nonblocking" and why: See Note [Blocking collectives after a bounded init] in
+        # csrc/cuda/comm_init.cpp (NCCLAVG_NCCL_COLLECTIVES chooses; benchmarks report it).
+        self.collective_mode = getattr(handle, "collective_mode", None)
+        self.collective_mode_reason = getattr(handle, "collective_mode_reason", None)
 
     @classmethod
     def init_all(cls, devices: Sequence[Any], timeout: float, predivide: bool) -> "NcclCommunicator":
@@ -102,8 +156,7 @@ class NcclCommunicator(Communicator):
             raise ValueError(f"devices: expected a non-empty list of CUDA devices, got {devices!r}")
         require_nccl_comm()
         ids = [_device_index(d, f"devices[{i}]") for i, d in enumerate(devices)]
-        if len(set(ids)) != len(ids):
-            raise ValueError(f"devices: lists a device twice ({ids}); one NCCL rank per device in one process")
+        _check_repeated_devices(ids, os.environ)   # one NCCL rank per entry: a repeat shares its GPU
         handle = _C.NcclComm.init_all(ids, timeout)
         return cls(handle, ids, rank=0, world_size=1, size=len(ids), timeout=timeout, predivide=predivide)
 
@@ -165,20 +218,20 @@ class NcclCommunicator(Communicator):
         streams = self._streams()
         # NCCL averages: nothing deferred. The tag names the collective in the core's timeout messages.
         seq = self._call(self._handle.all_reduce_avg, bufs, streams, self.predivide, None, tag or "")
-        return seq, streams
+        return seq, streams, tensors
 
     def all_reduce_avg_async(self, tensors: Sequence[torch.Tensor], defer_scale: bool = False, *,
                              tag: Optional[str] = None, debug_key: Optional[Sequence[int]] = None) -> Work:
-        seq, streams = self._enqueue_all_reduce(tensors, tag, debug_key)
-        return _NcclWork(self, seq, streams, self.timeout)
+        seq, streams, tensors = self._enqueue_all_reduce(tensors, tag, debug_key)
+        return _NcclWork(self, seq, streams, self.timeout, tensors)
 
     def all_reduce_avg(self, tensors: Sequence[torch.Tensor], *, tag: Optional[str] = None,
                        debug_key: Optional[Sequence[int]] = None, timeout: Optional[float] = None) -> None:
         # Stream-ordered like torch's collectives: the callers' streams wait for the result on the device.
         # The host does not wait here; a later Work.wait / close() bounds the time to completion.
         self._timeout_arg(timeout)
-        _, streams = self._enqueue_all_reduce(tensors, tag, debug_key)
-        self._call(self._handle.stream_wait, streams)
+        _, streams, _ = self._enqueue_all_reduce(tensors, tag, debug_key)
+        self._call(self._handle.stream_wait, streams)   # See Note [A Work keeps its tensors alive]
 
     def reduce_scatter_avg(self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], *,
                            tag: Optional[str] = None, debug_key: Optional[Sequence[int]] = None,
@@ -188,7 +241,7 @@ class NcclCommunicator(Communicator):
         self._debug_check("reduce_scatter_avg", inputs[0], debug_key, limit)
         streams = self._streams()
         self._call(self._handle.reduce_scatter_avg, as_buffers(inputs, "inputs"), as_buffers(outputs, "outputs"),
-                   streams, False, limit, tag or "")
+                   streams, self.predivide, limit, tag or "")
         self._call(self._handle.stream_wait, streams)
 
     def all_gather(self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], *,

@@ -263,15 +263,65 @@ def test_destroy_and_context_manager():
     del c2
 
 
-def test_init_arguments():
+def test_collective_mode_follows_the_nccl_version(comm):
+    # See Note [Blocking collectives after a bounded init] in csrc/cuda/comm_init.cpp.
+    import os
+
+    if os.environ.get("NCCLAVG_NCCL_COLLECTIVES") == "nonblocking":
+        want = "nonblocking"
+    elif nccl_version() >= (2, 18, 0) or nccl_version() < (2, 14, 0):
+        want = "blocking"
+    else:
+        want = "nonblocking"
+    assert comm.collective_mode == want, comm.collective_mode_reason
+    assert comm.collective_mode_reason
+    assert f"{want} collectives" in repr(comm)
+
+
+@pytest.mark.parametrize("mode", ["blocking", "nonblocking"])
+def test_both_collective_modes_reduce_exactly(mode, monkeypatch):
     NcclComm = require_nccl_comm()
+    import torch
+
+    if nccl_version() < (2, 18, 0):
+        pytest.skip(f"both modes need ncclCommSplit (NCCL >= 2.18), loaded {nccl_version()}")
+    monkeypatch.setenv("NCCLAVG_NCCL_COLLECTIVES", mode)
+    n = torch.cuda.device_count()
+    with NcclComm.init_all(list(range(n)), 60.0) as c:
+        assert c.collective_mode == mode, c.collective_mode_reason
+        for size in (1, 4097):
+            x = exact_rank_inputs(n, size, seed=size + 1)
+            ts = [torch.from_numpy(x[r]).float().to(f"cuda:{r}") for r in range(n)]
+            seq = all_reduce(torch, c, ts, tag=f"{mode} {size}")
+            c.wait(60.0, seq)
+            want = torch.from_numpy(x.mean(axis=0)).float()
+            for t in ts:
+                assert np.array_equal(bits(t), bits(want)), (mode, size)
+        # the reduce-scatter with predivide takes the PreMulSum path (or ncclAvg) on either mode
+        full = [torch.full((4 * n,), 2.0, device=f"cuda:{r}") for r in range(n)]
+        part = [torch.empty(4, device=f"cuda:{r}") for r in range(n)]
+        c.reduce_scatter_avg(as_buffers(full), as_buffers(part), streams_of(torch, n), predivide=True)
+        c.wait(60.0)
+        assert all(torch.all(p == 2.0) for p in part)
+
+
+def test_bad_collective_mode_names_the_variable(monkeypatch):
+    NcclComm = require_nccl_comm()
+    monkeypatch.setenv("NCCLAVG_NCCL_COLLECTIVES", "sometimes")
+    with pytest.raises(ValueError, match="NCCLAVG_NCCL_COLLECTIVES"):
+        NcclComm.init_all([0], 10.0)
+
+
+def test_init_arguments(monkeypatch):
+    NcclComm = require_nccl_comm()
+    monkeypatch.delenv("NCCL_MULTI_RANK_GPU_ENABLE", raising=False)
     import torch
 
     n = torch.cuda.device_count()
     with pytest.raises(ValueError, match=r"devices\[0\]"):
         NcclComm.init_all([n], 10.0)
-    with pytest.raises(ValueError, match=r"devices\[1\]"):
-        NcclComm.init_all([0, 0], 10.0)
+    with pytest.raises(ValueError, match=r"devices\[1\].*NCCL_MULTI_RANK_GPU_ENABLE"):
+        NcclComm.init_all([0, 0], 10.0)   # a second rank on one GPU, without NCCL_MULTI_RANK_GPU_ENABLE
     with pytest.raises(ValueError, match="device"):
         NcclComm.init_rank(bytes(128), 1, 0, n, 10.0)
     assert issubclass(CommTimeoutError, TimeoutError)

@@ -1,6 +1,7 @@
-"""NcclComm across processes: several ranks on ONE GPU (NCCL >= 2.30), one rank per GPU when there
-are several, and the no-hang guarantees: a rank whose peer never starts, and a collective that a live
-peer never joins, both raise CommTimeoutError within timeout + 10 s. Every rank is a subprocess
+"""NcclComm across processes: several ranks on ONE GPU (NCCL >= 2.30; one process per rank, or one
+process with one rank per tower), one rank per GPU when there are several, no CUDA context on a GPU a
+rank does not use, and the no-hang guarantees: a rank whose peer never starts, and a collective that a
+live peer never joins, both raise CommTimeoutError within timeout + 10 s. Every rank is a subprocess
 running tests/_nccl_rank_worker.py with a hard time limit."""
 from __future__ import annotations
 
@@ -71,6 +72,28 @@ def test_several_ranks_on_one_gpu(nranks):
     # 3 ranks: 1/3 is inexact, so 16-bit types must take SUM + divide (See Note [Choosing the reduction])
     if nranks == 3:
         assert "divide" in results[0]["reduction"]["float16"]
+
+
+def test_several_ranks_on_one_gpu_in_one_process():
+    # Communicator.nccl([0, 0]): one NCCL rank per tower, both on GPU 0 (See Note [Several ranks on one
+    # GPU] in csrc/cuda/nccl_api.cpp). A fresh process: NCCL reads NCCL_MULTI_RANK_GPU_ENABLE once.
+    require_nccl_comm()
+    require_multi_rank_gpu()
+    res = result(spawn("towers", 2, 0, 0, timeout=120.0, shared_gpu=True), 300)
+    assert res["ok"], "\n".join(res["failures"])
+    assert res["size"] == 2 and res["local_size"] == 2
+
+
+def test_no_context_on_a_gpu_the_rank_does_not_use():
+    require_nccl_comm()
+    import torch
+
+    n = torch.cuda.device_count()
+    if n < 2:
+        pytest.skip(f"needs 2 CUDA devices to see a context appear on the wrong one, {n} visible")
+    res = result(spawn("no_context", 1, 0, n - 1, timeout=60.0), 120)
+    assert res["ok"], "\n".join(res["failures"])
+    assert res["contexts"][n - 1], "the rank's own GPU has no context: the check itself is broken"
 
 
 def test_one_rank_per_gpu():
