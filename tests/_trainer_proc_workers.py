@@ -24,7 +24,7 @@ def fingerprint(tensors):
     return h.hexdigest()
 
 
-def train_job(rank, world, port, counts, hp, master, data, steps, out_dir):
+def train_job(rank, world, port, counts, hp, master, data, steps, out_dir, shard=False):
     """Trains the digits MLP with counts[rank] CPU towers in this process; rank 0 saves what the test
     compares. Checks in every process: replicas identical to the master, bit for bit, in every process."""
     init_rank(rank, world, port)
@@ -33,7 +33,8 @@ def train_job(rank, world, port, counts, hp, master, data, steps, out_dir):
 
     # a different init seed per process: the trainer must start every process from rank 0's weights
     tr = TowerTrainer(build_model("mlp", seed=rank), devices=["cpu"] * counts[rank], master=master,
-                      timeout=60, **hp)
+                      timeout=60, shard_master=shard, **hp)
+    assert tr.describe()["shard_master"] == shard
     assert (tr.processes, tr.rank, tr.total_towers, tr.num_towers) == (world, rank, sum(counts), counts[rank])
     assert tr.tower_offset == sum(counts[:rank])
     records = []
@@ -50,7 +51,8 @@ def train_job(rank, world, port, counts, hp, master, data, steps, out_dir):
         assert all(torch.equal(p.detach().float(), m) for p, m in zip(tr.tower_params[t], got)), t
     prints = tr.comm.allgather_object(fingerprint(got))
     assert len(set(prints)) == 1, f"processes hold different master weights: {prints}"
+    state = tr.state_dict()   # a collective with sharded masters: the moments are gathered
     if rank == 0:
-        torch.save({"master": got, "records": [{k: r[k] for k in ("loss", "accuracy", "samples")} for r in records]},
+        torch.save({"master": got, "state": state, "records": [{k: r[k] for k in ("loss", "accuracy", "samples")} for r in records]},
                    os.path.join(out_dir, "result.pt"))
     tr.close()

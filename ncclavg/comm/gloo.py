@@ -171,6 +171,58 @@ class GlooCommunicator(Communicator):
         for out in outputs[1:]:
             out.view(-1).copy_(outputs[0].view(-1))
 
+    # ------------------------------------------------------------------ process-level shards (ZeRO-1)
+    def reduce_scatter_processes(self, tensors: Sequence[torch.Tensor], out: torch.Tensor, *,
+                                 tag: Optional[str] = None, timeout: Optional[float] = None) -> None:
+        """out = this process's 1/world_size shard (rank order) of the mean over every tower of `tensors`
+        (one full buffer per local tower; numel divisible by world_size). The shards are per process, not
+        per tower: ZeRO-1 across processes (ncclavg/train/sharded.py). The local towers' buffers are
+        overwritten (they hold this process's mean afterwards). See Note [Hierarchical CPU average]."""
+        tensors, bufs = self._checked_buffers(tensors, "tensors")
+        limit = self._timeout_arg(timeout)
+        n = tensors[0].numel()
+        if n % self.world_size:
+            raise ValueError(f"tensors: {n} elements is not divisible by the {self.world_size} processes")
+        if not isinstance(out, torch.Tensor) or out.device.type != "cpu" or out.dtype != tensors[0].dtype:
+            raise TypeError(f"out: expected a CPU tensor of dtype {tensors[0].dtype}")
+        if out.numel() != n // self.world_size or not out.is_contiguous():
+            raise ValueError(f"out: expected a contiguous tensor of {n // self.world_size} elements, got "
+                             f"{out.numel()}")
+        what = self._what("reduce_scatter_processes", tensors, tag)
+        if self.local_size > 1:
+            _C.average_(bufs, 0)
+        scale, pre_div, post_div = self._sum_factors()
+        self._scale(bufs[0], scale, pre_div)
+        work = _issue_dist(self, what, self._reduce_scatter, out.view(-1), tensors[0].reshape(-1),
+                           op=self._dist.ReduceOp.SUM, group=self.group, async_op=True)
+        _wait_dist(self, work, limit, what)
+        self._scale(as_buffer(out.view(-1), "out"), 1.0, post_div)
+
+    def all_gather_processes(self, shard: torch.Tensor, outputs: Sequence[torch.Tensor], *,
+                             tag: Optional[str] = None, timeout: Optional[float] = None) -> None:
+        """Every tensor of `outputs` (e.g. one per local tower; world_size * shard.numel() elements each)
+        = every process's `shard` in rank order: the inverse of reduce_scatter_processes."""
+        self._check_open()
+        if not isinstance(shard, torch.Tensor) or shard.device.type != "cpu":
+            raise TypeError("shard: expected a CPU tensor")
+        if isinstance(outputs, torch.Tensor) or not outputs:
+            raise TypeError("outputs: expected a non-empty list of tensors")
+        outputs = list(outputs)
+        for i, o in enumerate(outputs):
+            if not isinstance(o, torch.Tensor) or o.device.type != "cpu" or o.dtype != shard.dtype:
+                raise TypeError(f"outputs[{i}]: expected a CPU tensor of dtype {shard.dtype}")
+            if o.numel() != shard.numel() * self.world_size or not o.is_contiguous():
+                raise ValueError(f"outputs[{i}]: expected a contiguous tensor of {shard.numel() * self.world_size} "
+                                 f"elements, got {o.numel()}")
+        limit = self._timeout_arg(timeout)
+        what = self._what("all_gather_processes", [shard], tag)
+        # the shard may be a view of an output (a tower's own slice): gather from a copy
+        work = _issue_dist(self, what, self._all_gather, outputs[0].view(-1), shard.reshape(-1).clone(),
+                           group=self.group, async_op=True)
+        _wait_dist(self, work, limit, what)
+        for o in outputs[1:]:
+            o.view(-1).copy_(outputs[0].view(-1))
+
     def sum_over_processes(self, values: Sequence[float], *, timeout: Optional[float] = None) -> list:
         self._check_open()
         limit = self._timeout_arg(timeout)

@@ -40,6 +40,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    "cuda:0,cuda:1 or 0,1")
     g.add_argument("--master", choices=("cpu", "device"),
                    help="where the optimizer runs: fp32 master weights on the CPU (default) or on each device")
+    g.add_argument("--shard-master", action="store_true", default=None,
+                   help="under torchrun with CPU towers: split the CPU master weights and optimizer state over "
+                        "the processes (ZeRO-1), each process steps 1/P of them")
     g.add_argument("--amp", choices=("none", "bf16", "fp16"), help="autocast the towers (default none)")
     t = p.add_argument_group("training")
     t.add_argument("--model", choices=("cnn", "mlp"), help="model (default cnn)")
@@ -199,7 +202,8 @@ def _run(args: argparse.Namespace) -> int:
     epochs = _value(args, "epochs")
 
     overrides = {k: getattr(args, k) for k in ("optimizer", "lr", "weight_decay", "momentum", "nesterov",
-                                              "grad_clip", "master", "on_nonfinite") if getattr(args, k) is not None}
+                                              "grad_clip", "master", "on_nonfinite", "shard_master")
+                 if getattr(args, k) is not None}
     if args.amp is not None:
         overrides["amp"] = None if args.amp == "none" else args.amp
     if args.keep_schedule and not args.resume:
@@ -247,7 +251,8 @@ def _run(args: argparse.Namespace) -> int:
         f"{'x'.join(map(str, split.input_shape))}, {split.num_classes} classes)")
     where = (f"{info['towers']} on {','.join(info['devices'])}" if info["processes"] == 1 else
              f"{info['towers']} in {info['processes']} processes ({','.join(info['devices'])} on rank 0)")
-    say(f"towers: {where}; master={info['master']}; "
+    sharded = f" sharded over {info['processes']} processes" if info["shard_master"] else ""
+    say(f"towers: {where}; master={info['master']}{sharded}; "
         f"optimizer={info['optimizer']} lr={trainer.config['lr']:g}; amp={info['amp'] or 'none'}; "
         f"model={_value(args, 'model')} ({info['params']} params, {info['buckets']} bucket"
         f"{'s' if info['buckets'] != 1 else ''})")

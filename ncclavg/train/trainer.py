@@ -90,7 +90,8 @@ class TowerTrainer:
                  seed: int = 0, *, betas: Sequence[float] = (0.9, 0.999), eps: float = 1e-8,
                  first_bucket_mb: float = 1.0, loss_fn: Callable | None = None, concurrent: bool = True,
                  overlap: bool = True, init_loss_scale: float = 2.0 ** 16, on_nonfinite: str = "skip",
-                 replan_schedule: bool = True, comm: Any = None, timeout: float | None = None):
+                 replan_schedule: bool = True, comm: Any = None, timeout: float | None = None,
+                 shard_master: bool = False):
         # Validate everything before touching the model: a bad argument leaves it as it was.
         if not isinstance(model, nn.Module):
             raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
@@ -133,6 +134,11 @@ class TowerTrainer:
             schedule_name(lr_schedule)   # an unknown name fails here, before the model is touched
         if not isinstance(replan_schedule, bool):
             raise TypeError(f"replan_schedule: expected a bool, got {type(replan_schedule).__name__}")
+        if not isinstance(shard_master, bool):
+            raise TypeError(f"shard_master: expected a bool, got {type(shard_master).__name__}")
+        if shard_master and (master != "cpu" or devs[0].type != "cpu"):
+            raise ValueError("shard_master: shards the CPU master weights of CPU towers over the processes; it "
+                             f"needs master='cpu' and CPU towers (got master={master!r}, devices {devs[0].type})")
         if devs[0].type == "cuda":
             from .._ext import cuda_built
 
@@ -170,8 +176,12 @@ class TowerTrainer:
                        "first_bucket_mb": first_bucket_mb, "seed": seed, "betas": betas, "eps": eps,
                        "concurrent": bool(concurrent), "overlap": bool(overlap),
                        "init_loss_scale": float(init_loss_scale), "on_nonfinite": on_nonfinite}
-        # A choice of this run's, not of the training: not saved with the checkpoint.
+        # Choices of this run's, not of the training: not saved with the checkpoint (a sharded run resumes
+        # unsharded and the other way round: Note [Sharded CPU master]).
         self.replan_schedule = replan_schedule
+        self.shard_master = shard_master and self.processes > 1
+        if shard_master and self.processes == 1:
+            log.info("shard_master: one process, nothing to shard; the master weights stay whole")
         self.on_nonfinite = on_nonfinite
         self.nonfinite_steps = 0   # steps skipped for an inf/NaN gradient (fp16 overflows included)
         opt = OptimConfig(optimizer, lr, weight_decay, momentum, bool(nesterov), betas, eps)
@@ -211,6 +221,11 @@ class TowerTrainer:
         if self.master == "device":
             return DeviceMasterEngine(self.tower_params, self.names, self.devices, opt, bucket_cap_mb,
                                       first_bucket_mb, overlap=overlap, check_finite=check, comm=self.comm)
+        if self.shard_master:
+            from .sharded import ShardedCpuMasterEngine  # See Note [Sharded CPU master]
+
+            return ShardedCpuMasterEngine(self.tower_params, self.names, self.devices, opt, bucket_cap_mb,
+                                          first_bucket_mb, comm=self.comm, skip_nonfinite=check or self.amp == "fp16")
         if self.devices[0].type == "cpu":
             return CpuMasterEngine(self.tower_params, self.names, self.devices, opt, bucket_cap_mb,
                                    first_bucket_mb, skip_nonfinite=check or self.amp == "fp16", comm=self.comm)
@@ -236,6 +251,7 @@ class TowerTrainer:
 
     def describe(self) -> dict:
         return {"towers": self.total_towers, "local_towers": self.num_towers, "processes": self.processes,
+                "shard_master": self.shard_master,
                 "devices": [str(d) for d in self.devices], "master": self.master,
                 "optimizer": self.config["optimizer"], "amp": self.amp, "params": self.plan.param_numel,
                 "buckets": len(self.plan.buckets), "bucket_bytes": self.plan.total_bytes,

@@ -95,3 +95,21 @@ def test_batch_smaller_than_all_towers_is_refused(tmp_path):
 
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not available")
+
+
+def test_shard_master_run_matches_unsharded_and_resumes(tmp_path):
+    """--shard-master (Note [Sharded CPU master]) says so in the header and takes the unsharded run's steps:
+    its weights are as far from the unsharded 2 x 2 run as that is from 1 x 4 (another equally valid
+    summation order: the noise floor, measured here; two floors allowed). Its checkpoint is the portable
+    unsharded one: a single process resumes it."""
+    common = ["--model", "mlp", "--batch-size", "48", "--epochs", "2"]
+    out = torchrun(2, "--towers", "2", "--shard-master", "--checkpoint-dir", "s", *common, cwd=tmp_path)
+    assert "master=cpu sharded over 2 processes" in out
+    torchrun(2, "--towers", "2", "--checkpoint-dir", "u", *common, cwd=tmp_path)
+    single("--towers", "4", "--checkpoint-dir", "one", *common, cwd=tmp_path)
+    floor = max(2.0 ** -23, rel_distance(master_of(tmp_path / "u"), master_of(tmp_path / "one")))
+    dist = rel_distance(master_of(tmp_path / "s"), master_of(tmp_path / "u"))
+    assert dist <= 2 * floor, f"relative distance {dist:.3e} > 2 x the noise floor {floor:.3e}"
+    out = single("--towers", "4", "--model", "mlp", "--batch-size", "48", "--epochs", "3", "--resume", "s",
+                 cwd=tmp_path)
+    assert "(step 60, epoch 2)" in out and SUMMARY.findall(out)[0][1] == "3"

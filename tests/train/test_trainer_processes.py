@@ -20,26 +20,28 @@ def _reference(opt_name, data):
                                 opt_name, STEPS)
 
 
-def _run(tmp_path, counts, opt_name, master, data):
+def _run(tmp_path, counts, opt_name, master, data, shard=False):
     run_ranks(workers.train_job, len(counts), args=(counts, OPTIMIZERS[opt_name], master, data, STEPS,
-                                                   str(tmp_path)), timeout_s=240)
+                                                   str(tmp_path), shard), timeout_s=240)
     return torch.load(tmp_path / "result.pt")
 
 
 # Every optimizer and master on 2 x 2; the other shapes (4 x 1, and processes with 1 and 3 towers) with
 # AdamW, the optimizer that amplifies a wrong average most. 4 processes cost ~15 s each on 2 cores.
-CASES = ([((2, 2), opt, master) for opt in OPTIMIZERS for master in ("cpu", "device")] +
-         [(counts, "adamw", master) for counts in ((1, 1, 1, 1), (1, 3)) for master in ("cpu", "device")])
+# shard_master (Note [Sharded CPU master]) with both optimizers on 2 x 2 and with AdamW on 1 + 3.
+CASES = ([((2, 2), opt, master, False) for opt in OPTIMIZERS for master in ("cpu", "device")] +
+         [(counts, "adamw", master, False) for counts in ((1, 1, 1, 1), (1, 3)) for master in ("cpu", "device")] +
+         [((2, 2), opt, "cpu", True) for opt in OPTIMIZERS] + [((1, 3), "adamw", "cpu", True)])
 
 
-@pytest.mark.parametrize("counts,opt_name,master", CASES,
-                         ids=["x".join(map(str, c)) + f"-{o}-{m}" for c, o, m in CASES])
-def test_processes_x_towers_equal_one_process(tmp_path, counts, opt_name, master):
+@pytest.mark.parametrize("counts,opt_name,master,shard", CASES,
+                         ids=["x".join(map(str, c)) + f"-{o}-{m}" + ("-sharded" if sh else "") for c, o, m, sh in CASES])
+def test_processes_x_towers_equal_one_process(tmp_path, counts, opt_name, master, shard):
     """Master weights within two fp32 noise floors of plain full-batch training (Note [Tolerance of
     training equivalence tests]); replicas and the processes' master copies identical bit for bit (checked
     in the workers); the step records sum every process's towers."""
     data = "uneven"
-    result = _run(tmp_path, counts, opt_name, master, data)
+    result = _run(tmp_path, counts, opt_name, master, data, shard)
     want, floor = _reference(opt_name, data)
     assert_params_close(result["master"], want, floor)
     with TowerTrainer(build_model("mlp", seed=0), devices=["cpu"] * sum(counts), master=master,
@@ -52,3 +54,11 @@ def test_processes_x_towers_equal_one_process(tmp_path, counts, opt_name, master
     # numbers, summed in float64 in another order (a few float64 ulps)
     assert rec["loss"] == pytest.approx(first["loss"], rel=1e-12)
     assert len(result["records"]) == STEPS
+    # the checkpoint state is the portable, unsharded one: it loads into a one-process trainer whose
+    # master then holds the same weights and whose next step matches the processes' state
+    with TowerTrainer(build_model("mlp", seed=0), devices=["cpu"] * 2, master=master,
+                      **OPTIMIZERS[opt_name]) as back:
+        back.load_state_dict(result["state"])
+        assert all(torch.equal(a, b) for a, b in zip(back.master_params(), result["master"]))
+        moments = result["state"]["master"]["optimizer"]["state"]
+        assert len(moments) == len(result["master"])   # every parameter's moments came back
