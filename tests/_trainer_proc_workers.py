@@ -56,3 +56,37 @@ def train_job(rank, world, port, counts, hp, master, data, steps, out_dir, shard
         torch.save({"master": got, "state": state, "records": [{k: r[k] for k in ("loss", "accuracy", "samples")} for r in records]},
                    os.path.join(out_dir, "result.pt"))
     tr.close()
+
+
+def trainer_peer_lost(rank, world, port, out_dir, victim, how, timeout):
+    """TowerTrainer over `world` processes (1 CPU tower each) saving a checkpoint every 2 steps; at step 5
+    `victim` SIGKILLs or SIGSTOPs itself. Every survivor reports the error it got and how long it took."""
+    import signal
+    import time
+    import traceback
+
+    from _fault_util import report
+    from ncclavg.train.callbacks import Callback, CheckpointCallback
+    from ncclavg.train.models import build_model
+    from ncclavg.train.trainer import TowerTrainer
+
+    init_rank(rank, world, port, timeout_s=120)   # gloo's own timeout far above ours: ours must fire
+    tr = TowerTrainer(build_model("mlp", seed=0), devices=["cpu"], timeout=timeout, lr=1e-3)
+    t0 = []
+
+    class Die(Callback):
+        def on_step_end(self, trainer, record):
+            if trainer.step == 5:
+                t0.append(time.monotonic())
+                if rank == victim:
+                    os.kill(os.getpid(), signal.SIGKILL if how == "kill" else signal.SIGSTOP)
+
+    saver = CheckpointCallback(os.path.join(out_dir, "ck"), every_epochs=None, every_steps=2)
+    try:
+        tr.fit(digits_loader("even"), epochs=50, callbacks=[saver, Die()])
+        fields = {"type": "no error"}
+    except Exception as e:  # noqa: BLE001 - recorded for the test to judge
+        fields = {"type": type(e).__name__, "msg": str(e), "elapsed": time.monotonic() - t0[0],
+                  "trace": traceback.format_exc()[-1500:]}
+    report(out_dir, rank, **fields)
+    os._exit(1 if fields["type"] != "no error" else 0)
