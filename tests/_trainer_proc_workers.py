@@ -90,3 +90,27 @@ def trainer_peer_lost(rank, world, port, out_dir, victim, how, timeout):
                   "trace": traceback.format_exc()[-1500:]}
     report(out_dir, rank, **fields)
     os._exit(1 if fields["type"] != "no error" else 0)
+
+
+def debug_replicas_job(rank, world, port, out_dir):
+    """NCCLAVG_DEBUG's replica check: silent while the processes agree, CollectiveMismatchError on every
+    process once rank 1's master copy drifted."""
+    from _fault_util import report
+    from ncclavg.errors import CollectiveMismatchError
+    from ncclavg.train.models import build_model
+    from ncclavg.train.trainer import TowerTrainer
+
+    init_rank(rank, world, port)
+    tr = TowerTrainer(build_model("mlp", seed=0), devices=["cpu"], timeout=60)
+    tr.comm.debug = True
+    batches = iter(digits_loader("even"))
+    tr.train_step(next(batches))   # agree: no error
+    if rank == 1:
+        with torch.no_grad():
+            tr.engine.master.flat[0][0] += 1.0
+    try:
+        tr.train_step(next(batches))
+        outcome = "no error"
+    except CollectiveMismatchError as e:
+        outcome = str(e)
+    report(out_dir, rank, outcome=outcome)

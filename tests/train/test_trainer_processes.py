@@ -62,3 +62,13 @@ def test_processes_x_towers_equal_one_process(tmp_path, counts, opt_name, master
         assert all(torch.equal(a, b) for a, b in zip(back.master_params(), result["master"]))
         moments = result["state"]["master"]["optimizer"]["state"]
         assert len(moments) == len(result["master"])   # every parameter's moments came back
+
+
+def test_debug_mode_catches_processes_whose_weights_drift(tmp_path):
+    from _fault_util import read_reports
+
+    run_ranks(workers.debug_replicas_job, 2, args=(str(tmp_path),), timeout_s=120)
+    reports = read_reports(tmp_path, 2)
+    for r in (0, 1):
+        assert "the processes' weights differ after the update" in reports[r]["outcome"], reports[r]
+        assert "ranks 0; 1 agree among themselves only" in reports[r]["outcome"], reports[r]
