@@ -73,6 +73,16 @@ def default_timeout() -> float:
     return value
 
 
+def check_count(n: Any, argname: str) -> int:
+    """A count of towers (>= 1), named `argname` in errors."""
+    if isinstance(n, bool) or not hasattr(n, "__index__"):
+        raise TypeError(f"{argname}: expected an int, got {type(n).__name__}")
+    n = int(n)
+    if n < 1:
+        raise ValueError(f"{argname}: must be >= 1, got {n}")
+    return n
+
+
 def check_timeout(timeout: Any, argname: str = "timeout") -> float:
     if timeout is None:
         return default_timeout()

@@ -25,18 +25,9 @@ import torch
 
 from .._ext import _C
 from ..buffers import as_buffer
-from .base import Communicator, Work, check_timeout
+from .base import Communicator, Work, check_count, check_timeout
 from .dist import _DistWork, _allgather_object_bounded, _debug_allgather_dist, _issue_dist, _wait_dist
 from .liveness import Liveness
-
-
-def _check_towers(towers: Any) -> int:
-    if isinstance(towers, bool) or not hasattr(towers, "__index__"):
-        raise TypeError(f"towers: expected an int (CPU towers in this process), got {type(towers).__name__}")
-    towers = int(towers)
-    if towers < 1:
-        raise ValueError(f"towers: must be >= 1, got {towers}")
-    return towers
 
 
 class GlooCommunicator(Communicator):
@@ -50,7 +41,7 @@ class GlooCommunicator(Communicator):
         import torch.distributed as dist
 
         super().__init__()
-        towers = _check_towers(towers)
+        towers = check_count(towers, "towers")
         self._dist = dist
         self.group = group
         self.rank = dist.get_rank(group)

@@ -38,7 +38,7 @@ import torch
 
 from .._ext import _C, cuda_built
 from ..errors import CommError, CommTimeoutError
-from .base import Communicator, CompletedWork, Work, check_timeout
+from .base import Communicator, CompletedWork, Work, check_count, check_timeout
 
 INLINE_BYTES = 64 * 1024   # per tower; See Note [Small averages run inline]
 MAX_CUDA_TOWERS = 256      # kMaxBuffers of the CUDA average kernel; See Note [Towers sharing one GPU]
@@ -149,15 +149,6 @@ def _tower_device(device: Any) -> torch.device:
     return torch.device("cuda", index)
 
 
-def _check_count(n: Any, argname: str) -> int:
-    if isinstance(n, bool) or not hasattr(n, "__index__"):
-        raise TypeError(f"{argname}: expected an int, got {type(n).__name__}")
-    n = int(n)
-    if n < 1:
-        raise ValueError(f"{argname}: must be >= 1, got {n}")
-    return n
-
-
 class LocalCommunicator(Communicator):
     """`n` towers of one process on one `device`: "cpu" (default; async ops run on one worker thread,
     the core releases the GIL, so they overlap Python work such as the rest of backward) or one GPU
@@ -167,7 +158,7 @@ class LocalCommunicator(Communicator):
 
     def __init__(self, n: int, timeout: Optional[float] = None, *, device: Any = "cpu"):
         super().__init__()
-        n = _check_count(n, "n")
+        n = check_count(n, "n")
         dev = _tower_device(device)
         if dev.type == "cuda" and n > MAX_CUDA_TOWERS:
             raise ValueError(f"n: at most {MAX_CUDA_TOWERS} towers can share one GPU (the average kernel's "

@@ -33,12 +33,12 @@ def test_device_and_devices_together_are_refused():
 
 
 def test_towers_argument_is_checked():
-    from ncclavg.comm.gloo import _check_towers
+    from ncclavg.comm.base import check_count
 
-    assert _check_towers(3) == 3
+    assert check_count(3, "towers") == 3
     with pytest.raises(ValueError, match="towers"):
-        _check_towers(0)
+        check_count(0, "towers")
     with pytest.raises(TypeError, match="towers"):
-        _check_towers(True)
+        check_count(True, "towers")
     with pytest.raises(TypeError, match="towers"):
-        _check_towers(2.5)
+        check_count(2.5, "towers")
