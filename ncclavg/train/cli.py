@@ -39,7 +39,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     g.add_argument("--devices", help="comma-separated tower devices of this process, e.g. cpu,cpu or "
                    "cuda:0,cuda:1 or 0,1")
     g.add_argument("--master", choices=("cpu", "device"),
-                   help="where the optimizer runs: fp32 master weights on the CPU (default) or on each device")
+                   help="where the optimizer runs: fp32 master weights on the CPU (default) or on each device "
+                        "(the default for GPU towers under torchrun)")
     g.add_argument("--shard-master", action="store_true", default=None,
                    help="under torchrun with CPU towers: split the CPU master weights and optimizer state over "
                         "the processes (ZeRO-1), each process steps 1/P of them")
@@ -175,6 +176,7 @@ def _run(args: argparse.Namespace) -> int:
     from . import checkpoint as ckpt
     from .callbacks import CheckpointCallback, EpochPrinter, MetricsLogger, PlotCallback, ProgressCallback
     from .data import TensorLoader
+    from .distributed import launched_with_processes
     from .models import build_model
     from .trainer import TowerTrainer
 
@@ -204,6 +206,8 @@ def _run(args: argparse.Namespace) -> int:
     overrides = {k: getattr(args, k) for k in ("optimizer", "lr", "weight_decay", "momentum", "nesterov",
                                               "grad_clip", "master", "on_nonfinite", "shard_master")
                  if getattr(args, k) is not None}
+    if args.master is None and devices[0].type == "cuda" and launched_with_processes():
+        overrides["master"] = "device"   # the CPU-master pipeline for GPU towers runs in one process only
     if args.amp is not None:
         overrides["amp"] = None if args.amp == "none" else args.amp
     if args.keep_schedule and not args.resume:
