@@ -7,7 +7,9 @@ to a bandwidth measured in the same run (bench/gpu_check.sh runs this; it also r
   pack       ops.pack_/unpack_ of 1000 gradients (100..100k elements) vs torch flatten / unflatten+copy
   allreduce  NcclComm.all_reduce_avg over every visible device: time, algbw, busbw (nccl-tests style:
              busbw = algbw * 2(n-1)/n), #wrong from exact inputs, vs torch.distributed NCCL (one
-             process, one device) and cupy.cuda.nccl when importable
+             process, one device) and cupy.cuda.nccl when importable. Two ncclavg rows: the default
+             collectives (blocking after the bounded init, where NCCL allows) and
+             NCCLAVG_NCCL_COLLECTIVES=nonblocking, each with the mode it really ran in
   pinned     pinned host <-> device copies at bucket sizes vs the peak of the same direction
 
 Medians after warm-up; GPU time from CUDA events, host latency from a monotonic clock. Writes JSON
@@ -17,6 +19,7 @@ Medians after warm-up; GPU time from CUDA events, host latency from a monotonic 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -32,6 +35,8 @@ if (ROOT / "ncclavg" / "__init__.py").exists() and str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # benchmark the checkout this script belongs to
 UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 SECTIONS = ("copy", "average", "pack", "allreduce", "pinned")
+# See Note [Blocking collectives after a bounded init] in csrc/cuda/comm_init.cpp
+MODE_ENV = "NCCLAVG_NCCL_COLLECTIVES"
 
 
 def parse_size(text: str) -> int:
@@ -197,15 +202,50 @@ def bench_pack(torch, a, res, copy_bw):
                             "speedup_vs_torch": theirs / ours})
 
 
+@contextlib.contextmanager
+def env_var(name, value):
+    """os.environ[name] = value inside the block (the core reads it with getenv), restored after."""
+    old = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = old
+
+
 def bench_allreduce(torch, a, res):
     from ncclavg import _ext
-    from ncclavg.buffers import as_buffers
 
     n = torch.cuda.device_count()
     NcclComm = _ext.nccl_comm_class()
     comm = NcclComm.init_all(list(range(n)), 120.0)
     res["n"] = n
     res["nccl"] = _ext.nccl_info()["version"]
+    res["collective_mode"] = comm.collective_mode
+    res["collective_mode_reason"] = comm.collective_mode_reason
+    # The same collectives on non-blocking communicators, side by side: what the blocking split saves.
+    comms = {"ncclavg": comm}
+    try:
+        with env_var(MODE_ENV, "nonblocking"):
+            comms["ncclavg nonblocking"] = NcclComm.init_all(list(range(n)), 120.0)
+        res["nonblocking_collective_mode"] = comms["ncclavg nonblocking"].collective_mode
+        res["nonblocking_collective_mode_reason"] = comms["ncclavg nonblocking"].collective_mode_reason
+    except Exception as e:  # recorded, not fatal: the default row still runs
+        res.setdefault("peer_errors", {})["ncclavg nonblocking"] = f"{type(e).__name__}: {e}"
+    try:
+        allreduce_rows(torch, a, res, n, comms)
+    finally:
+        for c in comms.values():
+            c.destroy()
+    torch.cuda.empty_cache()
+
+
+def allreduce_rows(torch, a, res, n, comms):
+    from ncclavg.buffers import as_buffers
+
     factor = 2 * (n - 1) / n
     streams = [int(torch.cuda.current_stream(d).cuda_stream) for d in range(n)]
 
@@ -234,23 +274,27 @@ def bench_allreduce(torch, a, res):
 
     for size in a.sizes:
         count = max(1, size // 4)
-        ts = [torch.full((count,), 2.0 * (d + 1), device=f"cuda:{d}") for d in range(n)]
+        ts = [torch.empty((count,), device=f"cuda:{d}") for d in range(n)]
         bufs = as_buffers(ts)
-        # #wrong: one fresh exact all-reduce (2, 4, ..., 2n average to n + 1 exactly for SUM+divide and
-        # for power-of-two n; a 1/n pre-multiply may round, hence the relative slack)
-        comm.all_reduce_avg(bufs, streams)
-        comm.wait()
-        wrong = sum(int((t - (n + 1)).abs().gt(1e-6 * (n + 1)).sum().item()) for t in ts)
-
-        def ours():
+        for name, comm in comms.items():
+            # #wrong: one fresh exact all-reduce (2, 4, ..., 2n average to n + 1 exactly for SUM+divide and
+            # for power-of-two n; a 1/n pre-multiply may round, hence the relative slack)
+            for d, t in enumerate(ts):
+                t.fill_(2.0 * (d + 1))
             comm.all_reduce_avg(bufs, streams)
+            comm.wait()
+            wrong = sum(int((t - (n + 1)).abs().gt(1e-6 * (n + 1)).sum().item()) for t in ts)
 
-        t_batch = host_us(ours, comm.wait, a.iters, a.warmup, batched=True)
-        t_lat = host_us(ours, comm.wait, a.iters, a.warmup, batched=False)
-        algbw = size / (t_batch * 1e-6) / 1e9
-        res["rows"].append({"contender": "ncclavg", "size_bytes": count * 4, "count": count, "n": n,
-                            "time_us": t_batch, "latency_us": t_lat, "algbw_gbps": algbw,
-                            "busbw_gbps": algbw * factor, "wrong": wrong, "redop": comm.reduction(0)})
+            def ours(comm=comm):
+                comm.all_reduce_avg(bufs, streams)
+
+            t_batch = host_us(ours, comm.wait, a.iters, a.warmup, batched=True)
+            t_lat = host_us(ours, comm.wait, a.iters, a.warmup, batched=False)
+            algbw = size / (t_batch * 1e-6) / 1e9
+            res["rows"].append({"contender": name, "size_bytes": count * 4, "count": count, "n": n,
+                                "time_us": t_batch, "latency_us": t_lat, "algbw_gbps": algbw,
+                                "busbw_gbps": algbw * factor, "wrong": wrong, "redop": comm.reduction(0),
+                                "collective_mode": comm.collective_mode})
         for name, peer in peers.items():
             if name == "torch.distributed":
                 dist = peer
@@ -258,12 +302,12 @@ def bench_allreduce(torch, a, res):
                 fn = (lambda: dist.all_reduce(ts[0], op=op)) if op is not None else \
                     (lambda: (dist.all_reduce(ts[0]), ts[0].div_(n)))
             else:
-                cnccl, comms = peer
+                cnccl, ccomms = peer
                 cop = getattr(cnccl, "NCCL_AVG", None)
 
-                def fn(cnccl=cnccl, comms=comms, cop=cop):
+                def fn(cnccl=cnccl, ccomms=ccomms, cop=cop):
                     cnccl.groupStart()
-                    for d, c in enumerate(comms):
+                    for d, c in enumerate(ccomms):
                         c.allReduce(ts[d].data_ptr(), ts[d].data_ptr(), count, cnccl.NCCL_FLOAT32,
                                     cop if cop is not None else cnccl.NCCL_SUM, streams[d])
                     cnccl.groupEnd()
@@ -279,8 +323,6 @@ def bench_allreduce(torch, a, res):
             except Exception as e:
                 res.setdefault("peer_errors", {})[name] = f"{type(e).__name__}: {e}"
         del ts, bufs
-    comm.destroy()
-    torch.cuda.empty_cache()
 
 
 def bench_pinned(torch, a, res):
@@ -336,7 +378,7 @@ def table(doc) -> str:
             continue
         for r in sec["rows"]:
             if name == "allreduce":
-                lines.append(f"  {name:<10} {r['contender']:<18} {r['size_bytes']:>11} B  {r['time_us']:9.1f} us  "
+                lines.append(f"  {name:<10} {r['contender']:<20} {r['size_bytes']:>11} B  {r['time_us']:9.1f} us  "
                              f"lat {r['latency_us']:9.1f} us  busbw {r['busbw_gbps']:7.2f} GB/s"
                              + (f"  #wrong {r['wrong']}" if "wrong" in r else ""))
             else:
@@ -354,7 +396,8 @@ def plan(a):
         "copy": f"d2d copy of {a.copy_size} B",
         "average": f"average_ of N={a.towers} buffers of {a.average_size} B, float32+bfloat16, vs torch",
         "pack": "pack_/unpack_ of 1000 grads (100..100k elements) vs torch flatten/unflatten",
-        "allreduce": f"all_reduce_avg sizes {a.sizes} B over all visible devices vs torch.distributed, cupy",
+        "allreduce": f"all_reduce_avg sizes {a.sizes} B over all visible devices, default and {MODE_ENV}="
+                     "nonblocking collectives, vs torch.distributed, cupy",
         "pinned": f"pinned h2d/d2h at 1M, 4M, 25M, {a.copy_size} B vs peak",
     }
 

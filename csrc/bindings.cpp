@@ -320,6 +320,12 @@ PYBIND11_MODULE(_C, m) {
              return NcclCommHolder(NcclComm::init_rank(unique_id, nranks, rank, device, timeout_s).release());
            }, py::arg("unique_id"), py::arg("nranks"), py::arg("rank"), py::arg("device"), py::arg("timeout_s"),
            Release(), "One rank of a multi-process communicator.")
+      .def_static("init_ranks", [](const std::string& unique_id, int nranks, int first_rank,
+                                   const std::vector<int>& devices, double timeout_s) {
+             return NcclCommHolder(NcclComm::init_ranks(unique_id, nranks, first_rank, devices, timeout_s).release());
+           }, py::arg("unique_id"), py::arg("nranks"), py::arg("first_rank"), py::arg("devices"), py::arg("timeout_s"),
+           Release(), "This process's towers of a multi-process communicator: ranks first_rank.. on `devices`, in one "
+           "group (ranks numbered process-major).")
       .def_property_readonly("size", &NcclComm::size)
       .def_property_readonly("local_size", &NcclComm::local_size)
       .def_property_readonly("rank", &NcclComm::rank)

@@ -9,6 +9,11 @@ Prints one JSON line: {"rank", "ok", "failures": [...], ...}. Modes:
                NCCL_MULTI_RANK_GPU_ENABLE=1); exact average bit for bit, every dtype
   no_context   a single-rank communicator on --device from a thread that never chose a device: no CUDA
                context may appear on any other GPU (the device guard must not "restore" device 0)
+  process_towers  process --rank of --nranks processes (gloo on 127.0.0.1:--port carries the store):
+               Communicator.from_torch_distributed(devices=--devices), one NCCL communicator over every
+               tower of every process (--counts: each process's tower count); all_reduce_avg against the
+               float64 mean, reduce_scatter_avg / all_gather in global tower order, the process-level
+               helpers, the debug-mode sequence check
 """
 from __future__ import annotations
 
@@ -21,14 +26,39 @@ import traceback
 import numpy as np
 
 
+
+def _check_mean(failures, n, got, want, absmax, dtype, what, exact):
+    """Appends to `failures` where `got` is not the mean `want` of n towers: bit for bit when `exact`,
+    else within the bound of _gpu.assert_close_to_mean: one rounding of the result, n of partial sums and
+    the 1/n pre-multiply, each within one ulp (eps) of its magnitude or half a subnormal spacing."""
+    import torch
+    from _gpu import HALF_SUBNORMAL, eps
+
+    g = got.detach().float().cpu().double().numpy()
+    if exact:
+        w = torch.from_numpy(want).to(getattr(torch, dtype)).float().double().numpy()
+        if not np.array_equal(g, w):
+            i = int(np.flatnonzero(g != w)[0])
+            failures.append(f"{what}: element {i} is {g[i]!r}, want exactly {w[i]!r}")
+        return
+    e = eps(dtype)
+    bad = np.flatnonzero(np.abs(g - want) > e * np.abs(want) + (n + 2) * (e * absmax + HALF_SUBNORMAL[dtype]))
+    if bad.size:
+        i = int(bad[0])
+        failures.append(f"{what}: {bad.size} elements off, first {i}: {g[i]!r} vs {want[i]!r}")
+
 def main() -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("--mode", required=True, choices=["collectives", "hang", "never_joins", "towers", "no_context"])
+    p.add_argument("--mode", required=True,
+                   choices=["collectives", "hang", "never_joins", "towers", "no_context", "process_towers"])
     p.add_argument("--uid", default="", help="hex of the 128-byte unique id")
     p.add_argument("--nranks", type=int, default=1)
     p.add_argument("--rank", type=int, default=0)
     p.add_argument("--device", type=int, default=0)
     p.add_argument("--timeout", type=float, default=60.0)
+    p.add_argument("--devices", default="", help="process_towers: this process's CUDA devices, e.g. 0,0")
+    p.add_argument("--counts", default="", help="process_towers: every process's tower count, e.g. 2,1")
+    p.add_argument("--port", type=int, default=0, help="process_towers: rank 0's TCP store port")
     a = p.parse_args()
     out = {"rank": a.rank, "ok": False, "failures": []}
     try:
@@ -37,6 +67,10 @@ def main() -> int:
     except Exception as e:  # reported to the parent test, which fails with it
         out["failures"].append(f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
     print(json.dumps(out), flush=True)
+    if a.mode == "process_towers":   # out without torch's gloo teardown: Note [Gloo teardown] in comm/dist.py
+        from ncclavg.comm import end_process
+
+        end_process(0)
     return 0
 
 
@@ -54,6 +88,9 @@ def run(a, out):
     torch.cuda.set_device(a.device)
     if a.mode == "towers":
         towers(a, out)
+        return
+    if a.mode == "process_towers":
+        process_towers(a, out)
         return
     if a.mode == "never_joins":
         t0 = time.monotonic()
@@ -99,26 +136,13 @@ def run(a, out):
         return
 
     sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
-    from _gpu import DTYPE_CODE, HALF_SUBNORMAL, eps, exact_rank_inputs
+    from _gpu import DTYPE_CODE, exact_rank_inputs
 
     n, r = comm.size, comm.rank
     out["size"], out["ranks"], out["reduction"] = n, comm.ranks, {}
 
     def check(got, want, absmax, dtype, what, exact):
-        g = got.detach().float().cpu().double().numpy()
-        if exact:
-            w = torch.from_numpy(want).to(getattr(torch, dtype)).float().double().numpy()
-            if not np.array_equal(g, w):
-                i = int(np.flatnonzero(g != w)[0])
-                out["failures"].append(f"{what}: element {i} is {g[i]!r}, want exactly {w[i]!r}")
-            return
-        # The bound of _gpu.assert_close_to_mean: one rounding of the result, n of partial sums and the 1/n
-        # pre-multiply, each within one ulp (eps) of its magnitude or half a subnormal spacing.
-        e = eps(dtype)
-        bad = np.flatnonzero(np.abs(g - want) > e * np.abs(want) + (n + 2) * (e * absmax + HALF_SUBNORMAL[dtype]))
-        if bad.size:
-            i = int(bad[0])
-            out["failures"].append(f"{what}: {bad.size} elements off, first {i}: {g[i]!r} vs {want[i]!r}")
+        _check_mean(out["failures"], n, got, want, absmax, dtype, what, exact)
 
     for dtype in ("float32", "float16", "bfloat16"):
         if dtype == "bfloat16" and comm.nccl_version < 21000:
@@ -202,6 +226,102 @@ def towers(a, out):
                 if why and (n & (n - 1)) == 0:   # 1/n pre-multiplies are exact only for powers of two
                     out["failures"].append(f"{dtype} {size} tower {r}: {why}")
     comm.close()
+
+
+def process_towers(a, out):
+    """One process of a communicator over the CUDA towers of several processes (init_ranks / init_rank)."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    import ncclavg
+
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
+    from _gpu import DTYPE_CODE, exact_rank_inputs
+
+    devs = [int(d) for d in a.devices.split(",")]
+    counts = [int(c) for c in a.counts.split(",")]
+    offset, n = sum(counts[:a.rank]), sum(counts)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{a.port}", rank=a.rank, world_size=a.nranks,
+                            timeout=datetime.timedelta(seconds=a.timeout))
+    comm = ncclavg.Communicator.from_torch_distributed(devices=[f"cuda:{d}" for d in devs], timeout=a.timeout)
+    out.update(size=comm.size, local_size=comm.local_size, tower_offset=comm.tower_offset,
+               tower_counts=comm.tower_counts, mode=comm.collective_mode, backend=comm.backend)
+    want = ("nccl", n, len(devs), a.rank, a.nranks, offset, counts, [f"cuda:{d}" for d in devs])
+    got = (comm.backend, comm.size, comm.local_size, comm.rank, comm.world_size, comm.tower_offset,
+           comm.tower_counts, comm.devices)
+    if got != want:
+        out["failures"].append(f"(backend, size, local_size, rank, world_size, tower_offset, tower_counts, devices) "
+                               f"is {got}, want {want}")
+        return
+
+    def mine(rows, dt):
+        """This process's towers' rows of an all-towers array, one tensor per local device."""
+        return [torch.from_numpy(rows[offset + t]).to(dt).to(f"cuda:{d}") for t, d in enumerate(devs)]
+
+    def check(got, want, absmax, dtype, what, exact):
+        _check_mean(out["failures"], n, got, want, absmax, dtype, what, exact)
+
+    for dtype in ("float32", "float16", "bfloat16"):
+        if dtype == "bfloat16" and comm.nccl_version < 21000:
+            continue
+        dt = getattr(torch, dtype)
+        # exact inputs give the mean bit for bit unless a rounded 1/n pre-multiply (ncclAvg for a
+        # non-power-of-two n) is in the way: See Note [Choosing the reduction] in comm_collectives.cpp
+        exact_ok = (n & (n - 1)) == 0 or "divide" in comm._handle.reduction(DTYPE_CODE[dtype])
+        out.setdefault("reduction", {})[dtype] = comm._handle.reduction(DTYPE_CODE[dtype])
+        for size in (1, 7, 4097, 1_000_003):
+            x = exact_rank_inputs(n, size, seed=size)
+            ts = mine(x, dt)
+            comm.all_reduce_avg(ts, tag=f"exact {dtype} {size}")
+            for t, tensor in enumerate(ts):
+                check(tensor, x.mean(axis=0), np.abs(x).max(axis=0), dtype, f"exact {dtype} {size} tower {t}",
+                      exact_ok)
+            # fresh random inputs, every process drawing all towers' rows from one seed
+            g = torch.Generator().manual_seed(size)
+            xs = torch.stack([(torch.randn(size, generator=g) * 2).to(dt) for _ in range(n)]).double().numpy()
+            ts = mine(xs, dt)
+            comm.all_reduce_avg(ts, tag=f"random {dtype} {size}")
+            for t, tensor in enumerate(ts):
+                check(tensor, xs.mean(axis=0), np.abs(xs).max(axis=0), dtype, f"random {dtype} {size} tower {t}",
+                      False)
+        # reduce-scatter: local tower t gets the mean of shard offset + t (global tower order); all-gather back
+        shard = 4097
+        x = exact_rank_inputs(n, n * shard, seed=3)
+        mean, absmax = x.mean(axis=0), np.abs(x).max(axis=0)
+        fulls = mine(x, dt)
+        parts = [torch.empty(shard, dtype=dt, device=f"cuda:{d}") for d in devs]
+        comm.reduce_scatter_avg(fulls, parts, tag=f"reduce_scatter {dtype}")
+        for t, part in enumerate(parts):
+            g_ = offset + t
+            sl = slice(g_ * shard, (g_ + 1) * shard)
+            check(part, mean[sl], absmax[sl], dtype, f"reduce_scatter {dtype} tower {t}", False)
+        gathered = [torch.empty(n * shard, dtype=dt, device=f"cuda:{d}") for d in devs]
+        comm.all_gather(parts, gathered, tag=f"all_gather {dtype}")
+        for t, full in enumerate(gathered):
+            check(full, mean, absmax, dtype, f"all_gather {dtype} tower {t}", False)
+    torch.cuda.synchronize()
+
+    # the debug-mode sequence check gathers one record per tower and must pick one per process
+    comm.debug = True
+    ts = [torch.ones(1024, device=f"cuda:{d}") for d in devs]
+    comm.all_reduce_avg(ts, tag="debug", debug_key=(1, 0, 12345))
+    comm.debug = False
+    if not all(bool(torch.all(t == 1).item()) for t in ts):
+        out["failures"].append("debug-mode all_reduce_avg of ones is not ones")
+    # the process-level helpers the trainer uses on every communicator
+    if comm.allgather_object(a.rank) != list(range(a.nranks)):
+        out["failures"].append("allgather_object is not every process's rank in order")
+    if comm.sum_over_processes([1.0, a.rank]) != [float(a.nranks), float(sum(range(a.nranks)))]:
+        out["failures"].append("sum_over_processes is not the sum over processes")
+    w = [torch.full((5,), float(a.rank), device=f"cuda:{devs[0]}"), torch.full((3,), float(a.rank))]
+    comm.broadcast_tensors(w)
+    if any(bool(torch.any(t != 0).item()) for t in w):
+        out["failures"].append("broadcast_tensors did not give every process rank 0's tensors")
+    comm.wait()
+    comm.close()
+    dist.barrier()
 
 
 def primary_context_active(device: int) -> bool:

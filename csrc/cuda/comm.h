@@ -51,6 +51,13 @@ class NcclComm {
   // One rank of a multi-process communicator; `unique_id` is the 128 bytes of rank 0's nccl_unique_id().
   static std::unique_ptr<NcclComm> init_rank(const std::string& unique_id, int nranks, int rank, int device,
                                              double timeout_s);
+  // Several ranks of a multi-process communicator: this process's towers, one rank per entry of
+  // `devices`, ranks first_rank .. first_rank + devices.size() - 1 (the caller numbers them process-major:
+  // first_rank = the towers of the processes before this one). Every process calls it with the same
+  // `unique_id` and `nranks` (the towers of all processes). The local ranks start in ONE group, like
+  // init_all, and follow its rule for a device listed twice; init_rank is the one-device case.
+  static std::unique_ptr<NcclComm> init_ranks(const std::string& unique_id, int nranks, int first_rank,
+                                              const std::vector<int>& devices, double timeout_s);
   // A fresh ncclUniqueId (128 bytes) for init_rank.
   static std::string unique_id();
 
@@ -60,7 +67,9 @@ class NcclComm {
 
   int size() const { return size_; }              // ranks in the communicator (all processes)
   int local_size() const { return static_cast<int>(devices_.size()); }
-  int rank() const { return process_rank_; }       // this process's rank (0 for init_all)
+  // The communicator rank of this process's first device: 0 for init_all, the process's rank for
+  // init_rank, first_rank for init_ranks.
+  int rank() const { return process_rank_; }
   const std::vector<int>& ranks() const { return ranks_; }    // communicator rank of each local device
   const std::vector<int>& devices() const { return devices_; }
   int nccl_version() const { return version_; }
@@ -119,6 +128,11 @@ class NcclComm {
   NcclComm() = default;
   static std::unique_ptr<NcclComm> create(const std::vector<int>& devices, int process_rank,
                                           double timeout_s);
+  // init_rank / init_ranks once their arguments are checked: ranks first_rank, first_rank + 1, ... on
+  // `devices`, in one group.
+  static std::unique_ptr<NcclComm> init_process_ranks(const ncclUniqueId& id, int nranks, int first_rank,
+                                                      const std::vector<int>& devices, double timeout_s,
+                                                      bool want_blocking, const std::string& what);
   void init_comms(const ncclUniqueId& id, int nranks, const std::vector<int>& comm_ranks, bool want_blocking,
                   const std::string& what);
 

@@ -15,8 +15,8 @@ namespace nccl {
 // hangs the others forever, and nothing can interrupt the call. Since NCCL 2.14 a communicator made
 // with ncclCommInitRankConfig and config.blocking = 0 returns at once (ncclInProgress) and finishes
 // its init on NCCL's own thread; ncclCommGetAsyncError reports ncclInProgress until it is done, then
-// ncclSuccess or the error. So init_all / init_rank start the init (all local devices in ONE
-// ncclGroupStart/End, as ncclCommInitAll does internally) and poll the state with a deadline. On the
+// ncclSuccess or the error. So init_all / init_rank / init_ranks start the init (all local devices in
+// ONE ncclGroupStart/End, as ncclCommInitAll does internally) and poll the state with a deadline. On the
 // deadline, ncclCommAbort sets the communicator's abort flag, which NCCL's bootstrap and kernels poll:
 // the init thread (or a collective stuck on the device) gives up, and abort frees the communicator
 // without waiting for the peers. The same flag is how wait() recovers from a collective that a dead
@@ -109,6 +109,21 @@ void check_repeated_devices(const std::vector<int>& devices) {
   }
 }
 
+// Every entry a visible device; a repeated one only where NCCL allows several ranks on one GPU.
+void check_local_devices(const std::vector<int>& devices) {
+  const int count = visible_device_count();
+  for (size_t i = 0; i < devices.size(); ++i) check_device(devices[i], count, "devices[" + std::to_string(i) + "]");
+  check_repeated_devices(devices);
+}
+
+ncclUniqueId checked_unique_id(const std::string& unique_id) {
+  NCCLAVG_CHECK_ARG(unique_id.size() == sizeof(ncclUniqueId), "unique_id", "must be the ", sizeof(ncclUniqueId),
+                    " bytes of nccl_unique_id(), got ", unique_id.size(), " bytes");
+  ncclUniqueId id;
+  std::copy(unique_id.begin(), unique_id.end(), id.internal);
+  return id;
+}
+
 }  // namespace
 
 // ---- creation --------------------------------------------------------------------------------------
@@ -143,9 +158,7 @@ std::unique_ptr<NcclComm> NcclComm::init_all(const std::vector<int>& devices, do
   NCCLAVG_CHECK_ARG(!devices.empty(), "devices", "needs at least one CUDA device ordinal, got an empty list");
   const bool want_blocking = blocking_requested();
   const Api& a = api();  // NcclError with the install hint when NCCL is missing
-  const int count = visible_device_count();
-  for (size_t i = 0; i < devices.size(); ++i) check_device(devices[i], count, "devices[" + std::to_string(i) + "]");
-  check_repeated_devices(devices);
+  check_local_devices(devices);
   auto c = create(devices, 0, timeout_s);
   ncclUniqueId id;
   NCCLAVG_NCCL_CHECK(a.GetUniqueId(&id), nullptr);
@@ -159,23 +172,49 @@ std::unique_ptr<NcclComm> NcclComm::init_all(const std::vector<int>& devices, do
 std::unique_ptr<NcclComm> NcclComm::init_rank(const std::string& unique_id, int nranks, int rank, int device,
                                               double timeout_s) {
   checked_timeout(timeout_s, "timeout_s");
-  NCCLAVG_CHECK_ARG(unique_id.size() == sizeof(ncclUniqueId), "unique_id", "must be the ", sizeof(ncclUniqueId),
-                    " bytes of nccl_unique_id(), got ", unique_id.size(), " bytes");
+  const ncclUniqueId id = checked_unique_id(unique_id);
   NCCLAVG_CHECK_ARG(nranks >= 1, "nranks", "must be >= 1, got ", nranks);
   NCCLAVG_CHECK_ARG(rank >= 0 && rank < nranks, "rank", "must be in [0, nranks) = [0, ", nranks, "), got ", rank);
   const bool want_blocking = blocking_requested();
   api();
   check_device(device, visible_device_count(), "device");
-  // This process's rank lives on `device`: make it the calling thread's device when the thread has not
-  // chosen one (NCCL's examples do cudaSetDevice before ncclCommInitRank). A thread that already chose a
-  // device keeps it. See Note [Device guard without a current context] in device_guard.cpp.
-  if (cuda::current_device_or_none() < 0) NCCLAVG_CUDA_CHECK(cudaSetDevice(device));
-  auto c = create({device}, rank, timeout_s);
-  ncclUniqueId id;
-  std::copy(unique_id.begin(), unique_id.end(), id.internal);
-  c->init_comms(id, nranks, {rank}, want_blocking,
-                "NCCL init of rank " + std::to_string(rank) + " of " + std::to_string(nranks) + " on cuda:" +
-                    std::to_string(device) + " (does every rank call init_rank with the same unique id?)");
+  return init_process_ranks(id, nranks, rank, {device}, timeout_s, want_blocking,
+                            "NCCL init of rank " + std::to_string(rank) + " of " + std::to_string(nranks) +
+                                " on cuda:" + std::to_string(device) +
+                                " (does every rank call init_rank with the same unique id?)");
+}
+
+std::unique_ptr<NcclComm> NcclComm::init_ranks(const std::string& unique_id, int nranks, int first_rank,
+                                               const std::vector<int>& devices, double timeout_s) {
+  checked_timeout(timeout_s, "timeout_s");
+  const ncclUniqueId id = checked_unique_id(unique_id);
+  NCCLAVG_CHECK_ARG(!devices.empty(), "devices", "needs at least one CUDA device ordinal, got an empty list");
+  NCCLAVG_CHECK_ARG(nranks >= 1, "nranks", "must be >= 1, got ", nranks);
+  const long long last = static_cast<long long>(first_rank) + static_cast<long long>(devices.size()) - 1;
+  NCCLAVG_CHECK_ARG(first_rank >= 0 && last < nranks, "first_rank", "ranks ", first_rank, "..", last, " (one per "
+                    "device) must lie in [0, nranks) = [0, ", nranks, "), got first_rank ", first_rank, " with ",
+                    devices.size(), " device(s)");
+  const bool want_blocking = blocking_requested();
+  api();
+  check_local_devices(devices);
+  return init_process_ranks(id, nranks, first_rank, devices, timeout_s, want_blocking,
+                            "NCCL init of ranks " + std::to_string(first_rank) + ".." + std::to_string(last) +
+                                " of " + std::to_string(nranks) + " on devices " + list_string(devices) +
+                                " (does every process call init_ranks with the same unique id and nranks, "
+                                "and ranks numbered process-major?)");
+}
+
+std::unique_ptr<NcclComm> NcclComm::init_process_ranks(const ncclUniqueId& id, int nranks, int first_rank,
+                                                       const std::vector<int>& devices, double timeout_s,
+                                                       bool want_blocking, const std::string& what) {
+  // This process's (first) rank lives on devices[0]: make it the calling thread's device when the thread
+  // has not chosen one (NCCL's examples do cudaSetDevice before ncclCommInitRank). A thread that already
+  // chose a device keeps it. See Note [Device guard without a current context] in device_guard.cpp.
+  if (cuda::current_device_or_none() < 0) NCCLAVG_CUDA_CHECK(cudaSetDevice(devices[0]));
+  auto c = create(devices, first_rank, timeout_s);
+  std::vector<int> ranks(devices.size());
+  for (size_t i = 0; i < ranks.size(); ++i) ranks[i] = first_rank + static_cast<int>(i);
+  c->init_comms(id, nranks, ranks, want_blocking, what);
   return c;
 }
 

@@ -4,11 +4,24 @@ The core owns one NCCL communicator and one comm stream per local device; each c
 event) for the caller's current stream, runs as ONE grouped NCCL call, and the caller's streams are then
 made to wait for it, so nothing synchronises the host. Host-side waits (Work.wait) are bounded: on
 timeout the core aborts the communicator and raises CommTimeoutError.
+
+Note [GPU towers of several processes]
+Under torch.distributed, every CUDA tower of every process is one rank of ONE NCCL communicator (DESIGN
+5c), whether a process feeds one tower (init_rank) or several (init_ranks): the average of a bucket is
+one NCCL collective over all towers, with no second, per-process stage. Ranks are numbered process-major:
+process p's T_p towers are ranks offset_p .. offset_p + T_p - 1, offset_p = T_0 + ... + T_(p-1), the
+global tower numbering of the gloo backend (Note [Hierarchical CPU average] in gloo.py), so
+reduce_scatter_avg's shard of local tower t is shard offset_p + t on both backends. The tower counts
+travel through the default store together with rank 0's NCCL unique id (one key per process, every
+wait bounded by the timeout), before any NCCL call. init_rank is init_ranks with one device, so
+processes with one tower and processes with several build the same communicator.
 """
 from __future__ import annotations
 
+import datetime
 import itertools
 import os
+import time
 from typing import Any, Mapping, Optional, Sequence
 
 import torch
@@ -76,6 +89,95 @@ def _check_repeated_devices(ids: list, env: Mapping[str, str]) -> None:
             return
 
 
+def process_major_ranks(tower_counts: Sequence[int], rank: int) -> tuple:
+    """(size, first): the NCCL ranks of a communicator over every tower of every process, when process p
+    feeds tower_counts[p] towers. size = all towers; process `rank`'s towers are the ranks first ..
+    first + tower_counts[rank] - 1, first = the towers of the processes before it. See Note [GPU towers
+    of several processes]."""
+    counts = []
+    for p, c in enumerate(tower_counts):
+        if isinstance(c, bool) or not isinstance(c, int):
+            raise TypeError(f"tower_counts[{p}]: expected an int, got {type(c).__name__}")
+        if c < 1:
+            raise ValueError(f"tower_counts[{p}]: every process feeds at least one tower, got {c}")
+        counts.append(c)
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < len(counts):
+        raise ValueError(f"rank: expected a process rank in [0, {len(counts)}), got {rank!r}")
+    return sum(counts), sum(counts[:rank])
+
+
+def _check_cuda_devices(devices: Any) -> list:
+    """`devices` of init_ranks: a non-empty list of CUDA devices (ordinals, 'cuda:N', torch.device). Checked
+    before anything needs NCCL or a GPU, so a wrong list is a ValueError / TypeError on any machine."""
+    if isinstance(devices, (str, int, torch.device)) or not hasattr(devices, "__len__") or len(devices) == 0:
+        raise ValueError(f"devices: expected a non-empty list of this process's CUDA devices, got {devices!r}")
+    devices = list(devices)
+    kinds = []
+    for i, d in enumerate(devices):
+        if isinstance(d, bool):
+            raise TypeError(f"devices[{i}]: expected a CUDA device ordinal or 'cuda:N', got {d!r}")
+        if isinstance(d, int):
+            kinds.append("cuda")
+            continue
+        try:
+            kinds.append(torch.device(d).type)
+        except (RuntimeError, TypeError):
+            raise TypeError(f"devices[{i}]: expected a CUDA device ordinal or 'cuda:N', got {d!r}") from None
+    if len(set(kinds)) > 1:
+        raise ValueError(f"devices: mixes {' and '.join(sorted(set(kinds)))} towers ({[str(d) for d in devices]}); "
+                         "the towers of an nccl communicator are all CUDA devices")
+    if kinds[0] != "cuda":
+        raise ValueError(f"devices[0]: {devices[0]} is not a CUDA device; the nccl backend runs CUDA towers (CPU "
+                         "towers: the gloo backend, from_torch_distributed(devices=['cpu'] * n))")
+    return devices
+
+
+def _exchange_through_store(store: Any, key: str, rank: int, world: int, towers: int, timeout: float,
+                            make_uid: Any) -> tuple:
+    """(uid, tower_counts): rank 0 publishes a fresh NCCL unique id (`make_uid()`) under `key`, every process
+    its tower count under `key`/towers/<rank>; each reads them all, every wait ending by `timeout` seconds
+    from now (the store's own timeout is the process group's, 30 min by default). See Note [GPU towers of
+    several processes].
+    Only store.wait is ever left to run out: after a timeout no other store call is made, because the
+    store's server may be the process that stopped (a frozen rank 0 hosts torchrun's TCPStore), and any
+    call to it would then wait for the store's own timeout."""
+    deadline = time.monotonic() + timeout
+    where = f"nccl init (rank {rank} of {world})"
+    count_keys = [f"{key}/towers/{p}" for p in range(world)]
+    if rank == 0:
+        store.set(key, bytes(make_uid()))
+    store.set(count_keys[rank], str(int(towers)).encode())
+    try:
+        store.wait([key], _left(deadline))
+    except RuntimeError as e:
+        raise CommTimeoutError(f"{where}: rank 0's NCCL unique id did not appear in the store under {key!r} within "
+                               f"{timeout:g} s (is rank 0 alive and building the same communicator?): {e}") from None
+    try:
+        store.wait(count_keys, _left(deadline))
+    except RuntimeError as e:
+        raise CommTimeoutError(f"{where}: rank 0's NCCL unique id appeared, but not the tower count of every process "
+                               f"(keys {key + '/towers/<rank>'!r}) within {timeout:g} s (is every process of the "
+                               f"group alive and building the same communicator?): {e}") from None
+    multi_get = getattr(store, "multi_get", None)
+    values = multi_get(count_keys) if multi_get is not None else [store.get(k) for k in count_keys]
+    return bytes(store.get(key)), [int(bytes(v)) for v in values]
+
+
+def _left(deadline: float) -> datetime.timedelta:
+    """What is left until `deadline` (time.monotonic()), at least a millisecond: to some stores (HashStore)
+    a zero timeout means "wait forever"."""
+    return datetime.timedelta(seconds=max(deadline - time.monotonic(), 1e-3))
+
+
+def _process_group(group: Any) -> tuple:
+    """(rank, world size, default store, members) of `group` for the store keys of a communicator."""
+    import torch.distributed as dist
+
+    members = "world" if group is None else ",".join(map(str, dist.get_process_group_ranks(group)))
+    return (dist.get_rank(group), dist.get_world_size(group), dist.distributed_c10d._get_default_store(),
+            members)
+
+
 def _device_index(d: Any, argname: str) -> int:
     if isinstance(d, bool):
         raise TypeError(f"{argname}: expected a CUDA device ordinal or 'cuda:N', got {d!r}")
@@ -134,13 +236,18 @@ class NcclCommunicator(Communicator):
     backend = "nccl"
 
     def __init__(self, handle: Any, device_ids: list, rank: int, world_size: int, size: int, timeout: float,
-                 predivide: bool, group: Any = None):
+                 predivide: bool, group: Any = None, tower_counts: Optional[Sequence[int]] = None):
         super().__init__()
         self._handle = handle
         self._device_ids = device_ids
         self.devices = [f"cuda:{d}" for d in device_ids]
         self.local_size = len(device_ids)
         self.rank, self.world_size, self.size = rank, world_size, size
+        # The towers of every process and this process's first global tower (= its first NCCL rank), as on
+        # the gloo backend. See Note [GPU towers of several processes].
+        self.tower_counts: list = ([int(c) for c in tower_counts] if tower_counts is not None else
+                                   [self.local_size] * world_size)
+        self.tower_offset = sum(self.tower_counts[:rank])
         self.timeout = timeout
         self.predivide = bool(predivide)
         self.group = group
@@ -161,33 +268,31 @@ class NcclCommunicator(Communicator):
         return cls(handle, ids, rank=0, world_size=1, size=len(ids), timeout=timeout, predivide=predivide)
 
     @classmethod
-    def init_rank(cls, group: Any, device: torch.device, timeout: float, predivide: bool) -> "NcclCommunicator":
-        import datetime
+    def init_rank(cls, group: Any, device: Any, timeout: float, predivide: bool) -> "NcclCommunicator":
+        """One CUDA tower in this process, one rank of the communicator over every tower of every process
+        of `group` (init_ranks with one device). Building it is a collective."""
+        return cls._init_process_towers(group, [device], timeout, predivide, single=True)
 
-        import torch.distributed as dist
+    @classmethod
+    def init_ranks(cls, group: Any, devices: Sequence[Any], timeout: float, predivide: bool) -> "NcclCommunicator":
+        """This process's CUDA towers (`devices`, one NCCL rank each) in ONE NCCL communicator over every tower
+        of every process of `group`, ranks numbered process-major. See Note [GPU towers of several
+        processes]. Building it is a collective."""
+        return cls._init_process_towers(group, _check_cuda_devices(devices), timeout, predivide, single=False)
 
+    @classmethod
+    def _init_process_towers(cls, group: Any, devices: list, timeout: float, predivide: bool,
+                             single: bool) -> "NcclCommunicator":
         require_nccl_comm()
-        idx = _device_index(device, "device")
-        rank, world = dist.get_rank(group), dist.get_world_size(group)
-        # rank 0 draws the unique id; everyone else reads it from the default store, waiting at most
-        # `timeout` (the store's own timeout is the process group's, 30 min by default).
-        store = dist.distributed_c10d._get_default_store()
-        members = "world" if group is None else ",".join(map(str, dist.get_process_group_ranks(group)))
+        ids = [_device_index(d, "device" if single else f"devices[{i}]") for i, d in enumerate(devices)]
+        _check_repeated_devices(ids, os.environ)   # one NCCL rank per entry: a repeat shares its GPU
+        rank, world, store, members = _process_group(group)
         key = f"ncclavg/nccl_uid/{members}/{next(_UID_SEQ)}"
-        if rank == 0:
-            uid = bytes(_C.nccl_unique_id())
-            store.set(key, uid)
-        else:
-            try:
-                store.wait([key], datetime.timedelta(seconds=timeout))
-            except RuntimeError as e:
-                raise CommTimeoutError(f"nccl init (rank {rank} of {world}): rank 0's NCCL unique id did not "
-                                       f"appear in the store under {key!r} within {timeout:g} s (is rank 0 "
-                                       f"alive and building the same communicator?): {e}") from None
-            uid = bytes(store.get(key))
-        handle = _C.NcclComm.init_rank(uid, world, rank, idx, timeout)
-        return cls(handle, [idx], rank=rank, world_size=world, size=world, timeout=timeout, predivide=predivide,
-                   group=group)
+        uid, counts = _exchange_through_store(store, key, rank, world, len(ids), timeout, _C.nccl_unique_id)
+        size, first = process_major_ranks(counts, rank)
+        handle = _C.NcclComm.init_ranks(uid, size, first, ids, timeout)
+        return cls(handle, ids, rank=rank, world_size=world, size=size, timeout=timeout, predivide=predivide,
+                   group=group, tower_counts=counts)
 
     # ------------------------------------------------------------------ failure state
     def _check_open(self) -> None:
@@ -277,15 +382,18 @@ class NcclCommunicator(Communicator):
 
     def _debug_allgather(self, record: torch.Tensor, timeout: float) -> torch.Tensor:
         # Through the NCCL core itself: the check then also proves that this communicator's ranks line up.
-        dev = torch.device("cuda", self._device_ids[0])
-        mine = record.to(dev)
-        rows = torch.empty(record.numel() * self.size, dtype=torch.float32, device=dev)
+        # The core gathers one record per tower (every local device sends this process's); the check wants
+        # one per process: each process's first tower, at its tower offset.
+        devs = [torch.device("cuda", d) for d in self._device_ids]
+        mine = [record.to(dev) for dev in devs]
+        rows = [torch.empty(record.numel() * self.size, dtype=torch.float32, device=dev) for dev in devs]
         streams = self._streams()
-        seq = self._call(self._handle.all_gather, as_buffers([mine], "record"), as_buffers([rows], "rows"), streams,
+        seq = self._call(self._handle.all_gather, as_buffers(mine, "record"), as_buffers(rows, "rows"), streams,
                          timeout, "NCCLAVG_DEBUG sequence check")
         self._call(self._handle.wait, timeout, seq)
         self._call(self._handle.stream_wait, streams)
-        return rows.cpu().view(self.size, record.numel())
+        firsts = [sum(self.tower_counts[:p]) for p in range(self.world_size)]
+        return rows[0].cpu().view(self.size, record.numel())[firsts]
 
     def close(self) -> None:
         if not self._closed:

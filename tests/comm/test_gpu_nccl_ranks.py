@@ -1,8 +1,9 @@
 """NcclComm across processes: several ranks on ONE GPU (NCCL >= 2.30; one process per rank, or one
-process with one rank per tower), one rank per GPU when there are several, no CUDA context on a GPU a
-rank does not use, and the no-hang guarantees: a rank whose peer never starts, and a collective that a
-live peer never joins, both raise CommTimeoutError within timeout + 10 s. Every rank is a subprocess
-running tests/_nccl_rank_worker.py with a hard time limit."""
+process with one rank per tower), one rank per GPU when there are several, several towers per process
+across processes (init_ranks: one communicator over every tower, ranks numbered process-major), no CUDA
+context on a GPU a rank does not use, and the no-hang guarantees: a rank whose peer never starts, and a
+collective that a live peer never joins, both raise CommTimeoutError within timeout + 10 s. Every rank
+is a subprocess running tests/_nccl_rank_worker.py with a hard time limit."""
 from __future__ import annotations
 
 import json
@@ -13,9 +14,11 @@ import time
 
 import pytest
 
+from _dist_util import free_port
 from _gpu import nccl_version, require_nccl_comm
 from _paths import ROOT, TESTS
 from ncclavg import _ext
+from ncclavg.comm.nccl import MULTI_RANK_GPU_ENV, multi_rank_gpu_problem
 
 pytestmark = pytest.mark.gpu
 
@@ -138,3 +141,38 @@ def test_collective_that_a_peer_never_joins_times_out():
     msg = res["message"]
     assert "all_reduce_avg[bucket 7]" in msg and "4194304 bytes" in msg and "rank 0 of 2" in msg, msg
     assert res["aborted"] and "communicator was aborted after" in res["after_abort"]
+
+
+@pytest.mark.parametrize("counts", [(1, 1), (2, 2), (1, 2)], ids=["1+1", "2+2", "1+2"])
+def test_towers_of_several_processes(counts):
+    # Communicator.from_torch_distributed(devices=[...]) in 2 processes: ONE NCCL communicator over every
+    # tower (Note [GPU towers of several processes] in ncclavg/comm/nccl.py). A GPU per tower where there
+    # are enough; otherwise the towers take the GPUs in turn, which puts several ranks on one GPU.
+    require_nccl_comm()
+    import torch
+
+    total, n = sum(counts), torch.cuda.device_count()
+    shared = total > n
+    if shared:
+        why = multi_rank_gpu_problem(_ext.nccl_info().get("version_code", 0), {MULTI_RANK_GPU_ENV: "1"})
+        if why:
+            pytest.skip(f"{total} towers on {n} GPU(s) put several NCCL ranks on one GPU: {why}")
+    devices = [[(sum(counts[:p]) + t) % n for t in range(c)] for p, c in enumerate(counts)]
+    port = free_port()
+    procs = []
+    for p, devs in enumerate(devices):
+        cmd = [sys.executable, str(WORKER), "--mode", "process_towers", "--nranks", str(len(counts)), "--rank",
+               str(p), "--device", str(devs[0]), "--timeout", "120", "--devices", ",".join(map(str, devs)),
+               "--counts", ",".join(map(str, counts)), "--port", str(port)]
+        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                      env=rank_env(shared), cwd=str(ROOT)))
+    try:
+        results = [result(proc, 300) for proc in procs]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+    for p, res in enumerate(results):
+        assert res["ok"], f"process {p} (devices {devices[p]}):\n" + "\n".join(res["failures"])
+        assert res["size"] == total and res["tower_offset"] == sum(counts[:p]), res
