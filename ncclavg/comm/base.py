@@ -168,7 +168,9 @@ class Communicator:
 
     @classmethod
     def nccl(cls, devices: Sequence[Any], timeout: Optional[float] = None, predivide: bool = False) -> "Communicator":
-        """One process over several CUDA devices (ncclCommInitAll)."""
+        """One process over several CUDA devices (ncclCommInitAll): one NCCL rank per entry of `devices`; a
+        device listed twice needs NCCL >= 2.30 and NCCL_MULTI_RANK_GPU_ENABLE=1 (towers sharing one GPU
+        otherwise: Communicator.local(n, device=...))."""
         return _backend("nccl").init_all(devices, check_timeout(timeout), predivide)
 
     @classmethod
