@@ -103,8 +103,10 @@ def _resolve_devices(args: argparse.Namespace) -> list:
             raise UsageError(f"--towers: {args.towers} does not match the {len(devices)} devices of --devices")
         return devices
     base = default_devices()
-    if launched_with_processes() and base[0].type == "cuda":   # one GPU per process: LOCAL_RANK's
-        base = [torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))]
+    if launched_with_processes() and base[0].type == "cuda":
+        # one GPU per process: LOCAL_RANK's; more processes than GPUs share them round robin (several NCCL
+        # ranks on one GPU: NCCL >= 2.30 with NCCL_MULTI_RANK_GPU_ENABLE=1, checked when the ranks start)
+        base = [torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % len(base))]
     if args.towers is None:
         return base
     if base[0].type == "cpu":
