@@ -261,6 +261,13 @@ class Communicator:
             raise ValueError(f"values: processes passed different numbers of values ({[len(r) for r in rows]})")
         return [math.fsum(col) for col in zip(*rows)]
 
+    def sum_over_processes_async(self, values: Sequence[float], *,
+                                 timeout: Optional[float] = None) -> Callable[[], list]:
+        """sum_over_processes started now, finished by calling the returned function (bounded): the
+        exchange overlaps what runs in between. Backends without async ops finish it here."""
+        result = self.sum_over_processes(values, timeout=timeout)
+        return lambda: result
+
     def broadcast_tensors(self, tensors: Sequence[torch.Tensor], *, timeout: Optional[float] = None) -> None:
         """In place: every process's `tensors` (same shapes and dtypes everywhere) become rank 0's, e.g. the
         initial weights, so that every process starts from the same model. Bounded by `timeout`."""

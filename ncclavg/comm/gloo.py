@@ -19,7 +19,7 @@ shard of global tower g = offset_p + t, towers numbered process-major.
 """
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -215,15 +215,24 @@ class GlooCommunicator(Communicator):
             o.view(-1).copy_(outputs[0].view(-1))
 
     def sum_over_processes(self, values: Sequence[float], *, timeout: Optional[float] = None) -> list:
+        return self.sum_over_processes_async(values, timeout=timeout)()
+
+    def sum_over_processes_async(self, values: Sequence[float], *,
+                                 timeout: Optional[float] = None) -> Callable[[], list]:
         self._check_open()
         limit = self._timeout_arg(timeout)
         buf = torch.tensor([float(v) for v in values], dtype=torch.float64)
-        if self.world_size > 1:
-            what = f"gloo sum_over_processes of {buf.numel()} values (rank {self.rank} of {self.world_size})"
-            work = _issue_dist(self, what, self._dist.all_reduce, buf, op=self._dist.ReduceOp.SUM,
-                               group=self.group, async_op=True)
+        if self.world_size == 1:
+            return buf.tolist
+        what = f"gloo sum_over_processes of {buf.numel()} values (rank {self.rank} of {self.world_size})"
+        work = _issue_dist(self, what, self._dist.all_reduce, buf, op=self._dist.ReduceOp.SUM,
+                           group=self.group, async_op=True)
+
+        def finish() -> list:
             _wait_dist(self, work, limit, what)
-        return buf.tolist()
+            return buf.tolist()
+
+        return finish
 
     def broadcast_tensors(self, tensors: Sequence[torch.Tensor], *, timeout: Optional[float] = None) -> None:
         self._check_open()

@@ -327,16 +327,23 @@ class TowerTrainer:
             bounds.append(bounds[-1] + sizes[g])
         return bounds
 
-    def _sum_results(self, live: list) -> tuple[float, int | None]:
-        """(loss sum, correct predictions or None) over the towers of every process."""
+    def _sum_results(self, live: list) -> Callable[[], tuple[float, int | None]]:
+        """A function returning (loss sum, correct predictions or None) over the towers of every process.
+        With several processes the exchange starts here and is finished by the call: started before the
+        engine's step where that step issues its collectives in a fixed order after compute (the CPU
+        master engines), it overlaps the step instead of adding a round trip after it."""
         loss_sum = sum(float(r[0]) for r in live)
         correct = None if any(r[1] is None for r in live) else sum(int(r[1]) for r in live)
         if self.processes == 1:
-            return loss_sum, correct
+            return lambda: (loss_sum, correct)
         # a process without accuracy counts (a task without class targets) turns accuracy off everywhere
-        loss_sum, correct_sum, no_acc = self.comm.sum_over_processes(
-            [loss_sum, correct or 0, 1.0 if correct is None else 0.0])
-        return loss_sum, None if no_acc else int(round(correct_sum))
+        pending = self.comm.sum_over_processes_async([loss_sum, correct or 0, 1.0 if correct is None else 0.0])
+
+        def finish() -> tuple[float, int | None]:
+            total, correct_sum, no_acc = pending()
+            return total, None if no_acc else int(round(correct_sum))
+
+        return finish
 
     def _slice_to(self, t: int, tensors: Sequence[torch.Tensor], lo: int, hi: int) -> list[torch.Tensor]:
         dev = self.devices[t]
@@ -386,16 +393,18 @@ class TowerTrainer:
             results = self.runner.map(lambda t: self._tower_train(t, inputs, target, bounds[t], bounds[t + 1],
                                                                  total, loss_scale))
         self.engine.after_compute(self.streams)
+        live = [r for r in results if r is not None]
+        # GradientAverager (master="device") may still launch buckets in step(): no exchange before it
+        stats = self._sum_results(live) if self.engine.kind != "device" else None
         info = self.engine.step(lr, loss_scale, self.grad_clip, times)
         if self.processes > 1 and self.comm.debug:
             self._check_replicas_agree()
-        live = [r for r in results if r is not None]
         if info["skipped"]:
             self._nonfinite_step(info, results, loss_scale)
         if self.scaler is not None:
             self.scaler.update(bool(info["skipped"]))
         self.step += 1
-        loss_sum, correct = self._sum_results(live)
+        loss_sum, correct = (stats or self._sum_results(live))()
         loss = loss_sum / total
         step_s = time.perf_counter() - t0
         record = {"step": self.step, "epoch": self.epoch + 1, "loss": loss,
