@@ -288,7 +288,9 @@ class NcclCommunicator(Communicator):
         _check_repeated_devices(ids, os.environ)   # one NCCL rank per entry: a repeat shares its GPU
         rank, world, store, members = _process_group(group)
         key = f"ncclavg/nccl_uid/{members}/{next(_UID_SEQ)}"
-        uid, counts = _exchange_through_store(store, key, rank, world, len(ids), timeout, _C.nccl_unique_id)
+        # looked up when rank 0 calls it: only rank 0 draws an id (a CPU-only build has no nccl_unique_id)
+        uid, counts = _exchange_through_store(store, key, rank, world, len(ids), timeout,
+                                              lambda: _C.nccl_unique_id())
         size, first = process_major_ranks(counts, rank)
         handle = _C.NcclComm.init_ranks(uid, size, first, ids, timeout)
         return cls(handle, ids, rank=rank, world_size=world, size=size, timeout=timeout, predivide=predivide,
