@@ -390,8 +390,9 @@ PYBIND11_MODULE(_C, m) {
       .def("wait", &NcclComm::wait, py::arg("timeout_s") = py::none(), py::arg("seq") = 0, Release(),
            "Host waits for collective `seq` (0: all enqueued); on timeout aborts and raises CommTimeoutError.")
       .def("done", &NcclComm::done, py::arg("seq") = 0, Release())
-      .def("stream_wait", &NcclComm::stream_wait, py::arg("streams"), Release(),
-           "Orders `streams` (one per local device) after the last collective, with events.")
+      .def("stream_wait", &NcclComm::stream_wait, py::arg("streams"), py::arg("seq") = 0, Release(),
+           "Orders `streams` (one per local device) after collective `seq` (0: the last enqueued), with "
+           "events; the host does not wait.")
       .def("abort", &NcclComm::abort, Release())
       .def("destroy", &NcclComm::destroy, Release())
       .def("__enter__", [](py::object self) { return self; })

@@ -1,5 +1,6 @@
 // NcclComm state and watchdog: wait/done, stream ordering, abort, destroy. Creation is in
 // comm_init.cpp, the collectives in comm_collectives.cpp.
+#include <algorithm>
 #include <cmath>
 #include <sstream>
 
@@ -221,16 +222,25 @@ bool NcclComm::done(uint64_t seq) {
   return false;
 }
 
-void NcclComm::stream_wait(const std::vector<uintptr_t>& streams) {
+void NcclComm::stream_wait(const std::vector<uintptr_t>& streams, uint64_t seq) {
   std::lock_guard<std::mutex> lock(mu_);
   check_usable_locked("stream_wait");
   NCCLAVG_CHECK_ARG(streams.size() == dev_.size(), "streams", "needs one stream per local device (",
                     dev_.size(), "), got ", streams.size());
+  NCCLAVG_CHECK_ARG(seq < next_seq_, "seq", "no collective with sequence number ", seq,
+                    " was enqueued (last: ", next_seq_ - 1, ")");
   if (prune_locked()) return;  // nothing in flight: nothing to order after
-  const Op& last = *ops_.back();
+  // collective `seq` only (0: the last enqueued): a caller ordering bucket 2 must not wait for bucket 7
+  const Op* op = ops_.back().get();
+  if (seq != 0) {
+    if (seq < ops_.front()->seq) return;  // already complete and pruned
+    auto it = std::find_if(ops_.begin(), ops_.end(), [&](const std::unique_ptr<Op>& o) { return o->seq == seq; });
+    if (it == ops_.end()) return;
+    op = it->get();
+  }
   for (size_t i = 0; i < dev_.size(); ++i) {
     cuda::DeviceGuard guard(dev_[i]->device);
-    NCCLAVG_CUDA_CHECK(cudaStreamWaitEvent(reinterpret_cast<cudaStream_t>(streams[i]), last.done[i], 0));
+    NCCLAVG_CUDA_CHECK(cudaStreamWaitEvent(reinterpret_cast<cudaStream_t>(streams[i]), op->done[i], 0));
   }
 }
 

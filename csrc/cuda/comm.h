@@ -113,8 +113,9 @@ class NcclComm {
   void wait(std::optional<double> timeout_s, uint64_t seq = 0);
   // Non-blocking: has collective `seq` (0: all) completed? Raises like wait() on an async error.
   bool done(uint64_t seq = 0);
-  // Makes `streams` (one per local device) wait for the last enqueued collective, with events.
-  void stream_wait(const std::vector<uintptr_t>& streams);
+  // Makes `streams` (one per local device) wait for collective `seq` (0: the last enqueued), with events;
+  // the host does not wait.
+  void stream_wait(const std::vector<uintptr_t>& streams, uint64_t seq = 0);
 
   void abort();    // ncclCommAbort on every local communicator; idempotent
   void destroy();  // waits (bounded) for pending work, then ncclCommDestroy; aborts instead on timeout

@@ -213,8 +213,16 @@ class _NcclWork(Work):
     def wait(self, timeout: Optional[float] = None) -> None:
         t = check_timeout(timeout) if timeout is not None else self._timeout
         self._comm._call(self._comm._handle.wait, t, self._seq)
-        self._comm._call(self._comm._handle.stream_wait, self._streams)
+        self._comm._call(self._comm._handle.stream_wait, self._streams, self._seq)
         self._tensors = None   # the callers' streams now run after the collective
+
+    def wait_stream(self) -> None:
+        """Orders the callers' streams after THIS collective (events on the device), without blocking
+        the host: See Note [Stream-ordered average] in ncclavg/averager.py. Failures of the collective
+        surface at the next host wait (wait(), done(), or a later collective's)."""
+        if self._seq:
+            self._comm._call(self._comm._handle.stream_wait, self._streams, self._seq)
+        self._tensors = None   # later work on those streams, new allocations included, runs after it
 
     def done(self) -> bool:
         finished = bool(self._comm._call(self._comm._handle.done, self._seq))
@@ -227,7 +235,7 @@ class _NcclWork(Work):
         # so their memory is not handed to new work on those streams while NCCL still writes it.
         if getattr(self, "_tensors", None):
             try:
-                self._comm._handle.stream_wait(self._streams)
+                self._comm._handle.stream_wait(self._streams, self._seq)
             except Exception:   # an aborted or destroyed communicator runs nothing any more
                 pass
 

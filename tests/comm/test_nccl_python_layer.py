@@ -30,8 +30,8 @@ class FakeHandle:
         self.calls.append(("done", seq))
         return self.finished
 
-    def stream_wait(self, streams):
-        self.calls.append(("stream_wait", list(streams)))
+    def stream_wait(self, streams, seq=0):
+        self.calls.append(("stream_wait", list(streams), seq))
 
     def reduce_scatter_avg(self, inputs, outputs, streams, predivide, timeout, tag):
         self.calls.append(("reduce_scatter_avg", predivide, timeout, tag))
@@ -62,7 +62,7 @@ def test_work_keeps_its_tensors_until_wait():
     work.wait()
     gc.collect()
     assert ref() is None, "wait() returned, so the tensor may go"
-    assert comm._handle.calls == [("wait", 30.0, 7), ("stream_wait", [123])]
+    assert comm._handle.calls == [("wait", 30.0, 7), ("stream_wait", [123], 7)]
 
 
 def test_work_keeps_its_tensors_until_done_says_true():
@@ -83,7 +83,20 @@ def test_work_dropped_without_wait_orders_the_streams_first():
     del work
     gc.collect()
     assert ref() is None
-    assert comm._handle.calls == [("stream_wait", [123])], "dropping the Work must order the callers' streams"
+    assert comm._handle.calls == [("stream_wait", [123], 7)], "dropping the Work must order the callers' streams"
+
+
+def test_wait_stream_orders_after_this_collective_without_a_host_wait():
+    """Note [Stream-ordered average]: the averager orders each bucket's own collective, no host wait."""
+    comm = FakeComm()
+    work, ref = work_with_a_dropped_tensor(comm)
+    work.wait_stream()
+    assert comm._handle.calls == [("stream_wait", [123], 7)]   # collective 7, not the last enqueued
+    gc.collect()
+    assert ref() is None, "the streams are ordered after the collective: the tensor may go"
+    del work
+    gc.collect()
+    assert len(comm._handle.calls) == 1, "an ordered Work does not order again when dropped"
 
 
 def test_waited_work_does_not_order_again_when_dropped():
