@@ -24,7 +24,7 @@ def fingerprint(tensors):
     return h.hexdigest()
 
 
-def train_job(rank, world, port, counts, hp, master, data, steps, out_dir, shard=False):
+def train_job(rank, world, port, counts, hp, master, data, steps, out_dir, shard=False, overlap=True):
     """Trains the digits MLP with counts[rank] CPU towers in this process; rank 0 saves what the test
     compares. Checks in every process: replicas identical to the master, bit for bit, in every process."""
     init_rank(rank, world, port)
@@ -33,7 +33,7 @@ def train_job(rank, world, port, counts, hp, master, data, steps, out_dir, shard
 
     # a different init seed per process: the trainer must start every process from rank 0's weights
     tr = TowerTrainer(build_model("mlp", seed=rank), devices=["cpu"] * counts[rank], master=master,
-                      timeout=60, shard_master=shard, **hp)
+                      timeout=60, shard_master=shard, overlap=overlap, **hp)
     assert tr.describe()["shard_master"] == shard
     assert (tr.processes, tr.rank, tr.total_towers, tr.num_towers) == (world, rank, sum(counts), counts[rank])
     assert tr.tower_offset == sum(counts[:rank])

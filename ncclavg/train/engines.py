@@ -251,7 +251,7 @@ class CpuMasterEngine:
 
     def __init__(self, tower_params: Sequence[Sequence[torch.Tensor]], names: Sequence[str],
                  devices: Sequence[torch.device], opt: OptimConfig, bucket_cap_mb: float,
-                 first_bucket_mb: float, skip_nonfinite: bool = True, comm: Any = None):
+                 first_bucket_mb: float, skip_nonfinite: bool = True, comm: Any = None, overlap: bool = True):
         from ..averager import _check_across_processes
         from ..master import MasterWeights
 
@@ -270,22 +270,62 @@ class CpuMasterEngine:
         self.param_flats: list[list[torch.Tensor]] = []
         self.grad_flats: list[list[torch.Tensor]] = []
         for ps in self.tower_params:
-            pf, gf = self.plan.allocate("cpu"), self.plan.allocate("cpu")
+            # several processes with overlap: the averager below owns the gradient storage
+            with_averager = self.comm is not None and overlap
+            pf, gf = self.plan.allocate("cpu"), None if with_averager else self.plan.allocate("cpu")
             with torch.no_grad():
                 for s in self.plan.slots:
                     p = ps[s.index]
                     view = self.plan.slot_view(pf[s.bucket], s.index)
                     view.copy_(p.detach())
                     p.data = view
-                    p.grad = self.plan.slot_view(gf[s.bucket], s.index)
+                    if gf is not None:
+                        p.grad = self.plan.slot_view(gf[s.bucket], s.index)
             self.param_flats.append(pf)
             self.grad_flats.append(gf)
+        # Several processes, overlap=True: a GradientAverager owns the gradient storage and reduces each
+        # bucket across the processes as soon as backward has produced it on every local tower (its
+        # hooks), so the reductions overlap the rest of backward as in DDP. Its plan is this plan (same
+        # parameters, cap and first bucket), so its storage of tower t, bucket b lines up with the
+        # master's bucket b. overlap=False reduces every bucket after backward instead (measured faster
+        # for small models on an oversubscribed 2-core host, where nothing is idle to overlap with).
+        self.averager = None
+        self._reduced = False   # reduce_now() ran for the coming step()
+        if self.comm is not None and overlap:
+            from ..averager import GradientAverager
+
+            self.averager = GradientAverager(self.comm, self.tower_params, bucket_cap_mb=bucket_cap_mb,
+                                             first_bucket_mb=first_bucket_mb, overlap=True, names=list(names))
+            if self.averager.plan.fingerprint != self.plan.fingerprint:
+                raise RuntimeError("the averager's bucket plan differs from the engine's")
+            self.grad_flats = [[self.averager.bucket_storage(t, b) for b in range(len(self.plan.buckets))]
+                               for t in range(len(self.tower_params))]
         # skip_nonfinite: a step with an inf/NaN gradient on any tower changes nothing (Note [Non-finite
         # gradients] in trainer.py, Note [Dynamic loss scale]); the price is a read-only first pass.
         self.master = MasterWeights(self.tower_params[0], plan=self.plan, pin=False,
                                     skip_nonfinite=skip_nonfinite, **opt.master_kwargs())
 
+    def reduce_now(self, times: StepTimes) -> bool:
+        """Finishes this step's gradient reduction now, before step() (several processes: the averager's
+        remaining buckets and waits), so the trainer can start its own small exchange between the two;
+        False when step() reduces by itself (one process: the fused step averages the towers)."""
+        if self.averager is None:
+            return False
+        with times.phase("reduce"):
+            self.averager.average()
+        self._reduced = True
+        return True
+
+    @property
+    def collectives_in_backward(self) -> bool:
+        """True when backward itself starts collectives (the averager's hooks): the trainer then issues
+        no collective of its own between backward and step()."""
+        return self.averager is not None
+
     def zero_grad(self) -> None:
+        if self.averager is not None:   # its storage, its views
+            self.averager.zero_grad()
+            return
         for gf in self.grad_flats:
             for flat in gf:
                 flat.zero_()
@@ -331,11 +371,24 @@ class CpuMasterEngine:
 
     def _step_across_processes(self, loss_scale: float | None, max_grad_norm: float | None,
                                times: StepTimes) -> dict:
-        """Towers in several processes: every bucket is averaged over all towers first (local one-pass
-        average, one all-reduce per bucket and process; Note [Hierarchical CPU average]), all buckets in
-        flight at once, then ONE fused step over tower 0's buffers with the division still owed folded
-        into the gradient scale. Every process then holds the same averaged gradients and takes the same
-        step: the master copies stay identical."""
+        """Towers in several processes: the averager has reduced most buckets during backward (local
+        one-pass average, one all-reduce per bucket and process; Note [Hierarchical CPU average]);
+        average() reduces the rest and waits. Every local tower then holds the mean over every tower,
+        and ONE fused step over tower 0's buffers updates the master. Every process takes the same step
+        on the same averaged gradients: the master copies stay identical."""
+        if self.averager is None:
+            return self._reduce_then_step(loss_scale, max_grad_norm, times)
+        if not self._reduced:
+            with times.phase("reduce"):
+                self.averager.average()
+        self._reduced = False
+        with times.phase("optimizer"):
+            return self.master.step([self.grad_flats[0]], grad_scale=loss_scale, max_grad_norm=max_grad_norm,
+                                    out=self.param_flats[0])
+
+    def _reduce_then_step(self, loss_scale: float | None, max_grad_norm: float | None, times: StepTimes) -> dict:
+        """overlap=False: every bucket's reduction starts after backward, all in flight at once, then the
+        fused step with the division still owed folded into the gradient scale."""
         nb = len(self.plan.buckets)
         with times.phase("reduce"):
             works = [self.comm.all_reduce_avg_async([gf[b] for gf in self.grad_flats], defer_scale=True,
@@ -366,4 +419,5 @@ class CpuMasterEngine:
         self._copy_out()
 
     def close(self) -> None:
-        pass
+        if self.averager is not None:
+            self.averager.close()

@@ -72,6 +72,7 @@ class ShardedCpuMasterEngine(CpuMasterEngine):
         self.devices = list(devices)
         self.tower_params = [list(ps) for ps in tower_params]
         self.comm = comm
+        self.averager = None   # the reduce-scatter runs in step(), after backward
         self._opt = opt
         self._skip_nonfinite = skip_nonfinite
         plan, error = None, None

@@ -231,7 +231,8 @@ class TowerTrainer:
                                           first_bucket_mb, comm=self.comm, skip_nonfinite=check or self.amp == "fp16")
         if self.devices[0].type == "cpu":
             return CpuMasterEngine(self.tower_params, self.names, self.devices, opt, bucket_cap_mb,
-                                   first_bucket_mb, skip_nonfinite=check or self.amp == "fp16", comm=self.comm)
+                                   first_bucket_mb, skip_nonfinite=check or self.amp == "fp16", comm=self.comm,
+                                   overlap=overlap)
         from .offload import GpuOffloadEngine  # see Note [Pipelined CPU master] there
 
         return GpuOffloadEngine(self.tower_params, self.names, self.devices, opt, bucket_cap_mb,
@@ -394,8 +395,13 @@ class TowerTrainer:
                                                                  total, loss_scale))
         self.engine.after_compute(self.streams)
         live = [r for r in results if r is not None]
-        # GradientAverager (master="device") may still launch buckets in step(): no exchange before it
-        stats = self._sum_results(live) if self.engine.kind != "device" else None
+        # A GradientAverager may still launch buckets in step(): no exchange of ours before they are all
+        # out. An engine that can finish its reduction first (reduce_now) lets the exchange overlap its
+        # update instead.
+        reduce_now = getattr(self.engine, "reduce_now", None)
+        reduced = bool(reduce_now is not None and reduce_now(times))
+        in_backward = getattr(self.engine, "collectives_in_backward", self.engine.kind == "device")
+        stats = self._sum_results(live) if reduced or not in_backward else None
         info = self.engine.step(lr, loss_scale, self.grad_clip, times)
         if self.processes > 1 and self.comm.debug:
             self._check_replicas_agree()

@@ -20,9 +20,9 @@ def _reference(opt_name, data):
                                 opt_name, STEPS)
 
 
-def _run(tmp_path, counts, opt_name, master, data, shard=False):
+def _run(tmp_path, counts, opt_name, master, data, shard=False, overlap=True):
     run_ranks(workers.train_job, len(counts), args=(counts, OPTIMIZERS[opt_name], master, data, STEPS,
-                                                   str(tmp_path), shard), timeout_s=240)
+                                                   str(tmp_path), shard, overlap), timeout_s=240)
     return torch.load(tmp_path / "result.pt")
 
 
@@ -62,6 +62,15 @@ def test_processes_x_towers_equal_one_process(tmp_path, counts, opt_name, master
         assert all(torch.equal(a, b) for a, b in zip(back.master_params(), result["master"]))
         moments = result["state"]["master"]["optimizer"]["state"]
         assert len(moments) == len(result["master"])   # every parameter's moments came back
+
+
+@pytest.mark.parametrize("counts", [(2, 2), (1, 3)], ids=["2x2", "1+3"])
+def test_cpu_master_without_overlap_equals_one_process(tmp_path, counts):
+    """overlap=False: the CPU master reduces every bucket after backward instead of in the averager's
+    hooks; same tolerance as above."""
+    result = _run(tmp_path, counts, "adamw", "cpu", "uneven", overlap=False)
+    want, floor = _reference("adamw", "uneven")
+    assert_params_close(result["master"], want, floor)
 
 
 def test_debug_mode_catches_processes_whose_weights_drift(tmp_path):
