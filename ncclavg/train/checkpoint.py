@@ -132,6 +132,13 @@ def load(path: str | os.PathLike, map_location: Any = "cpu") -> Any:
 
 
 _NAME = re.compile(r"^(?P<prefix>.+)-(?P<step>\d+)" + re.escape(SUFFIX) + "$")
+# one process's part of a checkpoint written as a set (sharded master weights): <checkpoint>.part<r>-of-<P>
+_PART = re.compile(r"^(?P<main>.+" + re.escape(SUFFIX) + r")\.part(?P<rank>\d+)-of-(?P<count>\d+)$")
+
+
+def part_path(path: str, rank: int, count: int) -> str:
+    """The file holding process `rank`'s part of the checkpoint `path` (written as a set of `count`)."""
+    return f"{os.fspath(path)}.part{int(rank)}-of-{int(count)}"
 # the temporary name `save` writes first: .<final name>.tmp-<host>-<pid>-<8 hex>. The host keeps
 # remove_stale_temps from judging another machine's pids when the directory is on a shared file system.
 _TEMP = re.compile(r"^\.(?P<final>.+)\.tmp-(?P<host>[A-Za-z0-9_.]+)-(?P<pid>\d+)-[0-9a-f]{8}$")
@@ -181,12 +188,20 @@ class CheckpointManager:
         os.makedirs(self.directory, exist_ok=True)
         path = save(self.path_for(step), state)
         for _, old in self.list()[:-self.keep]:
-            try:
-                os.unlink(old)
-            except FileNotFoundError:
-                pass
+            self.remove(old)
         self.remove_stale_temps()
         return path
+
+    def remove(self, path: str) -> None:
+        """Deletes the checkpoint `path` and the parts of its set, if any (the checkpoint first: a set
+        without its checkpoint file is never taken)."""
+        for name in [os.path.basename(path)] + sorted(
+                n for n in os.listdir(self.directory)
+                if (m := _PART.match(n)) and m.group("main") == os.path.basename(path)):
+            try:
+                os.unlink(os.path.join(self.directory, name))
+            except FileNotFoundError:
+                pass
 
     def remove_stale_temps(self) -> list[str]:
         """Deletes the temporary files of saves whose process died mid-write (killed, power loss): they
@@ -197,7 +212,8 @@ class CheckpointManager:
             return removed
         for name in os.listdir(self.directory):
             m = _TEMP.match(name)
-            final = _NAME.match(m.group("final")) if m else None
+            part = _PART.match(m.group("final")) if m else None
+            final = _NAME.match(part.group("main") if part else m.group("final")) if m else None
             if final is None or final.group("prefix") != self.prefix:
                 continue
             if m.group("host") != _HOST or _pid_alive(int(m.group("pid"))):

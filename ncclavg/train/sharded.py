@@ -13,9 +13,20 @@ step, per bucket:
 3. the fused CPU optimizer steps this process's shards only (1/P of the work and of the master and
    moment memory), writing the new weights into tower 0's own slice of its flat parameters;
 4. all-gather: every process's new slice into every local tower's flat parameters.
-Checkpoints stay in the portable form of Note [Portable master state] (engines.py): the moment shards
-are gathered into one full master, so a sharded run resumes unsharded, on another number of processes,
-and back. The padding (at most P - 1 elements per bucket) is zero in the gradients and never read back.
+state_dict() returns the portable form of Note [Portable master state] (engines.py): the moment shards
+gathered into one full master. The padding (at most P - 1 elements per bucket) is zero in the gradients
+and never read back.
+
+Note [Sharded checkpoints]
+A checkpoint of a sharded run is a set: every process writes its own part (its shards of the master
+weights and moments) next to the checkpoint, `<checkpoint>.part<r>-of-<P>`, atomically; once every
+process has written its part (one exchange says so), rank 0 writes the checkpoint file itself, atomically,
+holding everything else and the layout. That file is the commit: it appears only when the whole set is
+on disk, and `latest()` and `resolve()` only ever take checkpoint files. No process holds more than its
+own shards while saving. Loading reads the parts and puts the buckets together into the portable form,
+so a sharded checkpoint resumes unsharded, on another number of processes, and back. The parts must be
+readable where the checkpoint is (one file system shared by the hosts); pruning old checkpoints removes
+their parts too.
 """
 from __future__ import annotations
 
@@ -196,3 +207,76 @@ class ShardedCpuMasterEngine(CpuMasterEngine):
             for pst in self.param_store:
                 for b, n in enumerate(self._numel):
                     pst[b][:n].copy_(full.flat[b])
+
+
+# ---- checkpoints written as a set: one part per process (Note [Sharded checkpoints])
+@dataclass(frozen=True)
+class _Slot:
+    index: int
+    shape: tuple
+    bucket: int
+    offset: int
+    numel: int
+
+
+@dataclass(frozen=True)
+class _Bucket:
+    numel: int
+
+
+class _SavedPlan:
+    """The bucket layout a sharded checkpoint was written with (MasterWeights' plan protocol)."""
+
+    def __init__(self, slots: list, numel: list):
+        self.slots = [_Slot(int(i), tuple(shape), int(b), int(off), int(n)) for i, shape, b, off, n in slots]
+        self.buckets = [_Bucket(int(n)) for n in numel]
+
+
+def shard_manifest(engine: ShardedCpuMasterEngine) -> dict:
+    """What the checkpoint file itself holds for a sharded master: the layout to put the parts together
+    again (every process writes the same)."""
+    plan = engine.plan
+    return {"sharded": {"processes": engine.comm.world_size, "kind": engine.master.kind,
+                        "numel": list(engine._numel), "padded": list(engine._padded),
+                        "slots": [(s.index, tuple(s.shape), s.bucket, s.offset, s.numel) for s in plan.slots],
+                        "hp": {k: v for k, v in engine.master.hp.items()},
+                        "steps": list(engine.master.steps),
+                        "momentum_started": list(getattr(engine.master, "_momentum_started", []))}}
+
+
+def shard_part(engine: ShardedCpuMasterEngine) -> dict:
+    """This process's part: its shard of every bucket's master weights and moments."""
+    names = ["flat"] + engine._moment_names()
+    return {"rank": engine.comm.rank, "processes": engine.comm.world_size,
+            **{name: [t.clone() for t in getattr(engine.master, name)] for name in names}}
+
+
+def assemble_master(manifest: dict, path: str) -> dict:
+    """The portable master state (Note [Portable master state]) of a checkpoint written as a set: reads
+    every process's part next to `path`, verifies each, and puts the buckets together again."""
+    from ..master import MasterWeights
+    from . import checkpoint as ckpt
+
+    count, kind = int(manifest["processes"]), manifest["kind"]
+    parts = []
+    for r in range(count):
+        part = ckpt.load(ckpt.part_path(path, r, count))
+        if int(part.get("rank", -1)) != r or int(part.get("processes", -1)) != count:
+            raise ckpt.CheckpointError(ckpt.part_path(path, r, count), "content",
+                                       f"holds the part of rank {part.get('rank')} of {part.get('processes')}")
+        parts.append(part)
+    plan = _SavedPlan(manifest["slots"], manifest["numel"])
+    hp = dict(manifest["hp"])
+    opt = {"optimizer": kind, **{k: hp[k] for k in hp if k not in ("params",)}}
+    full = MasterWeights([torch.zeros(s.shape) for s in plan.slots], plan=plan, pin=False, **opt)
+    for name in ["flat"] + (["momentum_buffer"] if kind == "sgd" else ["exp_avg", "exp_avg_sq"]):
+        for b, n in enumerate(manifest["numel"]):
+            whole = torch.cat([p[name][b] for p in parts])
+            if whole.numel() != int(manifest["padded"][b]):
+                raise ckpt.CheckpointError(path, "content", f"the parts of bucket {b} hold {whole.numel()} "
+                                           f"elements, the set was written with {manifest['padded'][b]}")
+            getattr(full, name)[b].copy_(whole[:n])
+    full.steps = [int(x) for x in manifest["steps"]]
+    if kind == "sgd":
+        full._momentum_started = [bool(x) for x in manifest["momentum_started"]]
+    return full.state_dict()

@@ -661,11 +661,14 @@ class TowerTrainer:
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict:
+        return self._state(self.engine.master_state())
+
+    def _state(self, master: dict) -> dict:
         self.sync_buffers()  # See Note [Lazy buffer sync]
         loader = self._loader
         data = loader.state_dict() if loader is not None and hasattr(loader, "state_dict") else self._data_state
         return {"kind": CHECKPOINT_KIND, "format": CHECKPOINT_FORMAT, "signature": self.signature,
-                "config": dict(self.config), "master": self.engine.master_state(),
+                "config": dict(self.config), "master": master,
                 "extra": extra_tensors(self.towers[0]), "step": self.step, "epoch": self.epoch,
                 "data": data, "schedule": self._ensure_schedule(None, None).state_dict(),
                 "schedule_plan": self._schedule_plan,
@@ -676,14 +679,46 @@ class TowerTrainer:
 
     def save(self, path: str, *, _manager: Any = None) -> str:
         """Write a checkpoint atomically (temp file, fsync, rename) with a checksum; returns its path."""
+        if self.shard_master:   # a set of parts, one per process: Note [Sharded checkpoints]
+            return self._save_set(path, _manager)
         state = self.state_dict()   # every process: it syncs buffers across them
         if _manager is not None:    # See Note [Towers of several processes]: rank 0 writes
             return write_once(self.comm, lambda: _manager.save(state, self.step))
         return write_once(self.comm, lambda: ckpt.save(path, state))
 
+    def _save_set(self, path: str, manager: Any) -> str:
+        """Every process writes its part of the master, then rank 0 the checkpoint file (the commit)."""
+        from .sharded import shard_manifest, shard_part
+
+        state = self._state(shard_manifest(self.engine))   # every process: it syncs buffers across them
+        main = manager.path_for(self.step) if manager is not None else os.fspath(path)
+        error = None
+        try:
+            os.makedirs(os.path.dirname(os.path.abspath(main)), exist_ok=True)
+            ckpt.save(ckpt.part_path(main, self.rank, self.processes), shard_part(self.engine))
+        except Exception as e:   # reported to every process below, then raised here
+            error = e
+        failed = [(r, msg) for r, msg in enumerate(self.comm.allgather_object(
+            None if error is None else f"{type(error).__name__}: {error}")) if msg is not None]
+        if error is not None:
+            raise error
+        if failed:
+            raise RuntimeError(f"rank {failed[0][0]} could not write its part of {main}: {failed[0][1]}")
+        if manager is not None:
+            return write_once(self.comm, lambda: manager.save(state, self.step))
+        return write_once(self.comm, lambda: ckpt.save(main, state))
+
     def load_state_dict(self, state: dict, path: str = "<state>") -> None:
         check_signature(path, state, self.signature)
-        self.engine.load_master_state(state["master"])
+        master = state["master"]
+        if isinstance(master, dict) and "sharded" in master:   # Note [Sharded checkpoints]
+            if path == "<state>":
+                raise ValueError("state: its master weights were saved as a set of parts next to the checkpoint "
+                                 "file; load it with restore(path) or TowerTrainer.load(path, ...)")
+            from .sharded import assemble_master
+
+            master = assemble_master(master["sharded"], path)
+        self.engine.load_master_state(master)
         load_extra_tensors(self.towers, state["extra"])
         self.step, self.epoch = int(state["step"]), int(state["epoch"])
         self._data_state = state["data"]

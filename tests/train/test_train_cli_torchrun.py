@@ -36,7 +36,13 @@ def single(*args, cwd, timeout=300):
 
 
 def master_of(directory):
-    return ckpt.load(ckpt.resolve(str(directory)))["master"]["params"]
+    path = ckpt.resolve(str(directory))
+    master = ckpt.load(path)["master"]
+    if "sharded" in master:   # a set of parts: Note [Sharded checkpoints]
+        from ncclavg.train.sharded import assemble_master
+
+        master = assemble_master(master["sharded"], path)
+    return master["params"]
 
 
 def test_two_processes_of_two_towers_print_once_and_learn(tmp_path):
@@ -103,8 +109,12 @@ def test_shard_master_run_matches_unsharded_and_resumes(tmp_path):
     summation order: the noise floor, measured here; two floors allowed). Its checkpoint is the portable
     unsharded one: a single process resumes it."""
     common = ["--model", "mlp", "--batch-size", "48", "--epochs", "2"]
-    out = torchrun(2, "--towers", "2", "--shard-master", "--checkpoint-dir", "s", *common, cwd=tmp_path)
+    out = torchrun(2, "--towers", "2", "--shard-master", "--checkpoint-dir", "s", "--keep", "1", *common,
+                   cwd=tmp_path)
     assert "master=cpu sharded over 2 processes" in out
+    # Note [Sharded checkpoints]: one part per process next to the checkpoint; older sets pruned whole
+    assert sorted(os.listdir(tmp_path / "s")) == ["ckpt-000000060.ckpt", "ckpt-000000060.ckpt.part0-of-2",
+                                                  "ckpt-000000060.ckpt.part1-of-2"]
     torchrun(2, "--towers", "2", "--checkpoint-dir", "u", *common, cwd=tmp_path)
     single("--towers", "4", "--checkpoint-dir", "one", *common, cwd=tmp_path)
     floor = max(2.0 ** -23, rel_distance(master_of(tmp_path / "u"), master_of(tmp_path / "one")))
