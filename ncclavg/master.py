@@ -53,6 +53,15 @@ class _Bucket:
     numel: int
 
 
+class LayoutPlan:
+    """A plan given as plain data (what a checkpoint can hold): `slots` as (index, shape, bucket, offset,
+    numel) tuples and each bucket's numel. Any object with these attributes serves as a plan."""
+
+    def __init__(self, slots: Sequence[tuple], numel: Sequence[int]):
+        self.slots = [_Slot(int(i), tuple(shape), int(b), int(off), int(n)) for i, shape, b, off, n in slots]
+        self.buckets = [_Bucket(b, int(n)) for b, n in enumerate(numel)]
+
+
 class _OneBucketPlan:
     """The layout used without a BucketPlan: every parameter in one bucket, slots 256-byte aligned."""
 

@@ -31,40 +31,12 @@ their parts too.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
 
 from .engines import CpuMasterEngine, OptimConfig, check_master_state, tower_plan
 from .metrics import StepTimes
-
-
-@dataclass(frozen=True)
-class _Piece:
-    """One bucket's shard seen by MasterWeights as a bucket holding one flat parameter."""
-    index: int
-    numel: int
-
-    @property
-    def shape(self) -> tuple:
-        return (self.numel,)
-
-    @property
-    def bucket(self) -> int:
-        return self.index
-
-    @property
-    def offset(self) -> int:
-        return 0
-
-
-class _ShardPlan:
-    """The plan of this process's shards: bucket b holds one slot, shard b (MasterWeights' plan protocol)."""
-
-    def __init__(self, sizes: Sequence[int]):
-        self.buckets = [_Piece(b, n) for b, n in enumerate(sizes)]
-        self.slots = list(self.buckets)
 
 
 class ShardedCpuMasterEngine(CpuMasterEngine):
@@ -76,7 +48,7 @@ class ShardedCpuMasterEngine(CpuMasterEngine):
                  devices: Sequence[torch.device], opt: OptimConfig, bucket_cap_mb: float,
                  first_bucket_mb: float, comm: Any, skip_nonfinite: bool = True):
         from ..averager import _check_across_processes
-        from ..master import MasterWeights
+        from ..master import LayoutPlan, MasterWeights
 
         if comm is None or comm.world_size < 2 or not hasattr(comm, "reduce_scatter_processes"):
             raise ValueError("shard_master: needs CPU towers in several processes (gloo under torchrun)")
@@ -117,8 +89,11 @@ class ShardedCpuMasterEngine(CpuMasterEngine):
             self.param_flats.append(pf)
             self.grad_flats.append(gf)
         self._grad_shards = [torch.zeros(hi - lo) for lo, hi in self._shard]
+        # MasterWeights sees this process's shard of bucket b as bucket b holding one flat parameter
+        sizes = [hi - lo for lo, hi in self._shard]
         self.master = MasterWeights([self.param_store[0][b][lo:hi] for b, (lo, hi) in enumerate(self._shard)],
-                                    plan=_ShardPlan([hi - lo for lo, hi in self._shard]), pin=False,
+                                    plan=LayoutPlan([(b, (n,), b, 0, n) for b, n in enumerate(sizes)], sizes),
+                                    pin=False,
                                     skip_nonfinite=skip_nonfinite, **opt.master_kwargs())
 
     def step(self, lr: float, loss_scale: float | None, max_grad_norm: float | None,
@@ -210,28 +185,6 @@ class ShardedCpuMasterEngine(CpuMasterEngine):
 
 
 # ---- checkpoints written as a set: one part per process (Note [Sharded checkpoints])
-@dataclass(frozen=True)
-class _Slot:
-    index: int
-    shape: tuple
-    bucket: int
-    offset: int
-    numel: int
-
-
-@dataclass(frozen=True)
-class _Bucket:
-    numel: int
-
-
-class _SavedPlan:
-    """The bucket layout a sharded checkpoint was written with (MasterWeights' plan protocol)."""
-
-    def __init__(self, slots: list, numel: list):
-        self.slots = [_Slot(int(i), tuple(shape), int(b), int(off), int(n)) for i, shape, b, off, n in slots]
-        self.buckets = [_Bucket(int(n)) for n in numel]
-
-
 def shard_manifest(engine: ShardedCpuMasterEngine) -> dict:
     """What the checkpoint file itself holds for a sharded master: the layout to put the parts together
     again (every process writes the same)."""
@@ -254,7 +207,7 @@ def shard_part(engine: ShardedCpuMasterEngine) -> dict:
 def assemble_master(manifest: dict, path: str) -> dict:
     """The portable master state (Note [Portable master state]) of a checkpoint written as a set: reads
     every process's part next to `path`, verifies each, and puts the buckets together again."""
-    from ..master import MasterWeights
+    from ..master import LayoutPlan, MasterWeights
     from . import checkpoint as ckpt
 
     count, kind = int(manifest["processes"]), manifest["kind"]
@@ -265,7 +218,7 @@ def assemble_master(manifest: dict, path: str) -> dict:
             raise ckpt.CheckpointError(ckpt.part_path(path, r, count), "content",
                                        f"holds the part of rank {part.get('rank')} of {part.get('processes')}")
         parts.append(part)
-    plan = _SavedPlan(manifest["slots"], manifest["numel"])
+    plan = LayoutPlan(manifest["slots"], manifest["numel"])
     hp = dict(manifest["hp"])
     opt = {"optimizer": kind, **{k: hp[k] for k in hp if k not in ("params",)}}
     full = MasterWeights([torch.zeros(s.shape) for s in plan.slots], plan=plan, pin=False, **opt)
