@@ -70,6 +70,19 @@ class MLP:
         return nn.Sequential(nn.Linear(12, 64), nn.Tanh(), nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 3))
 
 
+def sgd_noise_floor(init, batches, n, ref):
+    """A measured noise floor, as in Note [Tolerance of training equivalence tests] (tests/train/
+    test_trainer.py): the largest distance from the reference `ref` of equally valid runs on the same GPU
+    (the batch's gradient accumulated over 2 and n slices: the GPU's matmuls sum in another order then; and
+    the float64 run, the reference's own float32 error). n towers are one more such run, so within 2 floors
+    of the reference (triangle inequality); never below one fp32 ulp (2^-23 relative)."""
+    import torch
+
+    runs = [sgd_reference(init, batches, chunks) for chunks in sorted({2, n})]
+    runs.append(sgd_reference(init, batches, dtype=torch.float64))
+    return max(2.0 ** -23, max(max_rel(a, b) for run in runs for a, b in zip(run, ref.parameters())))
+
+
 def max_rel(a, b):
     """max |a - b| / max |b| (float64, on the CPU)."""
     a, b = a.detach().double().cpu(), b.detach().double().cpu()
@@ -129,14 +142,7 @@ def test_cuda_towers_equal_one_model_on_full_batch(overlap):
         for opt in opts:
             opt.step()
     torch.cuda.synchronize()
-    # A measured noise floor, as in Note [Tolerance of training equivalence tests] (tests/train/
-    # test_trainer.py): the largest distance from the reference of equally valid runs on the same GPU (the
-    # batch's gradient accumulated over 2 and n slices: the GPU's matmuls sum in another order then; and the
-    # float64 run, the reference's own float32 error). The towers are one more such run, so within 2 floors
-    # of the reference (triangle inequality); never below one fp32 ulp (2^-23 relative).
-    runs = [sgd_reference(init, batches, chunks) for chunks in sorted({2, n})]
-    runs.append(sgd_reference(init, batches, dtype=torch.float64))
-    floor = max(2.0 ** -23, max(max_rel(a, b) for run in runs for a, b in zip(run, ref.parameters())))
+    floor = sgd_noise_floor(init, batches, n, ref)
     for p_ref, *ps in zip(ref.parameters(), *[t.parameters() for t in towers]):
         for p in ps:
             assert torch.equal(p.cpu(), ps[0].cpu())
@@ -421,12 +427,7 @@ def test_towers_sharing_one_gpu_equal_one_model_on_full_batch(n):
             for opt in opts:
                 opt.step()
         torch.cuda.synchronize()
-        # The noise floor of test_cuda_towers_equal_one_model_on_full_batch (Note [Tolerance of training
-        # equivalence tests]): equally valid float32 runs (the batch's gradient over 2 and n slices, and the
-        # float64 run); the towers are one more such run, so within 2 floors of the reference.
-        runs = [sgd_reference(init, batches, chunks) for chunks in sorted({2, n})]
-        runs.append(sgd_reference(init, batches, dtype=torch.float64))
-        floor = max(2.0 ** -23, max(max_rel(a, b) for run in runs for a, b in zip(run, ref.parameters())))
+        floor = sgd_noise_floor(init, batches, n, ref)
     finally:
         torch.backends.cuda.matmul.allow_tf32 = prev
     for p_ref, *ps in zip(ref.parameters(), *[t.parameters() for t in towers]):

@@ -80,23 +80,24 @@ def _noise_floor(want, gpu, **kw):
     return max(2.0 ** -23, max(_rel_distance(r, want) for r in runs))
 
 
-@pytest.mark.parametrize("master", ["cpu", "device"])
-@pytest.mark.parametrize("opt_kw", [dict(optimizer="sgd", lr=0.05, momentum=0.9, nesterov=True),
-                                    dict(optimizer="adamw", lr=3e-3, weight_decay=0.0)])
-def test_gpu_towers_match_cpu_single_tower(master, opt_kw):
+def _train_like_the_reference(devices, master, opt_kw, check=None):
+    """Trains the digits MLP for 10 steps on `devices`; every tower then holds the master weights on its
+    device, and the master is one more float32 run of the reference's training: within 2 noise floors of
+    it (Note [Tolerance of training equivalence tests]). `check(trainer)` runs before training."""
     import torch
 
     from ncclavg.train.data import TensorLoader
     from ncclavg.train.models import build_model
     from ncclavg.train.trainer import TowerTrainer
 
-    devices = gpu_devices()
     want = _reference(opt_kw, 10)
     prev = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = False
     try:
         floor = _noise_floor(want, devices[0], opt_kw=opt_kw, steps=10)
         with TowerTrainer(build_model("mlp", seed=0), devices=devices, master=master, **opt_kw) as tr:
+            if check is not None:
+                check(tr)
             tr.fit(TensorLoader(*_data(), batch_size=23, seed=3), epochs=10, max_steps=10)
             got = tr.master_params()
             for t, dev in enumerate(devices):
@@ -104,8 +105,14 @@ def test_gpu_towers_match_cpu_single_tower(master, opt_kw):
                 assert all(torch.equal(p.detach().cpu().float(), m) for p, m in zip(tr.tower_params[t], got))
     finally:
         torch.backends.cuda.matmul.allow_tf32 = prev
-    # One more float32 run of the same training: within 2 noise floors of the reference (the Note).
     assert _rel_distance(got, want) <= 2 * floor, (_rel_distance(got, want), floor)
+
+
+@pytest.mark.parametrize("master", ["cpu", "device"])
+@pytest.mark.parametrize("opt_kw", [dict(optimizer="sgd", lr=0.05, momentum=0.9, nesterov=True),
+                                    dict(optimizer="adamw", lr=3e-3, weight_decay=0.0)])
+def test_gpu_towers_match_cpu_single_tower(master, opt_kw):
+    _train_like_the_reference(gpu_devices(), master, opt_kw)
 
 
 @pytest.mark.parametrize("master", ["cpu", "device"])
@@ -185,32 +192,13 @@ def one_gpu() -> str:
 
 @pytest.mark.parametrize("master", ["cpu", "device"])
 def test_towers_sharing_one_gpu_match_cpu_single_tower(master):
-    import torch
+    """The towers (3 slices of 8/8/7 of each batch on one GPU, averaged in float32 with their weights, see
+    Note [Uneven batches]) are one more float32 run of the same training."""
+    def local_backend(tr):
+        assert (tr.engine.comm.backend, tr.engine.comm.size) == ("local", 3)
 
-    from ncclavg.train.data import TensorLoader
-    from ncclavg.train.models import build_model
-    from ncclavg.train.trainer import TowerTrainer
-
-    gpu = one_gpu()
-    opt_kw = dict(optimizer="adamw", lr=3e-3, weight_decay=0.0)
-    want = _reference(opt_kw, 10)
-    prev = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    try:
-        floor = _noise_floor(want, gpu, opt_kw=opt_kw, steps=10)
-        with TowerTrainer(build_model("mlp", seed=0), devices=[gpu] * 3, master=master, **opt_kw) as tr:
-            assert (tr.engine.comm.backend, tr.engine.comm.size) == ("local", 3)
-            tr.fit(TensorLoader(*_data(), batch_size=23, seed=3), epochs=10, max_steps=10)
-            got = tr.master_params()
-            for t in range(3):
-                assert all(p.device == torch.device(gpu) for p in tr.tower_params[t])
-                assert all(torch.equal(p.detach().cpu().float(), m) for p, m in zip(tr.tower_params[t], got))
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = prev
-    # The towers (3 slices of 8/8/7 of each batch on the GPU, averaged in float32 with their weights, see
-    # Note [Uneven batches]) are one more float32 run of the same training: within 2 noise floors of the
-    # reference, by the argument of Note [Tolerance of training equivalence tests].
-    assert _rel_distance(got, want) <= 2 * floor, (_rel_distance(got, want), floor)
+    _train_like_the_reference([one_gpu()] * 3, master, dict(optimizer="adamw", lr=3e-3, weight_decay=0.0),
+                              check=local_backend)
 
 
 @pytest.mark.parametrize("master", ["cpu", "device"])
