@@ -129,6 +129,7 @@ def tower_communicator(devices: Sequence[Any]) -> Any:
 class DeviceMasterEngine:
     """master="device": GradientAverager + one optimizer per tower (identical updates)."""
     kind = "device"
+    collectives_in_backward = True   # the averager's hooks launch buckets during backward
 
     def __init__(self, tower_params: Sequence[Sequence[torch.Tensor]], names: Sequence[str],
                  devices: Sequence[torch.device], opt: OptimConfig, bucket_cap_mb: float,

@@ -400,7 +400,7 @@ class TowerTrainer:
         # update instead.
         reduce_now = getattr(self.engine, "reduce_now", None)
         reduced = bool(reduce_now is not None and reduce_now(times))
-        in_backward = getattr(self.engine, "collectives_in_backward", self.engine.kind == "device")
+        in_backward = getattr(self.engine, "collectives_in_backward", False)
         stats = self._sum_results(live) if reduced or not in_backward else None
         info = self.engine.step(lr, loss_scale, self.grad_clip, times)
         if self.processes > 1 and self.comm.debug:
