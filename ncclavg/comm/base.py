@@ -57,6 +57,7 @@ from ..errors import CollectiveMismatchError, CommError
 from . import debug as comm_debug
 
 DEFAULT_TIMEOUT_S = 600.0
+TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")   # what torchrun sets for env://
 
 
 def default_timeout() -> float:
@@ -194,7 +195,7 @@ class Communicator:
         if not dist.is_available():
             raise RuntimeError("from_torch_distributed: this torch build has no torch.distributed")
         if not dist.is_initialized():
-            if all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")):
+            if all(k in os.environ for k in TORCHRUN_VARS):
                 _init_torchrun_group(dist, t)
             else:
                 raise RuntimeError("from_torch_distributed: torch.distributed is not initialized; call "

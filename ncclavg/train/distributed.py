@@ -28,7 +28,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+from ..comm.base import TORCHRUN_VARS
 
 
 def launched_with_processes() -> bool:
