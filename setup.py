@@ -127,7 +127,7 @@ class BuildExt(build_ext):
                      # Same rounding at every SIMD level and on the GPU: no silent FMA contraction.
                      "-ffp-contract=off", "-Wall", "-Wextra", "-Wno-unused-parameter"]
         cxx_flags += shlex.split(os.environ.get("NCCLAVG_CXXFLAGS", ""))
-        link_flags = ["-fopenmp"] + shlex.split(os.environ.get("NCCLAVG_LDFLAGS", ""))
+        link_flags = ["-fopenmp", "-lrt"] + shlex.split(os.environ.get("NCCLAVG_LDFLAGS", ""))
         libs = []
         cpp_sources = list(ext.sources)
         cu_sources = []

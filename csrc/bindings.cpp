@@ -12,6 +12,7 @@
 #include "cpu/pack.h"
 #include "cpu/optim.h"
 #include "cpu/reduce.h"
+#include "cpu/shm_channel.h"
 #include "cpu/simd.h"
 #include "cuda/nccl_api.h"
 #ifdef NCCLAVG_WITH_CUDA
@@ -116,6 +117,7 @@ PYBIND11_MODULE(_C, m) {
   py::register_exception<NcclError>(m, "NcclError", PyExc_RuntimeError);
   py::register_exception<CudaError>(m, "CudaError", PyExc_RuntimeError);
   py::register_exception<TimeoutError>(m, "CommTimeoutError", PyExc_TimeoutError);
+  py::register_exception<cpu::ShmPeerError>(m, "ShmPeerError", PyExc_RuntimeError);
   py::register_exception_translator([](std::exception_ptr p) {
     try {
       if (p) std::rethrow_exception(p);
@@ -296,6 +298,30 @@ PYBIND11_MODULE(_C, m) {
   m.def("cast_copy", &cpu::cast_copy, py::arg("srcs"), py::arg("dsts"),
         py::call_guard<py::gil_scoped_release>(),
         "dsts[i] = srcs[i] (float32) rounded to dsts[i]'s dtype (nearest even).");
+
+  // ---- shared-memory channel between the processes of one host (csrc/cpu/shm_channel.h)
+  {
+    using cpu::ShmChannel;
+    using Release = py::call_guard<py::gil_scoped_release>;
+    py::class_<ShmChannel>(m, "ShmChannel")
+        .def(py::init<const std::string&, int, int, int64_t, uint64_t>(), py::arg("name"), py::arg("rank"),
+             py::arg("nranks"), py::arg("slot_bytes"), py::arg("nonce"), Release(),
+             "Rank 0 creates the segment `name`, the others open it (see Note [Shared-memory channel]).")
+        .def("unlink_name", &ShmChannel::unlink_name)
+        .def("all_reduce_sum", &ShmChannel::all_reduce_sum, py::arg("data"), py::arg("count"), py::arg("type"),
+             py::arg("timeout_s"), Release())
+        .def("reduce_scatter_sum", &ShmChannel::reduce_scatter_sum, py::arg("inp"), py::arg("out"),
+             py::arg("count"), py::arg("type"), py::arg("timeout_s"), Release())
+        .def("all_gather", &ShmChannel::all_gather, py::arg("inp"), py::arg("out"), py::arg("count"),
+             py::arg("type"), py::arg("timeout_s"), Release())
+        .def("broadcast", &ShmChannel::broadcast, py::arg("data"), py::arg("count"), py::arg("type"),
+             py::arg("root"), py::arg("timeout_s"), Release())
+        .def("abort", &ShmChannel::abort, py::arg("why"))
+        .def_property_readonly("rank", &ShmChannel::rank)
+        .def_property_readonly("nranks", &ShmChannel::nranks)
+        .def_property_readonly("slot_bytes", &ShmChannel::slot_bytes)
+        .def_property_readonly("collectives", &ShmChannel::collectives);
+  }
 
 #ifdef NCCLAVG_WITH_CUDA
   // ---- NCCL communicator (csrc/cuda/comm.h). Present only in CUDA builds: hasattr(_C, "NcclComm").

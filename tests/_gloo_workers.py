@@ -93,6 +93,8 @@ def collectives_and_ddp(rank, world, port):
 
     comm = Communicator.from_torch_distributed(device="cpu", timeout=60)
     assert (comm.backend, comm.size, comm.local_size, comm.rank, comm.world_size) == ("gloo", world, 1, rank, world)
+    # one host: the shared-memory channel unless NCCLAVG_SHM=0 (Note [When the shared-memory channel is used])
+    assert comm.transport == ("gloo" if os.environ.get("NCCLAVG_SHM") == "0" else "shm"), comm.transport
 
     # all_reduce_avg: exact inputs -> bit-for-bit mean, every dtype, sizes that are not vector multiples
     for seed, dtype in enumerate(DTYPES):
@@ -202,3 +204,31 @@ def timeout_job(rank, world, port):
     else:
         time.sleep(3)  # never joins the collective (rank 0 gives up after 1 s)
     os._exit(0)  # the group is unusable after a timeout: skip its teardown
+
+
+def shm_setup_fails_job(rank, world, port, required):
+    """The shared-memory channel cannot be set up (its segment would not fit in /dev/shm): with
+    NCCLAVG_SHM=auto every rank warns and stays on torch.distributed, results unchanged; with =1 every
+    rank raises CommError naming the cause."""
+    import warnings
+
+    init_rank(rank, world, port)
+    from ncclavg import CommError, Communicator
+
+    os.environ["NCCLAVG_SHM_SLOT_KB"] = str(1 << 30)   # 2 x world slots of 1 TiB
+    if required:
+        os.environ["NCCLAVG_SHM"] = "1"
+        try:
+            Communicator.from_torch_distributed(device="cpu", timeout=30)
+            raise AssertionError("expected CommError")
+        except CommError as e:
+            assert "could not be set up" in str(e) and "/dev/shm too small" in str(e), str(e)
+        return
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        comm = Communicator.from_torch_distributed(device="cpu", timeout=30)
+    assert comm.transport == "gloo"
+    assert any("stays on torch.distributed" in str(w.message) for w in caught), [str(w.message) for w in caught]
+    x = torch.full((5,), float(rank))
+    comm.all_reduce_avg([x])
+    assert torch.equal(x, torch.full((5,), (world - 1) / 2))

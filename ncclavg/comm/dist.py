@@ -51,6 +51,8 @@ def end_process(code: int = 0) -> None:
 
 
 def _is_timeout(e: BaseException) -> bool:
+    if hasattr(e, "is_timeout"):   # the shared-memory channel says which (shm.py)
+        return bool(e.is_timeout)
     text = str(e).lower()
     return "timed out" in text or "timeout" in text
 
@@ -64,7 +66,13 @@ def _lost(comm: Any) -> str:
 def _wait_dist(comm: Any, work: Any, timeout: float, what: str) -> None:
     """Bounded wait for a torch.distributed work; every failure marks `comm` unusable. See Note [A failed
     communicator stays failed]."""
-    t0 = time.monotonic()
+    # a shared-memory work (shm.py) may have run, and timed out, on this thread before the wait
+    t0 = getattr(work, "started", None) or time.monotonic()
+    source = getattr(work, "source", "torch.distributed")
+    # the shared-memory channel names the lost rank itself, without the store (which a dead rank 0 takes along)
+    def lost(c: Any) -> str:
+        return "" if getattr(work, "names_peers", False) else _lost(c)
+
     try:
         work.wait(timeout=datetime.timedelta(seconds=timeout))
     except RuntimeError as e:
@@ -72,11 +80,11 @@ def _wait_dist(comm: Any, work: Any, timeout: float, what: str) -> None:
             elapsed = time.monotonic() - t0
             # the process group's own (shorter) timeout may fire first: say which one did
             msg = (f"{what} did not complete within {timeout:g} s" if elapsed >= 0.9 * timeout else
-                   f"{what} timed out after {elapsed:.1f} s in torch.distributed (the process group's own "
-                   f"timeout, shorter than this communicator's {timeout:g} s)") + _lost(comm)
+                   f"{what} timed out after {elapsed:.1f} s in {source} (the process group's own "
+                   f"timeout, shorter than this communicator's {timeout:g} s)") + lost(comm)
             comm._fail(msg)
-            raise CommTimeoutError(f"{msg}; the communicator is unusable now (torch.distributed: {e})") from None
-        msg = f"{what} failed{_lost(comm)}: {e}"
+            raise CommTimeoutError(f"{msg}; the communicator is unusable now ({source}: {e})") from None
+        msg = f"{what} failed{lost(comm)}: {e}"
         comm._fail(msg)
         raise CommError(msg + "; the communicator is unusable now (did a peer process die?)") from e
 

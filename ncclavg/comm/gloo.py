@@ -16,6 +16,9 @@ moves the division before the sum (a half-precision sum cannot overflow then). T
 exchanged once, when the communicator is built.
 reduce_scatter_avg and all_gather follow the same order (local first, one collective per process); the
 shard of global tower g = offset_p + t, towers numbered process-major.
+When every process is on one host, the collectives between processes go through the core's shared-memory
+channel instead of torch.distributed (shm.py, Note [When the shared-memory channel is used]); the steps
+above and their element math stay the same.
 """
 from __future__ import annotations
 
@@ -28,6 +31,7 @@ from ..buffers import as_buffer
 from .base import Communicator, Work, check_count, check_timeout
 from .dist import _DistWork, _allgather_object_bounded, _debug_allgather_dist, _issue_dist, _wait_dist
 from .liveness import Liveness
+from .shm import ShmTransport, host_identity, supports as shm_supports
 
 
 class GlooCommunicator(Communicator):
@@ -53,14 +57,39 @@ class GlooCommunicator(Communicator):
         # reduce_scatter_tensor / all_gather_into_tensor were renamed in recent torch versions.
         self._reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
         self._all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        counts = ([towers] if self.world_size == 1 else
-                  _allgather_object_bounded(self, dist, group, towers, self.timeout))
-        self.tower_counts: list = [int(c) for c in counts]
+        self._shm: Optional[ShmTransport] = None
+        found = ([(towers, "")] if self.world_size == 1 else
+                 _allgather_object_bounded(self, dist, group, (towers, host_identity()), self.timeout))
+        self.tower_counts: list = [int(c) for c, _ in found]
         self.size = sum(self.tower_counts)
         self.tower_offset = sum(self.tower_counts[:self.rank])   # global index of local tower 0
         self._uniform = len(set(self.tower_counts)) == 1
         # See Note [Naming the lost rank] in liveness.py
         self._liveness = Liveness.for_group(dist, group, self.rank, self.world_size) if self.world_size > 1 else None
+        self._shm = ShmTransport.connect(self, dist, group, [h for _, h in found], self.timeout)
+        # "shm": collectives between processes use the shared-memory channel; "gloo": torch.distributed
+        self.transport = "shm" if self._shm is not None else "gloo"
+
+    # ------------------------------------------------------------------ the collectives between processes
+    # Each starts one SUM / gather / broadcast over the processes and returns a Work for _wait_dist:
+    # through the shared-memory channel when there is one and it takes the dtype, else torch.distributed.
+    # sync=True: the caller waits at once.
+    def _sum(self, what: str, t: torch.Tensor, sync: bool = True) -> Any:
+        if self._shm is not None and shm_supports(t):
+            return _issue_dist(self, what, self._shm.all_reduce_sum, t, sync)
+        return _issue_dist(self, what, self._dist.all_reduce, t, op=self._dist.ReduceOp.SUM, group=self.group,
+                           async_op=True)
+
+    def _sum_scatter(self, what: str, out: torch.Tensor, inp: torch.Tensor) -> Any:
+        if self._shm is not None and shm_supports(out) and shm_supports(inp):
+            return _issue_dist(self, what, self._shm.reduce_scatter_sum, out, inp)
+        return _issue_dist(self, what, self._reduce_scatter, out, inp, op=self._dist.ReduceOp.SUM,
+                           group=self.group, async_op=True)
+
+    def _gather(self, what: str, out: torch.Tensor, inp: torch.Tensor) -> Any:
+        if self._shm is not None and shm_supports(out) and shm_supports(inp):
+            return _issue_dist(self, what, self._shm.all_gather, out, inp)
+        return _issue_dist(self, what, self._all_gather, out, inp, group=self.group, async_op=True)
 
     def _scale(self, buf: Any, scale: float, divisor: float, dsts: Optional[list] = None) -> None:
         """dsts (default [buf]) = buf * scale / divisor in one fused pass (the core's unpack)."""
@@ -77,8 +106,17 @@ class GlooCommunicator(Communicator):
             scale, divisor = float(self.local_size), float(self.size)
         return (scale, divisor, 1.0) if self.predivide else (scale, 1.0, divisor)
 
+    def all_reduce_avg(self, tensors: Sequence[torch.Tensor], *, tag: Optional[str] = None,
+                       debug_key: Optional[Sequence[int]] = None, timeout: Optional[float] = None) -> None:
+        limit = self._timeout_arg(timeout)   # before anything starts: a bad timeout must not desync ranks
+        self._average(tensors, False, tag, debug_key, sync=True).wait(limit)
+
     def all_reduce_avg_async(self, tensors: Sequence[torch.Tensor], defer_scale: bool = False, *,
                              tag: Optional[str] = None, debug_key: Optional[Sequence[int]] = None) -> Work:
+        return self._average(tensors, defer_scale, tag, debug_key, sync=False)
+
+    def _average(self, tensors: Sequence[torch.Tensor], defer_scale: bool, tag: Optional[str],
+                 debug_key: Optional[Sequence[int]], sync: bool) -> Work:
         tensors, bufs = self._checked_buffers(tensors, "tensors")  # dtype / contiguity in the user's terms
         what = self._what("all_reduce_avg", tensors, tag)
         self._debug_check("all_reduce_avg", tensors[0], debug_key, self.timeout)
@@ -86,8 +124,7 @@ class GlooCommunicator(Communicator):
             _C.average_(bufs, 0)
         scale, pre_div, post_div = self._sum_factors()
         self._scale(bufs[0], scale, pre_div)
-        work = _issue_dist(self, what, self._dist.all_reduce, tensors[0], op=self._dist.ReduceOp.SUM,
-                           group=self.group, async_op=True)
+        work = self._sum(what, tensors[0], sync)
         if self.local_size == 1 and (post_div == 1.0 or defer_scale):
             return _DistWork(self, work, what, divisor=post_div)
 
@@ -114,8 +151,7 @@ class GlooCommunicator(Communicator):
         self._debug_check("reduce_scatter_avg", inputs[0], debug_key, limit)
         if self.local_size == 1 and self._uniform:   # one tower per process: straight into the output
             out = outputs[0].view(-1)
-            work = _issue_dist(self, what, self._reduce_scatter, out, inputs[0].reshape(-1),
-                               op=self._dist.ReduceOp.SUM, group=self.group, async_op=True)
+            work = self._sum_scatter(what, out, inputs[0].reshape(-1))
             _wait_dist(self, work, limit, what)
             self._scale(as_buffer(out, "outputs[0]"), 1.0, float(self.size))
             return
@@ -123,12 +159,10 @@ class GlooCommunicator(Communicator):
         acc = self._local_sum(inputs)
         if self._uniform:   # this process's towers' shards are one contiguous chunk of the same size
             mine = torch.empty(shard * self.local_size, dtype=torch.float32)
-            work = _issue_dist(self, what, self._reduce_scatter, mine, acc, op=self._dist.ReduceOp.SUM,
-                               group=self.group, async_op=True)
+            work = self._sum_scatter(what, mine, acc)
             first = 0
         else:               # chunks of different sizes: reduce everything, keep this process's part
-            work = _issue_dist(self, what, self._dist.all_reduce, acc, op=self._dist.ReduceOp.SUM,
-                               group=self.group, async_op=True)
+            work = self._sum(what, acc)
             mine, first = acc, self.tower_offset * shard
         _wait_dist(self, work, limit, what)
         for t, out in enumerate(outputs):
@@ -146,14 +180,13 @@ class GlooCommunicator(Communicator):
         widest = max(self.tower_counts)
         local = inputs[0].reshape(-1) if self.local_size == 1 else torch.cat([x.reshape(-1) for x in inputs])
         if self._uniform:
-            work = _issue_dist(self, what, self._all_gather, outputs[0].view(-1), local, group=self.group,
-                               async_op=True)
+            work = self._gather(what, outputs[0].view(-1), local)
             _wait_dist(self, work, limit, what)
         else:   # gloo gathers equal sizes only: every process sends `widest` towers' worth, padded
             padded = torch.zeros(widest * n, dtype=local.dtype)
             padded[:local.numel()] = local
             gathered = torch.empty(self.world_size * widest * n, dtype=local.dtype)
-            work = _issue_dist(self, what, self._all_gather, gathered, padded, group=self.group, async_op=True)
+            work = self._gather(what, gathered, padded)
             _wait_dist(self, work, limit, what)
             out, pos = outputs[0].view(-1), 0
             for p, count in enumerate(self.tower_counts):
@@ -184,8 +217,7 @@ class GlooCommunicator(Communicator):
             _C.average_(bufs, 0)
         scale, pre_div, post_div = self._sum_factors()
         self._scale(bufs[0], scale, pre_div)
-        work = _issue_dist(self, what, self._reduce_scatter, out.view(-1), tensors[0].reshape(-1),
-                           op=self._dist.ReduceOp.SUM, group=self.group, async_op=True)
+        work = self._sum_scatter(what, out.view(-1), tensors[0].reshape(-1))
         _wait_dist(self, work, limit, what)
         self._scale(as_buffer(out.view(-1), "out"), 1.0, post_div)
 
@@ -208,8 +240,7 @@ class GlooCommunicator(Communicator):
         limit = self._timeout_arg(timeout)
         what = self._what("all_gather_processes", [shard], tag)
         # the shard may be a view of an output (a tower's own slice): gather from a copy
-        work = _issue_dist(self, what, self._all_gather, outputs[0].view(-1), shard.reshape(-1).clone(),
-                           group=self.group, async_op=True)
+        work = self._gather(what, outputs[0].view(-1), shard.reshape(-1).clone())
         _wait_dist(self, work, limit, what)
         for o in outputs[1:]:
             o.view(-1).copy_(outputs[0].view(-1))
@@ -224,9 +255,8 @@ class GlooCommunicator(Communicator):
         buf = torch.tensor([float(v) for v in values], dtype=torch.float64)
         if self.world_size == 1:
             return buf.tolist
-        what = f"gloo sum_over_processes of {buf.numel()} values (rank {self.rank} of {self.world_size})"
-        work = _issue_dist(self, what, self._dist.all_reduce, buf, op=self._dist.ReduceOp.SUM,
-                           group=self.group, async_op=True)
+        what = f"{self.transport} sum_over_processes of {buf.numel()} values (rank {self.rank} of {self.world_size})"
+        work = self._sum(what, buf, sync=False)   # overlaps the caller's work until finish()
 
         def finish() -> list:
             _wait_dist(self, work, limit, what)
@@ -239,7 +269,7 @@ class GlooCommunicator(Communicator):
         limit = self._timeout_arg(timeout)
         if self.world_size == 1 or not tensors:
             return
-        what = f"gloo broadcast_tensors of {len(tensors)} tensors from rank 0 (rank {self.rank} of {self.world_size})"
+        what = f"{self.transport} broadcast_tensors of {len(tensors)} tensors from rank 0 (rank {self.rank} of {self.world_size})"
         src = self._dist.get_global_rank(self.group, 0) if self.group is not None else 0
         # one message per dtype: the tensors of a dtype travel as one flat buffer
         by_dtype: dict = {}
@@ -247,7 +277,11 @@ class GlooCommunicator(Communicator):
             by_dtype.setdefault(t.dtype, []).append(t)
         for group_tensors in by_dtype.values():
             flat = torch.cat([t.detach().reshape(-1).cpu() for t in group_tensors])
-            work = _issue_dist(self, what, self._dist.broadcast, flat, src=src, group=self.group, async_op=True)
+            if self._shm is not None and shm_supports(flat):   # channel ranks are the group's ranks
+                work = _issue_dist(self, what, self._shm.broadcast, flat, 0)
+            else:
+                work = _issue_dist(self, what, self._dist.broadcast, flat, src=src, group=self.group,
+                                   async_op=True)
             _wait_dist(self, work, limit, what)
             pos = 0
             with torch.no_grad():
@@ -258,6 +292,8 @@ class GlooCommunicator(Communicator):
     def close(self) -> None:
         if getattr(self, "_liveness", None) is not None:
             self._liveness.stop()
+        if getattr(self, "_shm", None) is not None:
+            self._shm.close()
         super().close()
 
     def allgather_object(self, obj: Any, *, timeout: Optional[float] = None) -> list:

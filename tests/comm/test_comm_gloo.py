@@ -1,15 +1,25 @@
 """gloo backend with 2 and 4 processes on loopback (spawned, bounded): collectives, and GradientAverager
-against torch DDP(gloo) on the same model and data."""
+against torch DDP(gloo) on the same model and data; through the shared-memory channel (the default on one
+host) and through torch.distributed (NCCLAVG_SHM=0)."""
 
 import _gloo_workers
 import pytest
 from _dist_util import run_ranks
 
 
+@pytest.mark.parametrize("shm", ["auto", "0"])
 @pytest.mark.parametrize("world", [2, 4])
-def test_gloo_collectives_and_averager_match_ddp(world):
+def test_gloo_collectives_and_averager_match_ddp(world, shm, monkeypatch):
+    monkeypatch.setenv("NCCLAVG_SHM", shm)   # the spawned ranks inherit it
     run_ranks(_gloo_workers.collectives_and_ddp, world, timeout_s=180)
 
 
-def test_gloo_wait_times_out():
+@pytest.mark.parametrize("shm", ["auto", "0"])
+def test_gloo_wait_times_out(shm, monkeypatch):
+    monkeypatch.setenv("NCCLAVG_SHM", shm)
     run_ranks(_gloo_workers.timeout_job, 2, timeout_s=60)
+
+
+@pytest.mark.parametrize("required", [False, True])
+def test_shm_setup_failure_falls_back_or_raises(required):
+    run_ranks(_gloo_workers.shm_setup_fails_job, 2, args=(required,), timeout_s=60)
