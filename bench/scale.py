@@ -2,9 +2,13 @@
 
 Contenders (the same model, initial weights, data and global batch; AdamW, lr 1e-3, no weight decay):
   ncclavg PxT        TowerTrainer(devices=["cpu"] * T) in each of P processes (1x4, 2x2, 4x1): 4 towers in
-                     all, averaged hierarchically (one-pass local average, one gloo all-reduce per bucket
-                     per process), fused CPU AdamW on the master weights. See Note [Towers of several
-                     processes] in ncclavg/train/distributed.py.
+                     all, averaged hierarchically (one-pass local average, one all-reduce per bucket per
+                     process), fused CPU AdamW on the master weights. See Note [Towers of several
+                     processes] in ncclavg/train/distributed.py. Every process is on this host, so the
+                     all-reduces between processes go through the shared-memory channel (Note [When the
+                     shared-memory channel is used] in ncclavg/comm/shm.py).
+  ncclavg PxT tcp    the same with NCCLAVG_SHM=0: torch.distributed (gloo over loopback TCP) between the
+                     processes, as between hosts; P > 1 only.
   ncclavg PxT+shard  the same with shard_master=True (ZeRO-1 across processes: each process steps 1/P of
                      the master weights), on the shapes with P > 1, when this build has the option.
   ddp 4x1 (fused / foreach)
@@ -68,13 +72,15 @@ def shard_available() -> bool:
 
 
 def plan_groups(shard: bool) -> list[dict]:
-    """Process groups: {processes, contenders: [{id, kind, towers, shard}]}."""
-    def nc(p, t, s=False):
-        return {"id": f"ncclavg {p}x{t}" + ("+shard" if s else ""), "kind": "ncclavg", "processes": p,
-                "towers": t, "shard": s}
+    """Process groups: {processes, contenders: [{id, kind, towers, shard, shm}]}. shm: NCCLAVG_SHM while
+    the contender's communicator is built ("0": torch.distributed between the processes, the rows marked
+    "tcp"; "auto": the shared-memory channel on this host, see ncclavg/comm/shm.py)."""
+    def nc(p, t, s=False, shm="auto"):
+        return {"id": f"ncclavg {p}x{t}" + ("+shard" if s else "") + (" tcp" if shm == "0" else ""),
+                "kind": "ncclavg", "processes": p, "towers": t, "shard": s, "shm": shm}
     return [{"processes": 1, "contenders": [nc(1, 4)]},
-            {"processes": 2, "contenders": [nc(2, 2)] + ([nc(2, 2, True)] if shard else [])},
-            {"processes": 4, "contenders": [nc(4, 1)] + ([nc(4, 1, True)] if shard else [])
+            {"processes": 2, "contenders": [nc(2, 2), nc(2, 2, shm="0")] + ([nc(2, 2, True)] if shard else [])},
+            {"processes": 4, "contenders": [nc(4, 1), nc(4, 1, shm="0")] + ([nc(4, 1, True)] if shard else [])
              + [{"id": f"ddp 4x1 ({k[4:]})", "kind": k, "processes": 4, "towers": 1, "shard": False}
                 for k in DDP_KINDS]}]
 
@@ -129,8 +135,18 @@ class NcclavgContender:
         from ncclavg.train.trainer import TowerTrainer
 
         extra = {"shard_master": True} if c["shard"] else {}
-        self.trainer = TowerTrainer(build_model(wl["model"]), devices=["cpu"] * c["towers"], optimizer="adamw",
-                                    lr=LR, weight_decay=0.0, timeout=timeout, **extra)
+        before = os.environ.get("NCCLAVG_SHM")
+        os.environ["NCCLAVG_SHM"] = c.get("shm", "auto")   # read when the trainer builds its communicator
+        try:
+            self.trainer = TowerTrainer(build_model(wl["model"]), devices=["cpu"] * c["towers"], optimizer="adamw",
+                                        lr=LR, weight_decay=0.0, timeout=timeout, **extra)
+        finally:
+            if before is None:
+                os.environ.pop("NCCLAVG_SHM", None)
+            else:
+                os.environ["NCCLAVG_SHM"] = before
+        comm = self.trainer.comm
+        self.transport = comm.transport if comm is not None else "none (one process)"
         self.params = self.trainer.plan.param_numel
 
     def step(self, batch) -> dict:
@@ -216,7 +232,8 @@ def run_rank(spec: dict) -> None:
                 kind = NcclavgContender if c["kind"] == "ncclavg" else DdpContender
                 made[c["id"]] = kind(c, wl, spec["timeout"])
             seen = {cid: 0 for cid in made}   # per contender: every one trains on the same batches
-            out["workloads"][wl["name"]] = {cid: {"params": con.params, "steps": [], "block_step_s": []}
+            out["workloads"][wl["name"]] = {cid: {"params": con.params, "steps": [], "block_step_s": [],
+                                                  "transport": getattr(con, "transport", "gloo (DDP)")}
                                             for cid, con in made.items()}
         elif order["op"] == "warmup":
             for cid, con in made.items():
@@ -389,6 +406,7 @@ def summarise(c: dict, raw: dict, batch: int, threads: int, copy_gbps: float, pe
             "optimizer": {"ncclavg": "ncclavg fused CPU AdamW (master='cpu')", "ddp_fused": "torch AdamW fused=True",
                           "ddp_foreach": "torch AdamW foreach=True"}[c["kind"]],
             "shape": f"{c['processes']}x{c['towers']}", "processes": c["processes"],
+            "transport": raw.get("transport"),   # between the processes: shm, gloo, or DDP's gloo
             "towers_per_process": c["towers"], "shard_master": c["shard"], "threads_per_process": threads,
             "params": raw["params"], "global_batch": batch, "steps_timed": len(steps),
             "step_s": step_s, "mean_step_s": statistics.mean(raw["block_step_s"]),
@@ -514,7 +532,10 @@ def markdown(result: dict, md_table: str) -> str:
 
         f"Threads: {h['threads_rule']}.", f"Timing: {h['timing']}.", f"Phases: {h['phases']}.",
         f"Ratios (x ddp F: against DDP with AdamW F): {h['ratios']}.",
-        f"opt %copy: {h['optimizer_vs_copy']}", f"shard_master: {h['shard_master']}.", "",
+        f"opt %copy: {h['optimizer_vs_copy']}", f"shard_master: {h['shard_master']}.",
+        "Transport between processes (the row's `transport`): " + "; ".join(
+            f"{r['name']}: {r['transport']}" for r in result["rows"] if r["workload"] == result["rows"][0]["workload"])
+        + ".", "",
         md_table, "",
         "On 2 cores every shape oversubscribes the machine (4 towers or 4 processes on 2 cores): these numbers "
         "compare the ways of running the same 4-tower step on this machine, not scaling to more cores.", ""])

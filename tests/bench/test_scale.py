@@ -44,8 +44,15 @@ def test_quick_run_has_every_shape_and_the_ddp_rows(quick_run):
     assert h["memcpy_gbps_start"] > 0 and h["memcpy_gbps_end"] > 0 and "threads_rule" in h
     rows = result["rows"]
     (wl,) = {r["workload"] for r in rows}
-    nc = {r["shape"]: r for r in rows if r["kind"] == "ncclavg" and not r["shard_master"]}
+    nc = {r["shape"]: r for r in rows if r["kind"] == "ncclavg" and not r["shard_master"] and " tcp" not in r["name"]}
     assert set(nc) == set(SHAPES)
+    # one host: the shared-memory channel between processes, torch.distributed for the "tcp" rows and DDP
+    transports = {r["name"]: r["transport"] for r in rows}
+    assert transports["ncclavg 1x4"] == "none (one process)"
+    assert transports["ncclavg 2x2"] == transports["ncclavg 4x1"] == "shm"
+    assert transports["ncclavg 2x2 tcp"] == transports["ncclavg 4x1 tcp"] == "gloo"
+    assert transports["ddp 4x1 (fused)"] == "gloo (DDP)"
+    assert "Transport between processes" in md
     for shape, r in nc.items():
         p, t = (int(v) for v in shape.split("x"))
         assert (r["processes"], r["towers_per_process"]) == (p, t) and r["threads_per_process"] >= 1
@@ -102,11 +109,15 @@ def test_quick_run_reports_shard_master_or_its_absence(quick_run, scale):
 
 def test_plan_and_threads(scale):
     ids = lambda groups: [[c["id"] for c in g["contenders"]] for g in groups]   # noqa: E731
-    assert ids(scale.plan_groups(False)) == [["ncclavg 1x4"], ["ncclavg 2x2"],
-                                             ["ncclavg 4x1", "ddp 4x1 (fused)", "ddp 4x1 (foreach)"]]
-    assert ids(scale.plan_groups(True))[1:] == [["ncclavg 2x2", "ncclavg 2x2+shard"],
-                                                ["ncclavg 4x1", "ncclavg 4x1+shard", "ddp 4x1 (fused)",
-                                                 "ddp 4x1 (foreach)"]]
+    assert ids(scale.plan_groups(False)) == [["ncclavg 1x4"], ["ncclavg 2x2", "ncclavg 2x2 tcp"],
+                                             ["ncclavg 4x1", "ncclavg 4x1 tcp", "ddp 4x1 (fused)", "ddp 4x1 (foreach)"]]
+    assert ids(scale.plan_groups(True))[1:] == [["ncclavg 2x2", "ncclavg 2x2 tcp", "ncclavg 2x2+shard"],
+                                                ["ncclavg 4x1", "ncclavg 4x1 tcp", "ncclavg 4x1+shard",
+                                                 "ddp 4x1 (fused)", "ddp 4x1 (foreach)"]]
+    # the "tcp" rows build their communicator with NCCLAVG_SHM=0, the others with the default
+    assert {c["id"]: c["shm"] for g in scale.plan_groups(True) for c in g["contenders"] if c["kind"] == "ncclavg"} == {
+        "ncclavg 1x4": "auto", "ncclavg 2x2": "auto", "ncclavg 2x2 tcp": "0", "ncclavg 2x2+shard": "auto",
+        "ncclavg 4x1": "auto", "ncclavg 4x1 tcp": "0", "ncclavg 4x1+shard": "auto"}
     assert [g["processes"] for g in scale.plan_groups(True)] == [1, 2, 4]
     assert scale.threads_for(2, 4, 1) == 1 and scale.threads_for(2, 1, 4) == 1
     assert scale.threads_for(16, 2, 2) == 4 and scale.threads_for(16, 1, 4) == 4
