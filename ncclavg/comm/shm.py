@@ -74,6 +74,44 @@ def host_identity() -> str:
     return "|".join(parts)
 
 
+_PREFIX = "ncclavg-"
+STALE_S = 60.0
+
+
+def remove_stale_segments(directory: str = "/dev/shm") -> list:
+    """Removes segment names left by a rank 0 that died during a channel's setup (the only window in which
+    a name exists): ncclavg-<pid>-<hex> whose creator is gone and that is older than STALE_S. Returns
+    what it removed."""
+    removed = []
+    try:
+        entries = list(os.scandir(directory))
+    except OSError:
+        return removed
+    now = time.time()
+    for e in entries:
+        parts = e.name[len(_PREFIX):].split("-") if e.name.startswith(_PREFIX) else []
+        if len(parts) != 2 or not parts[0].isdigit():
+            continue
+        try:
+            if now - e.stat().st_mtime < STALE_S or _alive(int(parts[0])):
+                continue
+            os.unlink(e.path)
+            removed.append(e.name)
+        except OSError:   # gone already, or not ours to remove
+            continue
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:   # exists, another user's
+        return True
+    return True
+
+
 def supports(t: torch.Tensor) -> bool:
     return t.dtype in _TYPE_CODES and t.device.type == "cpu" and t.is_contiguous()
 
@@ -157,10 +195,11 @@ class ShmTransport:
                                 "(or not in one network namespace): the shared-memory channel needs that")
             return None
         size = slot_bytes()
-        name = f"/ncclavg-{os.getpid()}-{secrets.token_hex(8)}"
+        name = f"/{_PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
         nonce = secrets.randbits(63)
         channel, error = None, ""
         if rank == 0:
+            remove_stale_segments()
             try:
                 channel = _C.ShmChannel(name, 0, world, size, nonce)
             except (RuntimeError, ValueError) as e:

@@ -170,3 +170,19 @@ def test_processes_on_different_hosts_keep_gloo(monkeypatch):
         ShmTransport.connect(Comm(), None, None, ["host-a", "host-b"], 5.0)
     monkeypatch.setenv("NCCLAVG_SHM", "0")
     assert ShmTransport.connect(Comm(), None, None, ["host-a", "host-a"], 5.0) is None
+
+
+def test_stale_segment_names_are_removed(tmp_path):
+    from ncclavg.comm import shm
+
+    dead = tmp_path / "ncclavg-999999999-0123abcd"          # no such pid
+    alive = tmp_path / f"ncclavg-{os.getpid()}-0123abcd"     # this process: in use
+    fresh = tmp_path / "ncclavg-999999998-0123abcd"          # too recent: maybe mid-setup
+    other = tmp_path / "someone-else-999999999"
+    for p in (dead, alive, fresh, other):
+        p.write_bytes(b"x")
+    old = time.time() - 2 * shm.STALE_S
+    for p in (dead, alive, other):
+        os.utime(p, (old, old))
+    assert shm.remove_stale_segments(str(tmp_path)) == [dead.name]
+    assert not dead.exists() and alive.exists() and fresh.exists() and other.exists()
