@@ -62,9 +62,9 @@ def main(argv=None) -> int:
     for n in args.n:
         bufs = [torch.randn(numel).to(dtype) for _ in range(n)]
         work = 2 * n * nbytes
-        t_ours = median_seconds(lambda: ncclavg.ops.average_(bufs), reps=args.reps)
-        t_stack = median_seconds(lambda: torch_stack_mean(bufs), reps=args.reps)
-        t_chain = median_seconds(lambda: torch_add_chain(bufs), reps=args.reps)
+        t_ours = median_seconds(lambda bufs=bufs: ncclavg.ops.average_(bufs), reps=args.reps)
+        t_stack = median_seconds(lambda bufs=bufs: torch_stack_mean(bufs), reps=args.reps)
+        t_chain = median_seconds(lambda bufs=bufs: torch_add_chain(bufs), reps=args.reps)
         row = {
             "n": n, "dtype": args.dtype, "buffer_bytes": nbytes, "bytes_counted": work,
             "ncclavg_gbps": work / t_ours / 1e9, "stack_gbps": work / t_stack / 1e9,

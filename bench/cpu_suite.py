@@ -141,8 +141,8 @@ def summary_rows(result: dict, copy_gbps: float) -> list[dict]:
     rows = result.get("rows") if isinstance(result, dict) else None
     if not isinstance(rows, list):
         return _ratio_leaves(result)
-    if rows and isinstance(rows[0], dict) and "contender" in rows[0]:
-        return _sweep_summary(result)
+    if rows and isinstance(rows[0], dict) and "contender" in rows[0] and "size_bytes" in rows[0]:
+        return _sweep_summary(result)   # an `ncclavg bench` sweep; other rows that name a contender: below
     out = []
     for r in rows:
         if not isinstance(r, dict):

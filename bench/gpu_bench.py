@@ -155,11 +155,11 @@ def bench_average(torch, a, res, copy_bw):
             bufs = [torch.randn(numel, device="cuda").to(dt) for _ in range(n)]
             moved = 2 * n * a.average_size  # every buffer read once and written once
 
-            def torch_way():
+            def torch_way(bufs=bufs, n=n):   # bound now: the loop rebinds and deletes bufs
                 m = torch.stack(bufs).mean(0)
                 torch._foreach_copy_(bufs, [m] * n)
 
-            ours = gpu_ms(torch, lambda: ops.average_(bufs), a.iters, a.warmup)
+            ours = gpu_ms(torch, lambda bufs=bufs: ops.average_(bufs), a.iters, a.warmup)
             theirs = gpu_ms(torch, torch_way, a.iters, a.warmup)
             res["rows"].append({
                 "what": f"average_ N={n} {dtype}", "bytes_per_buffer": a.average_size, "time_us": ours * 1e3,
@@ -285,7 +285,7 @@ def allreduce_rows(torch, a, res, n, comms):
             comm.wait()
             wrong = sum(int((t - (n + 1)).abs().gt(1e-6 * (n + 1)).sum().item()) for t in ts)
 
-            def ours(comm=comm):
+            def ours(comm=comm, bufs=bufs, streams=streams):
                 comm.all_reduce_avg(bufs, streams)
 
             t_batch = host_us(ours, comm.wait, a.iters, a.warmup, batched=True)
@@ -299,13 +299,13 @@ def allreduce_rows(torch, a, res, n, comms):
             if name == "torch.distributed":
                 dist = peer
                 op = getattr(dist.ReduceOp, "AVG", None)
-                fn = (lambda: dist.all_reduce(ts[0], op=op)) if op is not None else \
-                    (lambda: (dist.all_reduce(ts[0]), ts[0].div_(n)))
+                fn = (lambda ts=ts: dist.all_reduce(ts[0], op=op)) if op is not None else \
+                    (lambda ts=ts: (dist.all_reduce(ts[0]), ts[0].div_(n)))
             else:
                 cnccl, ccomms = peer
                 cop = getattr(cnccl, "NCCL_AVG", None)
 
-                def fn(cnccl=cnccl, ccomms=ccomms, cop=cop):
+                def fn(cnccl=cnccl, ccomms=ccomms, cop=cop, ts=ts):
                     cnccl.groupStart()
                     for d, c in enumerate(ccomms):
                         c.allReduce(ts[d].data_ptr(), ts[d].data_ptr(), count, cnccl.NCCL_FLOAT32,

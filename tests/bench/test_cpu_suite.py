@@ -31,6 +31,9 @@ def test_summary_from_times_and_from_ratios(suite):
     assert rows[0]["speedup_vs_torch"] == pytest.approx(2.5) and rows[0]["fraction_of_copy_bw"] == pytest.approx(0.8)
     assert rows[1]["speedup_vs_torch"] == 3.0 and rows[1]["fraction_of_suite_copy_bw"] == pytest.approx(0.5)
     assert suite.summary_rows({"no": "rows"}, 10.0) == []
+    # rows that name a "contender" but are no size sweep are read like any other rows
+    other = {"rows": [{"contender": "ncclavg", "case": "step", "time_us": 10.0, "torch_time_us": 30.0}]}
+    assert [(r["case"], r["speedup_vs_torch"]) for r in suite.summary_rows(other, 10.0)] == [("step", pytest.approx(3.0))]
 
 
 def test_summary_of_an_ncclavg_bench_file(suite):
