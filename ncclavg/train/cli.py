@@ -178,7 +178,6 @@ def _run(args: argparse.Namespace) -> int:
     from . import checkpoint as ckpt
     from .callbacks import CheckpointCallback, EpochPrinter, MetricsLogger, PlotCallback, ProgressCallback
     from .data import TensorLoader
-    from .distributed import launched_with_processes
     from .models import build_model
     from .trainer import TowerTrainer
 
@@ -208,8 +207,6 @@ def _run(args: argparse.Namespace) -> int:
     overrides = {k: getattr(args, k) for k in ("optimizer", "lr", "weight_decay", "momentum", "nesterov",
                                               "grad_clip", "master", "on_nonfinite", "shard_master")
                  if getattr(args, k) is not None}
-    if args.master is None and devices[0].type == "cuda" and launched_with_processes():
-        overrides["master"] = "device"   # the CPU-master pipeline for GPU towers runs in one process only
     if args.amp is not None:
         overrides["amp"] = None if args.amp == "none" else args.amp
     if args.keep_schedule and not args.resume:

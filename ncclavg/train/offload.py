@@ -9,6 +9,13 @@ Per bucket b, with T towers and the bucket padded to a multiple of T shards:
      master weights, then the copy-out of b's new weights (param dtype) into a pinned host buffer;
   4. H2D of shard t of the new weights to tower t (its copy stream, event recorded);
   5. all-gather of b (NCCL): every tower holds all new weights of b.
+Towers of several processes (comm: one NCCL communicator over every tower of every process, Note [Towers
+of several processes] in distributed.py): every process keeps a whole fp32 master and takes the same
+update, as with CPU towers. Step 1 is then an all-reduce-average over every tower (each process needs
+the whole mean gradient), and step 2 copies 1/T of each bucket per local tower; in step 4 tower t of
+process p uploads global shard offset_p + t of the new weights (every process computed the same ones),
+and step 5's all-gather over every tower assembles them. Buckets are padded to a multiple of the number
+of all towers. With one process this is the reduce-scatter pipeline above.
 The main thread enqueues steps 1-2 for every bucket first (they are asynchronous), then consumes the
 worker's "bucket b is staged" notifications in bucket order and enqueues 4's dependency + 5. So while
 the CPU updates bucket b, the GPUs reduce and copy out bucket b+1 and all-gather bucket b-1. Each tower
@@ -42,6 +49,21 @@ def _pad_to(n: int, multiple: int) -> int:
     return (n + multiple - 1) // multiple * multiple
 
 
+def bucket_layout(numel: int, itemsize: int, towers_all: int, towers_here: int, several: bool) -> tuple:
+    """(padded, shard, parts) of one bucket: padded to a multiple of towers_all shards that each start on
+    a 256-byte boundary; shard = padded / towers_all elements (global tower g owns [g * shard, (g + 1) *
+    shard)); parts[t] = the (lo, hi) that local tower t copies to the host: its own shard with one process,
+    1/towers_here of the all-reduced bucket with several (towers_here need not divide towers_all: the
+    parts are ceil-sized, the last one shorter)."""
+    padded = _pad_to(numel, towers_all * max(1, _ALIGN_BYTES // itemsize))
+    if not several:
+        return padded, padded // towers_all, [(t * padded // towers_here, (t + 1) * padded // towers_here)
+                                              for t in range(towers_here)]
+    step = -(-padded // towers_here)
+    return padded, padded // towers_all, [(min(padded, t * step), min(padded, (t + 1) * step))
+                                          for t in range(towers_here)]
+
+
 class GpuOffloadEngine:
     kind = "cpu"
 
@@ -56,10 +78,15 @@ class GpuOffloadEngine:
         self.check_finite = bool(check_finite)
         self.plan = tower_plan(self.tower_params, names, bucket_cap_mb, first_bucket_mb)
         self.comm = comm if comm is not None else tower_communicator(self.devices)
-        # Bucket b padded so that it splits into T shards that each start on a 256-byte boundary.
-        self.padded = [_pad_to(b.numel, T * (_ALIGN_BYTES // torch.empty((), dtype=b.dtype).element_size()))
-                       for b in self.plan.buckets]
-        self.shard = [n // T for n in self.padded]
+        # every tower of every process (N), this process's first global tower, and whether others exist
+        N = int(getattr(self.comm, "size", T))
+        self.offset = int(getattr(self.comm, "tower_offset", 0))
+        self.multi = int(getattr(self.comm, "world_size", 1)) > 1
+        layouts = [bucket_layout(b.numel, torch.empty((), dtype=b.dtype).element_size(), N, T, self.multi)
+                   for b in self.plan.buckets]
+        self.padded = [lay[0] for lay in layouts]
+        self.shard = [lay[1] for lay in layouts]
+        self.parts = [lay[2] for lay in layouts]
         self.param_flats, self.grad_flats, self.grad_shards, self.param_shards = [], [], [], []
         for t, (ps, dev) in enumerate(zip(self.tower_params, self.devices)):
             pf = [torch.zeros(n, dtype=b.dtype, device=dev) for n, b in zip(self.padded, self.plan.buckets)]
@@ -72,8 +99,8 @@ class GpuOffloadEngine:
                     ps[s.index].grad = self.plan.slot_view(gf[s.bucket], s.index)
             self.param_flats.append(pf)
             self.grad_flats.append(gf)
-            self.grad_shards.append([torch.empty(n, dtype=b.dtype, device=dev)
-                                     for n, b in zip(self.shard, self.plan.buckets)])
+            self.grad_shards.append([] if self.multi else   # several processes: parts of grad_flats instead
+                                    [torch.empty(n, dtype=b.dtype, device=dev) for n, b in zip(self.shard, self.plan.buckets)])
             self.param_shards.append([torch.empty(n, dtype=b.dtype, device=dev)
                                       for n, b in zip(self.shard, self.plan.buckets)])
         pin = torch.cuda.is_available()
@@ -106,17 +133,26 @@ class GpuOffloadEngine:
         for dev, s in zip(self.devices, tower_streams or ()):
             torch.cuda.current_stream(dev).wait_stream(s)
 
-    def _shard_of(self, full: torch.Tensor, b: int, t: int) -> torch.Tensor:
-        return full.narrow(0, t * self.shard[b], self.shard[b])
+    def _shard_of(self, full: torch.Tensor, b: int, g: int) -> torch.Tensor:
+        """Shard of global tower g of a padded bucket."""
+        return full.narrow(0, g * self.shard[b], self.shard[b])
+
+    def _grad_part(self, t: int, b: int) -> torch.Tensor:
+        """What local tower t copies to the host of bucket b's averaged gradient."""
+        if not self.multi:
+            return self.grad_shards[t][b]
+        lo, hi = self.parts[b][t]
+        return self.grad_flats[t][b][lo:hi]
 
     def _clip_and_check(self, loss_scale: float | None, max_grad_norm: float | None) -> tuple[bool, float | None, list]:
-        """(skip, grad norm, non-finite buckets) from the reduced shards: the shards partition every
-        bucket, so the sum of their squares over towers and buckets is the squared norm of the mean
-        gradient. One small host sync per step."""
+        """(skip, grad norm, non-finite buckets) from the reduced parts: the local towers' parts partition
+        every bucket, so the sum of their squares over towers and buckets is the squared norm of the mean
+        gradient (the same in every process: they all hold the same mean). One small host sync per step."""
         per_tower = []
         for t, dev in enumerate(self.devices):
             with torch.cuda.device(dev):
-                sq = [torch.linalg.vector_norm(g, dtype=torch.float32).square() for g in self.grad_shards[t]]
+                sq = [torch.linalg.vector_norm(self._grad_part(t, b), dtype=torch.float32).square()
+                      for b in range(len(self.plan.buckets))]
                 per_tower.append(torch.stack(sq).to("cpu", non_blocking=False))
         by_bucket = torch.stack(per_tower).sum(0)          # [buckets]
         norm = math.sqrt(float(by_bucket.sum()))
@@ -131,8 +167,11 @@ class GpuOffloadEngine:
         nb = len(self.plan.buckets)
         with times.phase("reduce"):
             for b in range(nb):
-                self.comm.reduce_scatter_avg([gf[b] for gf in self.grad_flats],
-                                             [gs[b] for gs in self.grad_shards])
+                if self.multi:   # every process needs the whole mean: it steps a whole master
+                    self.comm.all_reduce_avg([gf[b] for gf in self.grad_flats], tag=f"bucket {b}")
+                else:
+                    self.comm.reduce_scatter_avg([gf[b] for gf in self.grad_flats],
+                                                 [gs[b] for gs in self.grad_shards])
         skip, norm = False, None
         if self.check_finite or loss_scale is not None or max_grad_norm is not None:
             skip, norm, bad = self._clip_and_check(loss_scale, max_grad_norm)
@@ -146,7 +185,8 @@ class GpuOffloadEngine:
                     cs = self.copy_streams[t]
                     cs.wait_stream(torch.cuda.current_stream(dev))  # after the reduce-scatter
                     with torch.cuda.stream(cs):
-                        self._shard_of(self.host_grads[b], b, t).copy_(self.grad_shards[t][b], non_blocking=True)
+                        lo, hi = self.parts[b][t]
+                        self.host_grads[b][lo:hi].copy_(self._grad_part(t, b), non_blocking=True)
                         ev = torch.cuda.Event()
                         ev.record(cs)
                     events.append(ev)
@@ -197,7 +237,8 @@ class GpuOffloadEngine:
                 for t, dev in enumerate(self.devices):
                     cs = self.copy_streams[t]
                     with torch.cuda.device(dev), torch.cuda.stream(cs):
-                        self.param_shards[t][b].copy_(self._shard_of(self.host_params[b], b, t), non_blocking=True)
+                        self.param_shards[t][b].copy_(self._shard_of(self.host_params[b], b, self.offset + t),
+                                                      non_blocking=True)
                         ev = torch.cuda.Event()
                         ev.record(cs)
                     h2d.append(ev)

@@ -148,9 +148,6 @@ class TowerTrainer:
 
         # See Note [Towers of several processes]; building it is a collective when there are several.
         process_comm = processes_communicator(comm, devs, timeout)
-        if process_comm is not None and process_comm.world_size > 1 and master == "cpu" and devs[0].type == "cuda":
-            raise ValueError("master: 'cpu' with CUDA towers runs in one process only (its pipeline shards each "
-                             "bucket over this process's towers); across processes use master='device'")
         init_loss_scale = _number(init_loss_scale, "init_loss_scale", strict=True)
         if not isinstance(on_nonfinite, str) or on_nonfinite not in NONFINITE_POLICIES:
             raise ValueError(f"on_nonfinite: must be one of {', '.join(map(repr, NONFINITE_POLICIES))}, got "

@@ -1,6 +1,7 @@
 """`ncclavg train` under torchrun on CUDA towers (Note [Towers of several processes]): one NCCL
-communicator over the towers of every process (NcclCommunicator.init_rank / init_ranks), master="device"
-by default, one summary from rank 0 counting every process's towers."""
+communicator over the towers of every process (NcclCommunicator.init_rank / init_ranks), master="cpu" (the
+offload pipeline, every process a whole CPU master: Note [Pipelined CPU master]) by default or "device", one
+summary from rank 0 counting every process's towers."""
 from __future__ import annotations
 
 import os
@@ -36,13 +37,14 @@ def _launch(nproc, *args, tmp_path, shared=False):
     return r.stdout
 
 
-def test_two_processes_on_gpus_learn(tmp_path):
+@pytest.mark.parametrize("master", [None, "device"])
+def test_two_processes_on_gpus_learn(tmp_path, master):
     require_nccl_comm()
-    out = _launch(2, tmp_path=tmp_path)
+    out = _launch(2, *(["--master", master] if master else []), tmp_path=tmp_path)
     found = SUMMARY.findall(out)
     assert len(found) == 1, out
     acc, processes, towers, _devices = found[0]
-    assert (processes, towers) == ("2", "2") and "master=device" in out
+    assert (processes, towers) == ("2", "2") and f"master={master or 'cpu'}" in out
     assert float(acc) >= 0.95   # the default digits demo, as on one process
 
 
