@@ -9,9 +9,17 @@ results, then "terminate called without an active exception" (SIGABRT, exit -6),
 test harness reports the whole run as failed. Measured on a loaded 2-core AMD EPYC with plain torch DDP
 over gloo: 2 runs in 30 with destroy_process_group() at the end, 1 in 30 with a barrier before it, 0 in
 30 without it; here (Intel Xeon, 2 cores) ncclavg's gloo test job, ending with a barrier and no
-destroy, still aborted once in about 15 runs while other test processes loaded the machine. It happens
-in torch's teardown (the process group, its gloo threads, C++ destructors at exit), after every
-collective has completed, so ncclavg keeps out of teardown altogether:
+destroy, still aborted once in about 15 runs while other test processes loaded the machine.
+The cause, from a core dump of plain torch DDP over gloo (run 37 of 37 under load, Python 3.11.7): a
+process group's worker thread (ProcessGroupGloo::runLoop) drops its reference to a finished work
+(AsyncAllreduceWork) after the waiter has been told it completed. When that is the last reference, the
+work's tensors die on the worker thread, and a tensor that Python has seen decrements its Python object
+there, which needs the GIL (pybind11 gil_scoped_acquire). If the main thread has meanwhile returned and
+is in Py_FinalizeEx, CPython 3.11 ends any thread that asks for the GIL with pthread_exit. The forced
+unwind crosses the work's noexcept destructor, and std::terminate aborts the process. So the race is
+between the interpreter's exit and the gloo threads letting go of completed works; a barrier or
+destroy_process_group() only moves the window, because the group has several worker threads. ncclavg
+therefore keeps out of teardown altogether:
 - it never destroys a gloo group: `Communicator.close()` leaves the process group alone, whether
   from_torch_distributed() created it (from torchrun's environment) or the user did;
 - its own multi-process programs (`ncclavg bench` ranks, examples/torchrun_gloo.py, the test workers)
