@@ -3,8 +3,8 @@
 # checkout and runs the CPU test suite against it. Any sanitizer report fails the run.
 #   scripts/sanitize.sh [pytest args...]
 # Default: the tests that drive the C++ core (average, pack, the fused optimizers and master weights,
-# the Buffer boundary, local/gloo communicators, averager, trainer, bad-input battery, fuzzing and the
-# fault tests), about 3 minutes on 2 cores including the build. The whole suite under ASan takes well
+# the Buffer boundary, local/gloo communicators and the shared-memory channel, averager, trainer,
+# bad-input battery, fuzzing and the fault tests), about 3 minutes on 2 cores including the build. The whole suite under ASan takes well
 # over 5 minutes there and adds only pure-Python paths; pass `tests/` to run it all anyway.
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -37,7 +37,7 @@ export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1"
 if [ "$#" -eq 0 ]; then
   set -- -q -m "not slow and not gpu" -p no:cacheprovider \
     tests/test_average.py tests/test_pack.py tests/test_bad_input.py tests/test_bad_input_battery.py \
-    tests/comm/test_comm_local.py tests/comm/test_comm_gloo.py tests/test_averager.py tests/test_bucketing.py \
+    tests/comm/test_comm_local.py tests/comm/test_comm_gloo.py tests/comm/test_shm_channel.py tests/test_averager.py tests/test_bucketing.py \
     tests/test_optim_kernels.py tests/test_optim.py tests/test_master.py tests/train/test_trainer.py \
     tests/test_fuzz.py tests/train/test_faults_nonfinite.py tests/comm/test_faults_comm.py tests/train/test_faults_checkpoint.py
 fi
