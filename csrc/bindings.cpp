@@ -304,8 +304,9 @@ PYBIND11_MODULE(_C, m) {
     using cpu::ShmChannel;
     using Release = py::call_guard<py::gil_scoped_release>;
     py::class_<ShmChannel>(m, "ShmChannel")
-        .def(py::init<const std::string&, int, int, int64_t, uint64_t>(), py::arg("name"), py::arg("rank"),
-             py::arg("nranks"), py::arg("slot_bytes"), py::arg("nonce"), Release(),
+        .def(py::init<const std::string&, int, int, int64_t, uint64_t, std::vector<int>>(), py::arg("name"),
+             py::arg("rank"), py::arg("nranks"), py::arg("slot_bytes"), py::arg("nonce"),
+             py::arg("labels") = std::vector<int>(), Release(),
              "Rank 0 creates the segment `name`, the others open it (see Note [Shared-memory channel]).")
         .def("unlink_name", &ShmChannel::unlink_name)
         .def("all_reduce_sum", &ShmChannel::all_reduce_sum, py::arg("data"), py::arg("count"), py::arg("type"),

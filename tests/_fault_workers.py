@@ -11,7 +11,7 @@ import torch.nn as nn
 
 from _dist_util import init_rank
 from _fault_util import report
-from _gloo_workers import MLP, rank_batch
+from _gloo_workers import MLP, pretend_hosts, rank_batch
 
 BUCKETS = dict(bucket_cap_mb=0.001, first_bucket_mb=0.0003)   # 4 buckets for the tiny MLP: [5] [4 3] [2 1] [0]
 
@@ -43,15 +43,19 @@ def _later_calls(comm, avg):
     return out
 
 
-def peer_dies_mid_step(rank, world, port, outdir, victim, timeout, how):
+def peer_dies_mid_step(rank, world, port, outdir, victim, timeout, how, layout=None):
     """`victim` SIGKILLs (how="kill") or SIGSTOPs (how="stop": alive but silent, the classic hang)
     itself in the middle of backward of step 2, after its first buckets were launched. The others must
-    raise within timeout + 10 s, naming the operation, bucket, bytes and rank."""
+    raise within timeout + 10 s, naming the operation, bucket, bytes and rank. layout: pretend hosts
+    (_gloo_workers.pretend_hosts), so that the loss crosses a shared-memory channel and the hosts' link."""
     init_rank(rank, world, port, timeout_s=120)   # gloo's own timeout far above ours: ours must fire
+    pretend_hosts(rank, layout)
     from ncclavg import Communicator, GradientAverager
 
     comm = Communicator.from_torch_distributed(device="cpu", timeout=timeout)
-    if how == "stop":
+    if layout is not None:
+        assert comm.transport == "shm+gloo", comm.transport
+    if how == "stop" and layout is None:
         # a bounded allgather_object first: rank 0 alone on a side group, its peer never joins
         side = dist.new_group([0, 1])
         side_comm = Communicator.from_torch_distributed(group=side, device="cpu", timeout=1.0)
@@ -93,6 +97,15 @@ def peer_dies_mid_step(rank, world, port, outdir, victim, timeout, how):
         fields = _error_fields(e, t0)
     fields.update(later=_later_calls(comm, avg), failure=comm.failure)
     report(outdir, rank, **fields)
+    if rank == 0:
+        # rank 0 hosts the store here (init_method tcp://; under torchrun the agent does): it stays until
+        # the other survivors have reported, so that they can still read the heartbeats that name the lost
+        # rank (Note [Naming the lost rank])
+        others = [r for r in range(1, world) if r != victim]
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and not all(os.path.exists(os.path.join(outdir, f"rank{r}.json"))
+                                                     for r in others):
+            time.sleep(0.05)
     os._exit(0)   # the process group is broken: skip its teardown
 
 

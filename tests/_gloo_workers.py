@@ -86,15 +86,32 @@ def ours_grads(comm, model, rank, steps, **kw):
     return out, means, avg
 
 
-def collectives_and_ddp(rank, world, port):
+def expected_transport(layout, world):
+    """Note [When the shared-memory channel is used]: layout[r] = the host of rank r (None: one host)."""
+    hosts = set(layout) if layout else {0}
+    if os.environ.get("NCCLAVG_SHM") == "0" or len(hosts) == world:
+        return "gloo"
+    return "shm" if len(hosts) == 1 else "shm+gloo"
+
+
+def pretend_hosts(rank, layout):
+    """Every process of this test runs on one machine: say which "host" rank r is on instead (the
+    identity the communicator compares), so that several hosts' code paths run here."""
+    if layout:
+        import ncclavg.comm.gloo as gloo_backend
+
+        gloo_backend.host_identity = lambda: f"test-host-{layout[rank]}"
+
+
+def collectives_and_ddp(rank, world, port, layout=None):
     init_rank(rank, world, port)
+    pretend_hosts(rank, layout)
     import ncclavg
     from ncclavg import Communicator, LayoutMismatchError
 
     comm = Communicator.from_torch_distributed(device="cpu", timeout=60)
     assert (comm.backend, comm.size, comm.local_size, comm.rank, comm.world_size) == ("gloo", world, 1, rank, world)
-    # one host: the shared-memory channel unless NCCLAVG_SHM=0 (Note [When the shared-memory channel is used])
-    assert comm.transport == ("gloo" if os.environ.get("NCCLAVG_SHM") == "0" else "shm"), comm.transport
+    assert comm.transport == expected_transport(layout, world), comm.transport
 
     # all_reduce_avg: exact inputs -> bit-for-bit mean, every dtype, sizes that are not vector multiples
     for seed, dtype in enumerate(DTYPES):

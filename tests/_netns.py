@@ -117,10 +117,10 @@ class TwoHosts:
             self._ip("netns", "del", name, check=False)   # takes its end of the veth pair with it
         self._made.clear()
 
-    def torchrun(self, k: int, *args: str) -> list[str]:
-        """The command starting node k of a two-node torchrun job (one process per node) inside host k."""
+    def torchrun(self, k: int, *args: str, nproc: int = 1) -> list[str]:
+        """The command starting node k of a two-node torchrun job (`nproc` processes per node) inside host k."""
         return [self.ip, "netns", "exec", self.hosts[k].netns,
-                sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+                sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", str(nproc),
                 "--node-rank", str(k), "--master-addr", self.hosts[0].addr, "--master-port", str(MASTER_PORT),
                 "--max-restarts", "0", *args]
 

@@ -8,14 +8,14 @@ import torch
 CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float64: 3}
 
 
-def open_channel(name, rank, world, slot, nonce=1234):
+def open_channel(name, rank, world, slot, nonce=1234, labels=()):
     """Rank 0 creates the segment; the others retry until it exists (bounded)."""
     from ncclavg import _C
 
     deadline = time.monotonic() + 30
     while True:
         try:
-            return _C.ShmChannel(name, rank, world, slot, nonce)
+            return _C.ShmChannel(name, rank, world, slot, nonce, list(labels))
         except RuntimeError:
             if rank == 0 or time.monotonic() > deadline:
                 raise
@@ -87,8 +87,8 @@ def mismatch(rank, world, name, slot, q):
         q.put((rank, f"{type(e).__name__}: {e}"))
 
 
-def peer_exits(rank, world, name, slot, q):
-    ch = open_channel(name, rank, world, slot)
+def peer_exits(rank, world, name, slot, labels, q):
+    ch = open_channel(name, rank, world, slot, labels=labels)
     x = torch.ones(4)
     ch.all_reduce_sum(x.data_ptr(), 4, 0, 30.0)   # both alive: works
     if rank == 1:

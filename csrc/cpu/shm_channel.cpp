@@ -195,9 +195,15 @@ struct alignas(64) ShmRankLine {
   std::atomic<int32_t> pid;
 };
 
-ShmChannel::ShmChannel(const std::string& name, int rank, int nranks, int64_t slot_bytes, uint64_t nonce)
-    : name_(name), rank_(rank), nranks_(nranks), slot_bytes_(slot_bytes) {
+ShmChannel::ShmChannel(const std::string& name, int rank, int nranks, int64_t slot_bytes, uint64_t nonce,
+                       std::vector<int> labels)
+    : name_(name), rank_(rank), nranks_(nranks), labels_(std::move(labels)), slot_bytes_(slot_bytes) {
   NCCLAVG_CHECK_ARG(nranks >= 1 && nranks <= 65536, "nranks", "must be in [1, 65536], got ", nranks);
+  NCCLAVG_CHECK_ARG(labels_.empty() || labels_.size() == static_cast<size_t>(nranks), "labels",
+                    "must be empty or hold one entry per rank (", nranks, "), got ", labels_.size());
+  if (labels_.empty()) {
+    for (int r = 0; r < nranks; ++r) labels_.push_back(r);
+  }
   NCCLAVG_CHECK_ARG(rank >= 0 && rank < nranks, "rank", "must be in [0, ", nranks, "), got ", rank);
   NCCLAVG_CHECK_ARG(slot_bytes >= 4096 && slot_bytes % 64 == 0, "slot_bytes",
                     "must be >= 4096 and a multiple of 64, got ", slot_bytes);
@@ -274,8 +280,9 @@ unsigned char* ShmChannel::slot(uint64_t seq, int r) const {
 void ShmChannel::check_usable(const char* op) const {
   const int by = header_->aborted_by.load(std::memory_order_acquire);
   if (by != 0) {
+    const int who = by - 1 < nranks_ ? labels_[by - 1] : by - 1;
     throw ShmPeerError(std::string("shared-memory ") + op + ": the channel was aborted by rank " +
-                       std::to_string(by - 1) + ": " + header_->abort_reason);
+                       std::to_string(who) + ": " + header_->abort_reason);
   }
   if (failed_) throw ShmPeerError(std::string("shared-memory ") + op + ": the channel failed earlier");
 }
@@ -328,17 +335,17 @@ void ShmChannel::wait_for(Counter c, uint64_t target, int only_rank, const char*
       // the same words as the gloo path's diagnosis (ncclavg/comm/liveness.py): "rank N stopped responding"
       if (now >= deadline) {
         std::ostringstream os;
-        os << "shared-memory " << op << " timed out after " << timeout_s << " s: rank " << r
+        os << "shared-memory " << op << " timed out after " << timeout_s << " s: rank " << labels_[r]
            << " stopped responding (pid " << pid << "): it did not " << counter_meaning(c) << " for round " << seq
-           << " (this is rank " << rank_ << " of " << nranks_ << ")";
+           << " (this is rank " << labels_[rank_] << ", " << nranks_ << " processes on this channel)";
         fail_all(os.str(), true);
       }
       if (now >= next_pid_check) {
         next_pid_check = now + std::chrono::milliseconds(100);
         if (process_gone(pid)) {
           std::ostringstream os;
-          os << "shared-memory " << op << ": rank " << r << " stopped responding (pid " << pid
-             << "): its process exited while rank " << rank_ << " waited for it to " << counter_meaning(c);
+          os << "shared-memory " << op << ": rank " << labels_[r] << " stopped responding (pid " << pid
+             << "): its process exited while rank " << labels_[rank_] << " waited for it to " << counter_meaning(c);
           fail_all(os.str(), false);
         }
       }
@@ -354,7 +361,8 @@ uint64_t ShmChannel::begin_round(const char* op, double timeout_s) {
 
 namespace {
 // The same collective on every rank, or a clear error that names both.
-void check_signatures(ShmRankLine* lines, int nranks, int rank, uint64_t mine, int only_rank, uint64_t seq) {
+void check_signatures(ShmRankLine* lines, int nranks, int rank, uint64_t mine, int only_rank, uint64_t seq,
+                      const std::vector<int>& labels) {
   for (int r = 0; r < nranks; ++r) {
     if (r == rank || (only_rank >= 0 && r != only_rank)) continue;
     const uint64_t theirs = lines[r].signature[seq & 1].load(std::memory_order_relaxed);
@@ -366,8 +374,8 @@ void check_signatures(ShmRankLine* lines, int nranks, int rank, uint64_t mine, i
           << type_name(static_cast<ShmType>((sig >> 48) & 0xff));
         return d.str();
       };
-      os << "shared-memory collectives out of step: rank " << rank << " called " << describe(mine) << ", rank "
-         << r << " called " << describe(theirs) << ": every rank must call the same collectives in the same order";
+      os << "shared-memory collectives out of step: rank " << labels[rank] << " called " << describe(mine)
+         << ", rank " << labels[r] << " called " << describe(theirs) << ": every rank must call the same collectives in the same order";
       throw ShmPeerError(os.str());
     }
   }
@@ -393,7 +401,7 @@ void ShmChannel::all_reduce_sum(uintptr_t data, int64_t count, int type, double 
     publish(kPosted, seq);
     wait_for(kPosted, seq, -1, "all_reduce_sum", timeout_s, seq);
     try {
-      check_signatures(lines, nranks_, rank_, sig, -1, seq);
+      check_signatures(lines, nranks_, rank_, sig, -1, seq, labels_);
     } catch (const ShmPeerError& e) {
       fail_all(e.what(), false);
     }
@@ -438,7 +446,7 @@ void ShmChannel::reduce_scatter_sum(uintptr_t in, uintptr_t out, int64_t count, 
     publish(kPosted, seq);
     wait_for(kPosted, seq, -1, "reduce_scatter_sum", timeout_s, seq);
     try {
-      check_signatures(&line(0), nranks_, rank_, sig, -1, seq);
+      check_signatures(&line(0), nranks_, rank_, sig, -1, seq, labels_);
     } catch (const ShmPeerError& e) {
       fail_all(e.what(), false);
     }
@@ -469,7 +477,7 @@ void ShmChannel::all_gather(uintptr_t in, uintptr_t out, int64_t count, int type
     publish(kPosted, seq);
     wait_for(kPosted, seq, -1, "all_gather", timeout_s, seq);
     try {
-      check_signatures(&line(0), nranks_, rank_, sig, -1, seq);
+      check_signatures(&line(0), nranks_, rank_, sig, -1, seq, labels_);
     } catch (const ShmPeerError& e) {
       fail_all(e.what(), false);
     }
@@ -499,7 +507,7 @@ void ShmChannel::broadcast(uintptr_t data, int64_t count, int type, int root, do
     } else {
       wait_for(kPosted, seq, root, "broadcast", timeout_s, seq);
       try {
-        check_signatures(&line(0), nranks_, rank_, sig, root, seq);
+        check_signatures(&line(0), nranks_, rank_, sig, root, seq, labels_);
       } catch (const ShmPeerError& e) {
         fail_all(e.what(), false);
       }

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 namespace ncclavg {
 namespace cpu {
@@ -26,7 +27,10 @@ class ShmChannel {
  public:
   // Rank 0 creates the segment `name` (it must not exist) and reserves its memory, so that a full
   // /dev/shm fails here and not with SIGBUS later; the other ranks open it and check `nonce`.
-  ShmChannel(const std::string& name, int rank, int nranks, int64_t slot_bytes, uint64_t nonce);
+  // `labels` (default 0..nranks-1): how errors name each channel rank, e.g. its rank in the process
+  // group when the channel spans only one host's processes.
+  ShmChannel(const std::string& name, int rank, int nranks, int64_t slot_bytes, uint64_t nonce,
+             std::vector<int> labels = {});
   ~ShmChannel();
   ShmChannel(const ShmChannel&) = delete;
   ShmChannel& operator=(const ShmChannel&) = delete;
@@ -63,6 +67,7 @@ class ShmChannel {
 
   std::string name_;
   int rank_, nranks_;
+  std::vector<int> labels_;
   int64_t slot_bytes_;
   size_t map_bytes_ = 0;
   unsigned char* base_ = nullptr;

@@ -130,9 +130,10 @@ def setup_gloo(compare: bool, timeout: float) -> Setup:
     contenders: list[Contender] = [CommAverage(comm)]
     if compare:
         contenders += [TorchDistributed(dist.group.WORLD, ranks.world_size, use_avg=False), CopyReference()]
-    notes = [f"ncclavg's transport between the processes: {comm.transport}"
-             + (" (the shared-memory channel: every process is on this host; NCCLAVG_SHM=0 for torch.distributed)"
-                if comm.transport == "shm" else " (torch.distributed)")]
+    about = {"shm": "the shared-memory channel: every process is on this host; NCCLAVG_SHM=0 for torch.distributed",
+             "shm+gloo": "a shared-memory channel per host, torch.distributed between the hosts",
+             "gloo": "torch.distributed"}
+    notes = [f"ncclavg's transport between the processes: {comm.transport} ({about[comm.transport]})"]
     return Setup("gloo", [torch.device("cpu")], ranks.world_size, ranks.rank, contenders, ranks, _no_sync, notes)
 
 

@@ -67,8 +67,9 @@ class GlooCommunicator(Communicator):
         # See Note [Naming the lost rank] in liveness.py
         self._liveness = Liveness.for_group(dist, group, self.rank, self.world_size) if self.world_size > 1 else None
         self._shm = ShmTransport.connect(self, dist, group, [h for _, h in found], self.timeout)
-        # "shm": collectives between processes use the shared-memory channel; "gloo": torch.distributed
-        self.transport = "shm" if self._shm is not None else "gloo"
+        # between the processes: "shm", the shared-memory channel (one host); "shm+gloo", a channel per host
+        # and torch.distributed between the hosts (Note [Several hosts] in shm.py); "gloo", torch.distributed
+        self.transport = self._shm.kind if self._shm is not None else "gloo"
 
     # ------------------------------------------------------------------ the collectives between processes
     # Each starts one SUM / gather / broadcast over the processes and returns a Work for _wait_dist:

@@ -1,17 +1,21 @@
-"""The gloo backend's transport between processes of one host: the core's shared-memory channel
+"""The gloo backend's transport between processes that share a host: the core's shared-memory channel
 (Note [Shared-memory channel] in csrc/cpu/shm_channel.cpp), with torch.distributed's Work interface so
 that gloo.py issues and waits for it exactly as for a gloo collective (dist.py's bounded waits).
 
 Note [When the shared-memory channel is used]
-GlooCommunicator opens a channel when every process of its group reports the same host identity: the
-kernel's boot id and this process's network, IPC, PID and mount namespaces. Processes in separate network
-namespaces are separate hosts on purpose, even when they could share /dev/shm: that is how containers,
-and the two-host test, say "another machine". The setup is collective and bounded by the communicator's
-timeout: rank 0 creates the segment under a random name and tells the others (through torch.distributed),
-they open it, everyone reports, and the channel is used only if every process succeeded; then rank 0
-removes the name, so no segment outlives the processes, even after a crash. A failed setup (e.g. a
-/dev/shm too small for 2 x ranks x slot) warns once and leaves every process on gloo.
-NCCLAVG_SHM=0 turns the channel off, =1 makes a failed setup an error, auto (the default) as above.
+GlooCommunicator groups its processes by host identity: the kernel's boot id and the process's network,
+IPC, PID and mount namespaces. Processes in separate network namespaces are separate hosts on purpose,
+even when they could share /dev/shm: that is how containers, and the two-host test, say "another
+machine". All on one host: one channel over every process (transport "shm"). Several hosts, some with
+several processes: a channel per host and torch.distributed between the hosts' leaders (transport
+"shm+gloo", Note [Several hosts] below). Every process alone on its host: no channel ("gloo"). The setup
+is collective and bounded by the communicator's timeout: each host's leader creates its segment under a
+random name, one exchange tells the names, the others open them, a second exchange tells everyone
+whether all of that worked, and the channels are used only if it worked everywhere. Then each leader
+removes its segment's name, so no segment outlives its processes, even after a crash. A failed setup
+(e.g. a /dev/shm too small for 2 x processes x slot) warns once and leaves every process on gloo.
+NCCLAVG_SHM=0 turns the channels off, =1 makes a failed setup (or no two processes on one host) an
+error, auto (the default) as above.
 NCCLAVG_SHM_SLOT_KB sets the slot (1024 KiB by default; the segment is about 2 x ranks x slot).
 Tensors of other dtypes than float32, float16, bfloat16 and float64 still go through gloo; every rank
 makes the same choice, since the dtype is the same on every rank.
@@ -76,6 +80,7 @@ def host_identity() -> str:
 
 _PREFIX = "ncclavg-"
 STALE_S = 60.0
+GRACE_S = 1.0
 
 
 def remove_stale_segments(directory: str = "/dev/shm") -> list:
@@ -121,10 +126,10 @@ class _ShmWork:
     raising RuntimeError (its text says "timed out" for a timeout) and is_completed()."""
 
     source = "shared-memory channel"
-    names_peers = True   # its errors name the rank that stopped (see dist._wait_dist)
 
     def __init__(self, transport: "ShmTransport", keep: tuple):
         self.started = time.monotonic()   # dist._wait_dist measures from here: the work may run inline
+        self.names_peers = transport.names_peers
         self._transport = transport
         self._keep = keep            # the tensors the channel reads and writes, alive until done
         self._event = threading.Event()
@@ -144,7 +149,9 @@ class _ShmWork:
 
     def wait(self, timeout: Optional[datetime.timedelta] = None) -> bool:
         seconds = None if timeout is None else timeout.total_seconds()
-        if not self._event.wait(seconds):
+        # The collective has a deadline of its own (the communicator's timeout, from when its wait began),
+        # and its error names the rank that stopped: let it come first, by GRACE_S at most.
+        if not self._event.wait(seconds) and not self._event.wait(GRACE_S):
             why = f"shared-memory collective timed out after {seconds:g} s (waited on rank {self._transport.rank})"
             self._transport.abort(why)
             self.names_peers = False   # this wait gave up before the channel's own deadline named anyone
@@ -156,6 +163,13 @@ class _ShmWork:
         return True
 
 
+def _leaders_group(dist: Any, group: Any, leaders: list, timeout: float) -> Any:
+    """The process group of the hosts' leaders (group ranks `leaders`); only they build it."""
+    ranks = [dist.get_global_rank(group, r) if group is not None else r for r in leaders]
+    return dist.new_group(ranks=ranks, backend="gloo", timeout=datetime.timedelta(seconds=timeout),
+                          use_local_synchronization=True)
+
+
 def _failure(text: str, timed_out: bool) -> RuntimeError:
     e = RuntimeError(text)
     e.is_timeout = timed_out   # read by dist._is_timeout
@@ -163,14 +177,25 @@ def _failure(text: str, timed_out: bool) -> RuntimeError:
 
 
 class ShmTransport:
-    """The channel of one GlooCommunicator. Collectives take flat contiguous CPU tensors of the dtypes in
-    `supports`; each returns a _ShmWork. `sync=True`: the caller will wait at once (run inline when
-    nothing is queued)."""
+    """The collectives between the processes of one GlooCommunicator, through shared memory. Collectives
+    take flat contiguous CPU tensors of the dtypes in `supports`; each returns a _ShmWork. `sync=True`:
+    the caller will wait at once (run inline when nothing is queued).
+    One host: one channel over every process. Several hosts (Note [Several hosts]): one channel per host
+    over its processes, and the hosts' leaders (the lowest rank of each) meet through torch.distributed."""
 
-    def __init__(self, channel: Any, rank: int, world_size: int, timeout: float):
-        self._channel = channel
+    def __init__(self, channel: Any, rank: int, world_size: int, timeout: float, hosts: Optional[list] = None,
+                 leaders: Any = None, dist: Any = None, group: Any = None):
+        self._channel = channel              # None: this process is alone on its host (several hosts only)
         self.rank, self.world_size = rank, world_size
         self._timeout = float(timeout)
+        self._hosts = hosts                  # several hosts: every host's group ranks, ascending
+        self._leaders = leaders              # this process leads its host: the leaders' process group
+        self._dist, self._group = dist, group
+        if hosts is not None:
+            self._mine = next(h for h in hosts if rank in h)
+            self._widest = max(len(h) for h in hosts)
+        self.kind = "shm" if hosts is None else "shm+gloo"
+        self.names_peers = hosts is None     # between hosts, torch.distributed's errors name nobody
         self._lock = threading.Lock()        # guards _outstanding and the worker's start
         self._exec = threading.Lock()        # held while a collective runs: one at a time, in order
         self._outstanding = 0
@@ -181,66 +206,94 @@ class ShmTransport:
     # ------------------------------------------------------------------ setup
     @classmethod
     def connect(cls, comm: Any, dist: Any, group: Any, identities: list, timeout: float) -> Optional["ShmTransport"]:
-        """Collective: a transport when every process of the group can share one, else None. See Note
-        [When the shared-memory channel is used]."""
+        """Collective: a transport when processes of the group share hosts, else None. See Note [When the
+        shared-memory channel is used]."""
         from .dist import _allgather_object_bounded
 
         mode = setting()
         world, rank = comm.world_size, comm.rank
         if mode == "off" or world < 2:
             return None
-        if len(set(identities)) != 1:
+        hosts: list = []                     # group ranks per host, hosts in the order of their lowest rank
+        for r, ident in enumerate(identities):
+            found = next((h for h in hosts if identities[h[0]] == ident), None)
+            if found is None:
+                hosts.append([r])
+            else:
+                found.append(r)
+        if len(hosts) == world:
             if mode == "on":
-                raise CommError("NCCLAVG_SHM=1 but the processes of this group are not on one host "
-                                "(or not in one network namespace): the shared-memory channel needs that")
+                raise CommError("NCCLAVG_SHM=1 but no two processes of this group are on one host (or in one "
+                                "network namespace): the shared-memory channel needs that")
             return None
+        mine = next(h for h in hosts if rank in h)
+        local, leader = mine.index(rank), mine[0]
         size = slot_bytes()
-        name = f"/{_PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
-        nonce = secrets.randbits(63)
-        channel, error = None, ""
-        if rank == 0:
+        # every host's leader creates its host's segment (a host of one process has none), then the others
+        # open it; one exchange for the names, one for the outcome: every process decides the same
+        channel, error, offer = None, "", None
+        if local == 0 and len(mine) > 1:
             remove_stale_segments()
+            offer = (f"/{_PREFIX}{os.getpid()}-{secrets.token_hex(8)}", secrets.randbits(63))
             try:
-                channel = _C.ShmChannel(name, 0, world, size, nonce)
-            except (RuntimeError, ValueError) as e:
-                error = str(e)
-        offer = _allgather_object_bounded(comm, dist, group, (name, nonce, error) if rank == 0 else None, timeout)[0]
-        name, nonce, error = offer
-        if rank != 0 and not error:
-            try:
-                channel = _C.ShmChannel(name, rank, world, size, nonce)
+                channel = _C.ShmChannel(offer[0], 0, len(mine), size, offer[1], mine)   # errors name group ranks
             except (RuntimeError, ValueError) as e:
                 error = f"rank {rank}: {e}"
-        errors = [e for e in _allgather_object_bounded(comm, dist, group, error if rank else "", timeout) if e]
-        if rank == 0 and channel is not None:
+        offers = _allgather_object_bounded(comm, dist, group, (offer, error), timeout)
+        if local > 0 and not offers[leader][1]:
+            name, nonce = offers[leader][0]
+            try:
+                channel = _C.ShmChannel(name, local, len(mine), size, nonce, mine)
+            except (RuntimeError, ValueError) as e:
+                error = f"rank {rank}: {e}"
+        errors = [e for e in _allgather_object_bounded(comm, dist, group, error, timeout) if e]
+        if local == 0 and channel is not None:
             channel.unlink_name()   # everyone has opened it (or given up): the name is no longer needed
-        if error or errors:
-            why = error or errors[0]
+        leaders = None
+        if not errors and len(hosts) > 1 and local == 0:
+            try:
+                leaders = _leaders_group(dist, group, [h[0] for h in hosts], timeout)
+            except Exception as e:   # noqa: BLE001 (the others fail at their next collective, bounded)
+                raise CommError(f"rank {rank}: the group of the hosts' leaders could not be made: {e}") from e
+        if errors:
             if mode == "on":
-                raise CommError(f"NCCLAVG_SHM=1 but the shared-memory channel could not be set up: {why}")
+                raise CommError(f"NCCLAVG_SHM=1 but the shared-memory channel could not be set up: {errors[0]}")
             warnings.warn(f"ncclavg: the gloo backend stays on torch.distributed; the shared-memory channel "
-                          f"could not be set up: {why}", RuntimeWarning, stacklevel=3)
+                          f"could not be set up: {errors[0]}", RuntimeWarning, stacklevel=3)
             return None
-        return cls(channel, rank, world, timeout)
+        if len(hosts) == 1:
+            return cls(channel, rank, world, timeout)
+        return cls(channel, rank, world, timeout, hosts=hosts, leaders=leaders, dist=dist, group=group)
 
     # ------------------------------------------------------------------ collectives
     def all_reduce_sum(self, t: torch.Tensor, sync: bool = False) -> _ShmWork:
+        if self._hosts is not None:
+            return self._submit(self._across_all_reduce, (t,), (t,), sync)
         return self._submit(self._channel.all_reduce_sum, (t.data_ptr(), t.numel(), _TYPE_CODES[t.dtype]), (t,), sync)
 
     def reduce_scatter_sum(self, out: torch.Tensor, inp: torch.Tensor, sync: bool = True) -> _ShmWork:
+        if self._hosts is not None:
+            return self._submit(self._across_reduce_scatter, (out, inp), (out, inp), sync)
         return self._submit(self._channel.reduce_scatter_sum,
                             (inp.data_ptr(), out.data_ptr(), out.numel(), _TYPE_CODES[out.dtype]), (out, inp), sync)
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor, sync: bool = True) -> _ShmWork:
+        if self._hosts is not None:
+            return self._submit(self._across_all_gather, (out, inp), (out, inp), sync)
         return self._submit(self._channel.all_gather,
                             (inp.data_ptr(), out.data_ptr(), inp.numel(), _TYPE_CODES[inp.dtype]), (out, inp), sync)
 
     def broadcast(self, t: torch.Tensor, root: int, sync: bool = True) -> _ShmWork:
+        if self._hosts is not None:
+            if root != 0:
+                raise ValueError(f"root: between hosts only rank 0 broadcasts, got {root}")
+            return self._submit(self._across_broadcast, (t,), (t,), sync)
         return self._submit(self._channel.broadcast, (t.data_ptr(), t.numel(), _TYPE_CODES[t.dtype], int(root)),
                             (t,), sync)
 
     def abort(self, why: str) -> None:
-        self._channel.abort(why)
+        if self._channel is not None:
+            self._channel.abort(why)
 
     def close(self) -> None:
         with self._lock:
@@ -251,6 +304,76 @@ class ShmTransport:
                 self._queue.put(None)
         if self._worker is not None:
             self._worker.join(timeout=self._timeout)
+
+    # ------------------------------------------------------------------ several hosts
+    # Note [Several hosts]
+    # When the processes span several hosts, a collective runs in three steps, on the worker thread or
+    # inline like any other: (1) within each host, through its channel; (2) between the hosts' leaders
+    # (the lowest rank of each host), through torch.distributed on a group of the leaders alone; (3)
+    # within each host again, from its leader. So each host sends one message per collective over the
+    # network instead of one per process. all_reduce_sum: (1) sums the host's processes in rank order,
+    # (2) sums the hosts' sums (gloo's order), (3) broadcasts the result from the leader: every process
+    # of every host gets the leader's bits, so they all agree. reduce_scatter_sum is that all-reduce on
+    # a copy, keeping this rank's slice. all_gather gathers each host's inputs, then the leaders gather
+    # the hosts' blocks (padded to the largest host: gloo gathers equal sizes) and put them in rank order,
+    # and (3) broadcasts the whole result. broadcast is from rank 0, the leader of the first host. A
+    # leader whose step (2) fails aborts its host's channel with the reason, so that its host's other
+    # processes fail at once instead of waiting out the timeout.
+    def _local(self, op: str, *args: Any) -> None:
+        if self._channel is not None:
+            getattr(self._channel, op)(*args)
+
+    def _between_hosts(self, what: str, start: Callable[[], Any], timeout: float) -> None:
+        try:
+            start().wait(timeout=datetime.timedelta(seconds=timeout))
+        except Exception as e:   # noqa: BLE001 (re-raised, after the host's channel is told)
+            why = f"rank {self.rank} (the leader of its host): {what} between the hosts failed: {e}"
+            self.abort(why)
+            if isinstance(e, TimeoutError) or "timed out" in str(e).lower() or "timeout" in str(e).lower():
+                raise TimeoutError(why) from e
+            raise RuntimeError(why) from e
+
+    def _across_all_reduce(self, t: torch.Tensor, timeout: float) -> None:
+        ptr, n, code = t.data_ptr(), t.numel(), _TYPE_CODES[t.dtype]
+        self._local("all_reduce_sum", ptr, n, code, timeout)
+        if self._leaders is not None:
+            self._between_hosts("all_reduce", lambda: self._dist.all_reduce(
+                t, op=self._dist.ReduceOp.SUM, group=self._leaders, async_op=True), timeout)
+        self._local("broadcast", ptr, n, code, 0, timeout)
+
+    def _across_reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, timeout: float) -> None:
+        whole = inp.reshape(-1).clone()
+        self._across_all_reduce(whole, timeout)
+        n = out.numel()
+        out.view(-1).copy_(whole[self.rank * n:(self.rank + 1) * n])
+
+    def _across_all_gather(self, out: torch.Tensor, inp: torch.Tensor, timeout: float) -> None:
+        n, code = inp.numel(), _TYPE_CODES[inp.dtype]
+        mine = torch.empty(len(self._mine) * n, dtype=inp.dtype)
+        if self._channel is not None:
+            self._channel.all_gather(inp.data_ptr(), mine.data_ptr(), n, code, timeout)
+        else:
+            mine.copy_(inp.reshape(-1))
+        flat = out.view(-1)
+        if self._leaders is not None:
+            block = torch.zeros(self._widest * n, dtype=inp.dtype)
+            block[:mine.numel()] = mine
+            blocks = torch.empty(len(self._hosts) * self._widest * n, dtype=inp.dtype)
+            gather = getattr(self._dist, "all_gather_single", None) or self._dist.all_gather_into_tensor
+            self._between_hosts("all_gather", lambda: gather(blocks, block, group=self._leaders, async_op=True),
+                                timeout)
+            for h, members in enumerate(self._hosts):
+                for j, r in enumerate(members):
+                    at = (h * self._widest + j) * n
+                    flat[r * n:(r + 1) * n] = blocks[at:at + n]
+        self._local("broadcast", flat.data_ptr(), flat.numel(), code, 0, timeout)
+
+    def _across_broadcast(self, t: torch.Tensor, timeout: float) -> None:
+        if self._leaders is not None:
+            src = self._dist.get_global_rank(self._group, 0) if self._group is not None else 0
+            self._between_hosts("broadcast", lambda: self._dist.broadcast(
+                t, src=src, group=self._leaders, async_op=True), timeout)
+        self._local("broadcast", t.data_ptr(), t.numel(), _TYPE_CODES[t.dtype], 0, timeout)
 
     # ------------------------------------------------------------------ execution
     def _submit(self, fn: Callable, args: tuple, keep: tuple, sync: bool) -> _ShmWork:

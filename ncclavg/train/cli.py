@@ -253,7 +253,8 @@ def _run(args: argparse.Namespace) -> int:
     say(f"data: {split.name} ({len(split.y_train)} train / {len(split.y_test)} test samples, "
         f"{'x'.join(map(str, split.input_shape))}, {split.num_classes} classes)")
     where = (f"{info['towers']} on {','.join(info['devices'])}" if info["processes"] == 1 else
-             f"{info['towers']} in {info['processes']} processes ({','.join(info['devices'])} on rank 0)")
+             f"{info['towers']} in {info['processes']} processes ({','.join(info['devices'])} on rank 0, "
+             f"{info['transport']} between them)")
     sharded = f" sharded over {info['processes']} processes" if info["shard_master"] else ""
     say(f"towers: {where}; master={info['master']}{sharded}; "
         f"optimizer={info['optimizer']} lr={trainer.config['lr']:g}; amp={info['amp'] or 'none'}; "

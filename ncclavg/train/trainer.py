@@ -256,7 +256,9 @@ class TowerTrainer:
                 "devices": [str(d) for d in self.devices], "master": self.master,
                 "optimizer": self.config["optimizer"], "amp": self.amp, "params": self.plan.param_numel,
                 "buckets": len(self.plan.buckets), "bucket_bytes": self.plan.total_bytes,
-                "concurrent": self.runner.concurrent}
+                "concurrent": self.runner.concurrent,
+                # between the processes: "shm", "shm+gloo", "gloo" or "nccl"; None with one process
+                "transport": getattr(self.comm, "transport", self.comm.backend) if self.comm is not None else None}
 
     def _ensure_schedule(self, total_steps: int | None, steps_per_epoch: int | None) -> LRSchedule:
         if self.schedule is None:

@@ -14,6 +14,17 @@ def test_gloo_collectives_and_averager_match_ddp(world, shm, monkeypatch):
     run_ranks(_gloo_workers.collectives_and_ddp, world, timeout_s=180)
 
 
+# Several "hosts" on this machine (tests/_gloo_workers.pretend_hosts): a channel per host, torch.distributed
+# between the hosts' leaders (Note [Several hosts] in ncclavg/comm/shm.py). Interleaved ranks check that
+# gathers come back in rank order; a host of one process has no channel; a 4 KiB slot makes every
+# bucket take several rounds per host.
+@pytest.mark.parametrize("layout,slot_kb", [((0, 0, 1, 1), "1024"), ((0, 1, 0, 1), "4"), ((0, 1, 1, 1), "1024")])
+def test_gloo_collectives_across_pretend_hosts(layout, slot_kb, monkeypatch):
+    monkeypatch.setenv("NCCLAVG_SHM", "auto")
+    monkeypatch.setenv("NCCLAVG_SHM_SLOT_KB", slot_kb)
+    run_ranks(_gloo_workers.collectives_and_ddp, len(layout), args=(layout,), timeout_s=180)
+
+
 @pytest.mark.parametrize("shm", ["auto", "0"])
 def test_gloo_wait_times_out(shm, monkeypatch):
     monkeypatch.setenv("NCCLAVG_SHM", shm)

@@ -12,9 +12,12 @@ from _fault_util import read_reports, spawn_ranks
 TIMEOUT = 4.0   # the communicators' timeout in these jobs (seconds)
 
 
-@pytest.mark.parametrize("world,victim,how", [(4, 2, "kill"), (2, 1, "stop")])
-def test_peer_dies_mid_step_others_raise_within_timeout(tmp_path, world, victim, how):
-    codes = spawn_ranks(_fault_workers.peer_dies_mid_step, world, (str(tmp_path), victim, TIMEOUT, how),
+# layout: pretend hosts (rank r on host layout[r]): a leader killed, a non-leader frozen, so the loss is
+# seen through a host's shared-memory channel, between the hosts' leaders, and as an abort of a channel
+@pytest.mark.parametrize("world,victim,how,layout", [(4, 2, "kill", None), (2, 1, "stop", None),
+                                                     (4, 2, "kill", (0, 0, 1, 1)), (4, 3, "stop", (0, 0, 1, 1))])
+def test_peer_dies_mid_step_others_raise_within_timeout(tmp_path, world, victim, how, layout):
+    codes = spawn_ranks(_fault_workers.peer_dies_mid_step, world, (str(tmp_path), victim, TIMEOUT, how, layout),
                         timeout_s=90)
     want = -signal.SIGKILL if how == "kill" else -signal.SIGSTOP
     assert codes[victim] == want, codes
@@ -31,14 +34,14 @@ def test_peer_dies_mid_step_others_raise_within_timeout(tmp_path, world, victim,
                          rf"{r} of {world}", msg), msg
         # names the rank that was lost (Note [Naming the lost rank])
         assert f"rank {victim} stopped responding" in msg, msg
-        if how == "stop":   # a silent peer: only the timeout can end the wait
+        if how == "stop" and layout is None:   # a silent peer: only the timeout can end the wait
             assert rep["type"] == "CommTimeoutError" and f"did not complete within {TIMEOUT:g} s" in msg, msg
         # unusable afterwards, and every later call says so
         assert rep["failure"], rep
         assert rep["later"]["comm"].startswith("CommError: gloo communicator (rank") and "unusable" in \
             rep["later"]["comm"], rep["later"]
         assert "earlier reduction failed" in rep["later"]["avg"], rep["later"]
-    if how == "stop":   # the side phase: bounded allgather_object and NCCL unique-id store look-up
+    if how == "stop" and layout is None:   # the side phase: bounded allgather_object and NCCL unique-id look-up
         side = json.loads((tmp_path / "rankside0.json").read_text())["side"]
         assert side.startswith("CommTimeoutError: gloo allgather_object (rank 0 of 2) (sizes) did not complete "
                                "within 1 s"), side

@@ -68,14 +68,18 @@ def test_collectives_out_of_step_fail_on_both_ranks():
         assert "out of step" in text and "all_reduce_sum" in text and "all_gather" in text, text
 
 
-def test_peer_exit_is_named_quickly():
-    out = run(_shm_workers.peer_exits, 2, 64 << 10, expect=2)
+@pytest.mark.parametrize("labels", [(), (4, 9)])
+def test_peer_exit_is_named_quickly(labels):
+    out = run(_shm_workers.peer_exits, 2, 64 << 10, labels, expect=2)
     (_, first, elapsed), (_, second, _) = out
-    assert first.startswith("ShmPeerError") and "rank 1 stopped responding (pid" in first and "exited" in first, first
+    lost = labels[1] if labels else 1   # a channel over some of a group's processes names group ranks
+    assert first.startswith("ShmPeerError") and f"rank {lost} stopped responding (pid" in first, first
+    assert "exited" in first, first
     # found by the 100 ms liveness check, not by the 30 s timeout
     assert elapsed < 5.0, elapsed
     # a failed channel stays failed, and says why
-    assert second.startswith("ShmPeerError") and "aborted by rank 0" in second and "exited" in second, second
+    survivor = labels[0] if labels else 0
+    assert second.startswith("ShmPeerError") and f"aborted by rank {survivor}" in second and "exited" in second, second
 
 
 def test_late_peer_times_out_and_finds_the_channel_aborted():
@@ -105,7 +109,7 @@ def test_bad_arguments_name_the_argument():
     with pytest.raises(ValueError, match="'root'"):
         ch.broadcast(0, 0, 0, 1, 1.0)
     for kwargs, arg in [(dict(name="no-slash"), "name"), (dict(rank=2), "rank"), (dict(nranks=0), "nranks"),
-                        (dict(slot_bytes=1000), "slot_bytes")]:
+                        (dict(slot_bytes=1000), "slot_bytes"), (dict(labels=[3]), "labels")]:
         full = dict(name=_name(), rank=0, nranks=2, slot_bytes=4096, nonce=1) | kwargs
         with pytest.raises(ValueError, match=f"'{arg}'"):
             _C.ShmChannel(**full)
@@ -166,7 +170,7 @@ def test_processes_on_different_hosts_keep_gloo(monkeypatch):
     monkeypatch.setenv("NCCLAVG_SHM", "auto")
     assert ShmTransport.connect(Comm(), None, None, ["host-a", "host-b"], 5.0) is None
     monkeypatch.setenv("NCCLAVG_SHM", "1")
-    with pytest.raises(CommError, match="not on one host"):
+    with pytest.raises(CommError, match="no two processes of this group are on one host"):
         ShmTransport.connect(Comm(), None, None, ["host-a", "host-b"], 5.0)
     monkeypatch.setenv("NCCLAVG_SHM", "0")
     assert ShmTransport.connect(Comm(), None, None, ["host-a", "host-a"], 5.0) is None

@@ -52,7 +52,7 @@ def test_two_processes_of_two_towers_print_once_and_learn(tmp_path):
     acc, epochs, processes, towers, devices = sums[0]
     assert (processes, towers, devices) == ("2", "4", "cpu,cpu")
     assert float(acc) >= 0.95   # the single-process default reaches it too (tests/train/test_train_cli.py)
-    assert out.count("epoch 1/10") == 1 and "towers: 4 in 2 processes" in out
+    assert out.count("epoch 1/10") == 1 and "towers: 4 in 2 processes (cpu,cpu on rank 0, shm between them)" in out
     assert sorted(os.listdir(tmp_path / "ck")) == ["ckpt-000000207.ckpt", "ckpt-000000230.ckpt"]
     assert (tmp_path / "m.jsonl").exists()
 

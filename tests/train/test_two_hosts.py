@@ -88,11 +88,11 @@ class Output:
         return "".join(self.lines)
 
 
-def start_nodes(hosts, args, cwds, timeout_s, marker=None):
+def start_nodes(hosts, args, cwds, timeout_s, marker=None, nproc=1):
     """Node 1, then node 0, of a two-node torchrun job running `python -m ncclavg train args`."""
     procs, outs = [None, None], [None, None]
     for k in (1, 0):
-        procs[k] = subprocess.Popen(hosts.torchrun(k, *train_cmd(*args)), cwd=cwds[k],
+        procs[k] = subprocess.Popen(hosts.torchrun(k, *train_cmd(*args), nproc=nproc), cwd=cwds[k],
                                     env=hosts.env(k, base_env(timeout_s)), stdout=subprocess.PIPE,
                                     stderr=subprocess.STDOUT, text=True)
         outs[k] = Output(procs[k], marker if k == 0 else None)
@@ -106,12 +106,17 @@ def stop(procs):
             p.wait()
 
 
-def test_two_hosts_of_two_towers_take_the_steps_of_one_process_of_four(hosts, tmp_path):
+# 2 hosts x 1 process x 2 towers: torch.distributed between the processes ("gloo"); 2 hosts x 2
+# processes x 1 tower: a shared-memory channel within each host, torch.distributed between the hosts'
+# leaders ("shm+gloo", Note [Several hosts] in ncclavg/comm/shm.py). Either way 4 towers in all.
+@pytest.mark.parametrize("nproc,towers,transport", [(1, "2", "gloo"), (2, "1", "shm+gloo")])
+def test_two_hosts_take_the_steps_of_one_process_of_four(hosts, tmp_path, nproc, towers, transport):
     # Each host runs in a folder of its own (its disk): rank 0 alone writes the checkpoints.
     cwds = [tmp_path / f"host{k}" for k in (0, 1)]
     for d in cwds:
         d.mkdir()
-    procs, outs = start_nodes(hosts, ["--epochs", "2", "--towers", "2", "--checkpoint-dir", "ck"], cwds, 120)
+    procs, outs = start_nodes(hosts, ["--epochs", "2", "--towers", towers, "--checkpoint-dir", "ck"], cwds, 120,
+                              nproc=nproc)
     try:
         rcs = [p.wait(timeout=RUN_TIMEOUT_S) for p in procs]
     finally:
@@ -120,8 +125,9 @@ def test_two_hosts_of_two_towers_take_the_steps_of_one_process_of_four(hosts, tm
     assert rcs == [0, 0], f"host 0 (exit {rcs[0]}):\n{out0[-4000:]}\nhost 1 (exit {rcs[1]}):\n{out1[-4000:]}"
     sums = SUMMARY.findall(out0)
     assert len(sums) == 1 and not SUMMARY.search(out1), out0 + out1   # rank 0 alone prints
-    assert sums[0] == ("2", "2", "4", "cpu,cpu")
-    assert "towers: 4 in 2 processes" in out0
+    processes = str(2 * nproc)
+    assert sums[0] == ("2", processes, "4", ",".join(["cpu"] * int(towers)))
+    assert f"towers: 4 in {processes} processes" in out0 and f"{transport} between them" in out0, out0
     assert len(os.listdir(cwds[0] / "ck")) == 2   # one checkpoint per epoch, by rank 0 only
     assert not (cwds[1] / "ck").exists() or not os.listdir(cwds[1] / "ck")
     got = master_of(cwds[0] / "ck")
