@@ -77,14 +77,20 @@ def mismatch(rank, world, name, slot, q):
     ch = open_channel(name, rank, world, slot)
     x = torch.zeros(10)
     out = torch.zeros(10 * world)
+    if rank == 0:
+        attempt(q, rank, lambda: ch.all_reduce_sum(x.data_ptr(), 10, 0, 30.0))
+    else:
+        attempt(q, rank, lambda: ch.all_gather(x.data_ptr(), out.data_ptr(), 10, 0, 30.0))
+
+
+def attempt(q, rank, call):
+    """Runs call(); queues (rank, "no error" or "<ExceptionType>: <message>", seconds it took)."""
+    t0 = time.monotonic()
     try:
-        if rank == 0:
-            ch.all_reduce_sum(x.data_ptr(), 10, 0, 30.0)
-        else:
-            ch.all_gather(x.data_ptr(), out.data_ptr(), 10, 0, 30.0)
-        q.put((rank, "no error"))
+        call()
+        q.put((rank, "no error", time.monotonic() - t0))
     except Exception as e:
-        q.put((rank, f"{type(e).__name__}: {e}"))
+        q.put((rank, f"{type(e).__name__}: {e}", time.monotonic() - t0))
 
 
 def peer_exits(rank, world, name, slot, labels, q):
@@ -94,17 +100,8 @@ def peer_exits(rank, world, name, slot, labels, q):
     if rank == 1:
         os._exit(3)
     time.sleep(0.2)
-    t0 = time.monotonic()
-    try:
-        ch.all_reduce_sum(x.data_ptr(), 4, 0, 30.0)
-        q.put((rank, "no error", 0.0))
-    except Exception as e:
-        q.put((rank, f"{type(e).__name__}: {e}", time.monotonic() - t0))
-    try:
-        ch.all_reduce_sum(x.data_ptr(), 4, 0, 30.0)
-        q.put((rank, "no error after failure", 0.0))
-    except Exception as e:
-        q.put((rank, f"{type(e).__name__}: {e}", 0.0))
+    attempt(q, rank, lambda: ch.all_reduce_sum(x.data_ptr(), 4, 0, 30.0))
+    attempt(q, rank, lambda: ch.all_reduce_sum(x.data_ptr(), 4, 0, 30.0))   # after the failure
 
 
 def peer_freezes(rank, world, name, slot, q):
@@ -113,12 +110,7 @@ def peer_freezes(rank, world, name, slot, q):
     x = torch.ones(4)
     if rank == 1:
         time.sleep(4)
-    t0 = time.monotonic()
-    try:
-        ch.all_reduce_sum(x.data_ptr(), 4, 0, 1.0)
-        q.put((rank, "no error", 0.0))
-    except Exception as e:
-        q.put((rank, f"{type(e).__name__}: {e}", time.monotonic() - t0))
+    attempt(q, rank, lambda: ch.all_reduce_sum(x.data_ptr(), 4, 0, 1.0))
 
 
 def aborts(rank, world, name, slot, q):
@@ -129,8 +121,4 @@ def aborts(rank, world, name, slot, q):
         ch.abort("the user gave up")
     else:
         time.sleep(0.2)
-    try:
-        ch.broadcast(x.data_ptr(), 4, 0, 0, 30.0)
-        q.put((rank, "no error"))
-    except Exception as e:
-        q.put((rank, f"{type(e).__name__}: {e}"))
+    attempt(q, rank, lambda: ch.broadcast(x.data_ptr(), 4, 0, 0, 30.0))

@@ -382,6 +382,27 @@ void check_signatures(ShmRankLine* lines, int nranks, int rank, uint64_t mine, i
 }
 }  // namespace
 
+// Steps 1-3 of a round in which every rank posts `bytes` from `data`: returns the round, every rank's
+// chunk readable in its slot, every rank in the same collective.
+uint64_t ShmChannel::post_round(const char* op, const unsigned char* data, int64_t bytes, uint64_t sig,
+                                double timeout_s) {
+  const uint64_t seq = begin_round(op, timeout_s);
+  std::memcpy(slot(seq, rank_), data, static_cast<size_t>(bytes));
+  line(rank_).signature[seq & 1].store(sig, std::memory_order_relaxed);
+  publish(kPosted, seq);
+  wait_for(kPosted, seq, -1, op, timeout_s, seq);
+  check_same_collective(sig, -1, seq);
+  return seq;
+}
+
+void ShmChannel::check_same_collective(uint64_t sig, int only_rank, uint64_t seq) {
+  try {
+    check_signatures(&line(0), nranks_, rank_, sig, only_rank, seq, labels_);
+  } catch (const ShmPeerError& e) {
+    fail_all(e.what(), false);
+  }
+}
+
 void ShmChannel::all_reduce_sum(uintptr_t data, int64_t count, int type, double timeout_s) {
   const ShmType t = checked_type(type);
   check_span(data, count, "data");
@@ -391,20 +412,10 @@ void ShmChannel::all_reduce_sum(uintptr_t data, int64_t count, int type, double 
   const uint64_t sig = signature(0, t, count);
   auto* base = reinterpret_cast<unsigned char*>(data);
   std::vector<const unsigned char*> srcs(nranks_);
-  auto* lines = &line(0);
   for (int64_t off = 0; off < count; off += chunk) {
     const int64_t n = std::min(chunk, count - off);
     unsigned char* out = base + off * es;
-    const uint64_t seq = begin_round("all_reduce_sum", timeout_s);
-    std::memcpy(slot(seq, rank_), out, static_cast<size_t>(n * es));
-    line(rank_).signature[seq & 1].store(sig, std::memory_order_relaxed);
-    publish(kPosted, seq);
-    wait_for(kPosted, seq, -1, "all_reduce_sum", timeout_s, seq);
-    try {
-      check_signatures(lines, nranks_, rank_, sig, -1, seq, labels_);
-    } catch (const ShmPeerError& e) {
-      fail_all(e.what(), false);
-    }
+    const uint64_t seq = post_round("all_reduce_sum", out, n * es, sig, timeout_s);
     if (n * es <= kDirectBytes || nranks_ == 1) {
       for (int r = 0; r < nranks_; ++r) srcs[r] = slot(seq, r);
       sum_ranks(t, out, srcs.data(), nranks_, n);
@@ -440,16 +451,7 @@ void ShmChannel::reduce_scatter_sum(uintptr_t in, uintptr_t out, int64_t count, 
   std::vector<const unsigned char*> srcs(nranks_);
   for (int64_t off = 0; off < total; off += chunk) {
     const int64_t n = std::min(chunk, total - off);
-    const uint64_t seq = begin_round("reduce_scatter_sum", timeout_s);
-    std::memcpy(slot(seq, rank_), src + off * es, static_cast<size_t>(n * es));
-    line(rank_).signature[seq & 1].store(sig, std::memory_order_relaxed);
-    publish(kPosted, seq);
-    wait_for(kPosted, seq, -1, "reduce_scatter_sum", timeout_s, seq);
-    try {
-      check_signatures(&line(0), nranks_, rank_, sig, -1, seq, labels_);
-    } catch (const ShmPeerError& e) {
-      fail_all(e.what(), false);
-    }
+    const uint64_t seq = post_round("reduce_scatter_sum", src + off * es, n * es, sig, timeout_s);
     const int64_t lo = std::max(off, mine_lo), hi = std::min(off + n, mine_hi);
     if (hi > lo) {
       for (int r = 0; r < nranks_; ++r) srcs[r] = slot(seq, r) + (lo - off) * es;
@@ -471,16 +473,7 @@ void ShmChannel::all_gather(uintptr_t in, uintptr_t out, int64_t count, int type
   auto* dst = reinterpret_cast<unsigned char*>(out);
   for (int64_t off = 0; off < count; off += chunk) {
     const int64_t n = std::min(chunk, count - off);
-    const uint64_t seq = begin_round("all_gather", timeout_s);
-    std::memcpy(slot(seq, rank_), src + off * es, static_cast<size_t>(n * es));
-    line(rank_).signature[seq & 1].store(sig, std::memory_order_relaxed);
-    publish(kPosted, seq);
-    wait_for(kPosted, seq, -1, "all_gather", timeout_s, seq);
-    try {
-      check_signatures(&line(0), nranks_, rank_, sig, -1, seq, labels_);
-    } catch (const ShmPeerError& e) {
-      fail_all(e.what(), false);
-    }
+    const uint64_t seq = post_round("all_gather", src + off * es, n * es, sig, timeout_s);
     for (int r = 0; r < nranks_; ++r) {
       std::memcpy(dst + (r * count + off) * es, slot(seq, r), static_cast<size_t>(n * es));
     }
@@ -506,11 +499,7 @@ void ShmChannel::broadcast(uintptr_t data, int64_t count, int type, int root, do
       publish(kPosted, seq);
     } else {
       wait_for(kPosted, seq, root, "broadcast", timeout_s, seq);
-      try {
-        check_signatures(&line(0), nranks_, rank_, sig, root, seq, labels_);
-      } catch (const ShmPeerError& e) {
-        fail_all(e.what(), false);
-      }
+      check_same_collective(sig, root, seq);
       std::memcpy(base + off * es, slot(seq, root), static_cast<size_t>(n * es));
     }
     publish(kConsumed, seq);

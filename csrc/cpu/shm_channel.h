@@ -60,6 +60,8 @@ class ShmChannel {
   unsigned char* slot(uint64_t seq, int r) const;
   ShmRankLine& line(int r) const;
   uint64_t begin_round(const char* op, double timeout_s);
+  uint64_t post_round(const char* op, const unsigned char* data, int64_t bytes, uint64_t sig, double timeout_s);
+  void check_same_collective(uint64_t sig, int only_rank, uint64_t seq);
   void wait_for(Counter c, uint64_t target, int only_rank, const char* op, double timeout_s, uint64_t seq);
   void publish(Counter c, uint64_t seq);
   void check_usable(const char* op) const;

@@ -63,7 +63,7 @@ def test_smallest_slot_many_rounds():
 
 def test_collectives_out_of_step_fail_on_both_ranks():
     out = run(_shm_workers.mismatch, 2, 64 << 10)
-    for rank, text in out:
+    for rank, text, _ in out:
         assert text.startswith("ShmPeerError"), text
         assert "out of step" in text and "all_reduce_sum" in text and "all_gather" in text, text
 
@@ -93,7 +93,7 @@ def test_late_peer_times_out_and_finds_the_channel_aborted():
 
 def test_abort_reason_reaches_the_peer():
     out = run(_shm_workers.aborts, 2, 64 << 10)
-    for rank, text in out:
+    for rank, text, _ in out:
         assert "aborted by rank 0" in text and "the user gave up" in text, (rank, text)
 
 
