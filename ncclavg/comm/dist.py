@@ -89,9 +89,14 @@ def _wait_dist(comm: Any, work: Any, timeout: float, what: str) -> None:
             # the process group's own (shorter) timeout may fire first: say which one did
             msg = (f"{what} did not complete within {timeout:g} s" if elapsed >= 0.9 * timeout else
                    f"{what} timed out after {elapsed:.1f} s in {source} (the process group's own "
-                   f"timeout, shorter than this communicator's {timeout:g} s)") + lost(comm)
+                   f"timeout, shorter than this communicator's {timeout:g} s)")
+            # the failure every later call repeats must name the lost rank too: the channel's own text
+            # does (shm.py), torch.distributed's does not (the heartbeats do)
+            named = getattr(work, "names_peers", False)
+            msg += f" ({source}: {e})" if named else lost(comm)
             comm._fail(msg)
-            raise CommTimeoutError(f"{msg}; the communicator is unusable now ({source}: {e})") from None
+            raise CommTimeoutError(f"{msg}; the communicator is unusable now"
+                                   + ("" if named else f" ({source}: {e})")) from None
         msg = f"{what} failed{lost(comm)}: {e}"
         comm._fail(msg)
         raise CommError(msg + "; the communicator is unusable now (did a peer process die?)") from e
