@@ -3,8 +3,9 @@
 What lives here: `Communicator` (base.py: the constructors, argument checks, failure state) and `Work`,
 and one module per backend: local.py (CPU towers of one process, the core's one-pass host average),
 gloo.py (CPU towers of several processes through torch.distributed, Note [Hierarchical CPU average]),
+shm.py (gloo.py's transport between processes that share a host: the core's shared-memory channel),
 dist.py (the bounded torch.distributed plumbing), nccl.py (the core's NCCL communicator), plus
-debug.py (NCCLAVG_DEBUG's cross-rank sequence check).
+liveness.py (heartbeats that name a lost rank) and debug.py (NCCLAVG_DEBUG's cross-rank sequence check).
 What it may import: the core (`ncclavg.ops`, `buffers`, `_ext`, `errors`, ...) and torch; never
 `ncclavg.train` or `ncclavg.bench`.
 Where to start reading: base.py's `Communicator`, then local.py, the simplest backend.
