@@ -35,7 +35,9 @@
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
+#if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <cerrno>
@@ -138,6 +140,14 @@ bool process_gone(int pid) {
   return state == 'Z' || state == 'X';
 }
 
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  _mm_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield");
+#endif
+}
+
 // Spin a little (a peer on another core is usually microseconds away), then give the core away: with
 // more processes than cores, a spinning waiter would delay the very peer it waits for.
 struct Backoff {
@@ -146,7 +156,7 @@ struct Backoff {
   void pause() {
     ++spins;
     if (spins < 1024) {
-      _mm_pause();
+      cpu_relax();
     } else if (Clock::now() - start < std::chrono::milliseconds(1)) {
       sched_yield();
     } else {
