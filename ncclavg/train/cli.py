@@ -143,8 +143,9 @@ def _elastic_resume(args: argparse.Namespace) -> str | None:
     whole group again, with TORCHELASTIC_RESTART_COUNT raised by one and the same arguments. A restarted
     `ncclavg train` with --checkpoint-dir therefore resumes from the newest checkpoint there that verifies
     (checkpoints are written atomically: a write cut short is never taken), or from --resume when the
-    directory holds none yet, or starts afresh. Every process takes the same file, and resuming is bit for
-    bit on CPU towers, so the run ends with the weights of an uninterrupted one. Without --checkpoint-dir
+    directory holds none yet, or starts afresh. Every process takes the same file (one file system shared
+    by the hosts; processes that find different ones refuse to start, see check_same_start), and resuming
+    is bit for bit on CPU towers, so the run ends with the weights of an uninterrupted one. Without --checkpoint-dir
     a restart starts from the beginning (or from --resume)."""
     from .checkpoint import CheckpointManager
 
@@ -178,6 +179,7 @@ def _run(args: argparse.Namespace) -> int:
     from . import checkpoint as ckpt
     from .callbacks import CheckpointCallback, EpochPrinter, MetricsLogger, PlotCallback, ProgressCallback
     from .data import TensorLoader
+    from .distributed import check_same_start
     from .models import build_model
     from .trainer import TowerTrainer
 
@@ -227,6 +229,7 @@ def _run(args: argparse.Namespace) -> int:
                "lr_schedule": _value(args, "lr_schedule")}
         cfg.update(overrides)
         trainer = TowerTrainer(model, devices=devices, **cfg)
+    check_same_start(trainer.comm, trainer.step, resume_path)   # a collective: before anything else can fail alone
     if batch_size < trainer.total_towers:
         raise UsageError(f"--batch-size: {batch_size} is smaller than the number of towers of all processes "
                          f"({trainer.total_towers}); every tower needs at least one sample")

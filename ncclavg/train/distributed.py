@@ -77,3 +77,20 @@ def write_once(comm: Any, write: Callable[[], str]) -> str:
     if isinstance(outcome, dict):
         raise RuntimeError(f"rank 0 could not write the checkpoint: {outcome['error']}")
     return outcome
+
+
+def check_same_start(comm: Any, step: int, source: str | None) -> None:
+    """Every process must start from the same point: the same checkpoint's step, or all from scratch.
+    A process that found another checkpoint than rank 0 (or none: e.g. hosts without a shared file system
+    after an elastic restart, Note [Elastic restart] in cli.py) would train on with its own optimizer
+    state and data position, and the replicas would drift apart without an error. So the processes
+    compare (one exchange) and all raise ValueError, naming what each found, when they differ."""
+    if comm is None or comm.world_size == 1:
+        return
+    seen = comm.allgather_object({"step": int(step), "from": source})
+    if len({s["step"] for s in seen}) == 1:
+        return
+    found = "; ".join(f"rank {r}: " + (f"step {s['step']} from {s['from']}" if s["from"] else "no checkpoint")
+                      for r, s in enumerate(seen))
+    raise ValueError(f"the processes would start from different points ({found}): every process must see the "
+                     "same checkpoints (one file system shared by the hosts for --checkpoint-dir and --resume)")

@@ -184,3 +184,24 @@ def test_losing_the_second_host_ends_the_first_with_an_error_within_the_timeout(
 
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not available")
+
+
+def test_hosts_that_find_different_checkpoints_refuse_to_start(hosts, tmp_path):
+    """No shared file system: each host's `ck` holds another run's checkpoint (host 0 one after epoch 2,
+    host 1 one after epoch 1). Resuming from them would train on with two optimizer states; every
+    process refuses instead (check_same_start in ncclavg/train/distributed.py), naming what each found."""
+    cwds = [tmp_path / f"host{k}" for k in (0, 1)]
+    for d, epochs in zip(cwds, ("2", "1")):
+        d.mkdir()
+        single_processes([["--epochs", epochs, "--towers", "1", "--checkpoint-dir", "ck"]], cwd=d)
+    procs, outs = start_nodes(hosts, ["--epochs", "3", "--towers", "1", "--resume", "ck"], cwds, 60)
+    try:
+        rcs = [p.wait(timeout=RUN_TIMEOUT_S) for p in procs]
+    finally:
+        stop(procs)
+    out0, out1 = (o.text() for o in outs)
+    assert rcs[0] != 0 and rcs[1] != 0, (rcs, out0[-3000:], out1[-3000:])
+    for out in (out0, out1):
+        assert re.search(r"the processes would start from different points \(rank 0: step 60 from \S+; "
+                         r"rank 1: step 30 from \S+\)", out), out[-3000:]
+        assert "epoch 3/3" not in out
