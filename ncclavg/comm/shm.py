@@ -16,7 +16,8 @@ removes its segment's name, so no segment outlives its processes, even after a c
 (e.g. a /dev/shm too small for 2 x processes x slot) warns once and leaves every process on gloo.
 NCCLAVG_SHM=0 turns the channels off, =1 makes a failed setup (or no two processes on one host) an
 error, auto (the default) as above.
-NCCLAVG_SHM_SLOT_KB sets the slot (1024 KiB by default; the segment is about 2 x ranks x slot).
+NCCLAVG_SHM_SLOT_KB sets the slot (by default 1 MiB, less above 16 processes on a host: slot_bytes; the
+segment is about 2 x processes x slot).
 Tensors of other dtypes than float32, float16, bfloat16 and float64 still go through gloo; every rank
 makes the same choice, since the dtype is the same on every rank.
 Asynchronous collectives (the averager's buckets during backward, the trainer's per-step sums) run in
@@ -50,8 +51,16 @@ def setting() -> str:
     return _SETTINGS[raw]
 
 
-def slot_bytes() -> int:
-    raw = os.environ.get("NCCLAVG_SHM_SLOT_KB", "1024").strip()
+SEGMENT_TARGET = 32 << 20   # bytes of /dev/shm a host's segment aims at by default (Docker gives 64 MiB)
+
+
+def slot_bytes(processes: int) -> int:
+    """A channel's slot: NCCLAVG_SHM_SLOT_KB when set; else 1 MiB, smaller with many processes so that
+    the segment (2 x processes x slot) stays near SEGMENT_TARGET, never below 64 KiB."""
+    raw = os.environ.get("NCCLAVG_SHM_SLOT_KB", "").strip()
+    if not raw:
+        fit = SEGMENT_TARGET // (2 * max(1, processes)) // 4096 * 4096
+        return max(64 << 10, min(1 << 20, fit))
     try:
         kb = int(raw)
     except ValueError:
@@ -228,7 +237,7 @@ class ShmTransport:
             return None
         mine = next(h for h in hosts if rank in h)
         local, leader = mine.index(rank), mine[0]
-        size = slot_bytes()
+        size = slot_bytes(len(mine))
         # every host's leader creates its host's segment (a host of one process has none), then the others
         # open it; one exchange for the names, one for the outcome: every process decides the same
         channel, error, offer = None, "", None

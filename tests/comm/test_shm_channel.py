@@ -157,7 +157,12 @@ def test_transport_settings(monkeypatch):
         shm.setting()
     monkeypatch.setenv("NCCLAVG_SHM_SLOT_KB", "2")
     with pytest.raises(ValueError, match="NCCLAVG_SHM_SLOT_KB"):
-        shm.slot_bytes()
+        shm.slot_bytes(2)
+    monkeypatch.setenv("NCCLAVG_SHM_SLOT_KB", "96")
+    assert shm.slot_bytes(2) == 96 << 10
+    # default: 1 MiB up to 16 processes, then the segment stays at 32 MiB, the slot at least 64 KiB
+    monkeypatch.delenv("NCCLAVG_SHM_SLOT_KB")
+    assert [shm.slot_bytes(p) for p in (2, 16, 64, 1024)] == [1 << 20, 1 << 20, 256 << 10, 64 << 10]
     assert shm.host_identity() == shm.host_identity()
 
 
