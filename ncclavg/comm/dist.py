@@ -77,27 +77,25 @@ def _wait_dist(comm: Any, work: Any, timeout: float, what: str) -> None:
     # a shared-memory work (shm.py) may have run, and timed out, on this thread before the wait
     t0 = getattr(work, "started", None) or time.monotonic()
     source = getattr(work, "source", "torch.distributed")
-    # the shared-memory channel names the lost rank itself, without the store (which a dead rank 0 takes along)
-    def lost(c: Any) -> str:
-        return "" if getattr(work, "names_peers", False) else _lost(c)
-
     try:
         work.wait(timeout=datetime.timedelta(seconds=timeout))
     except RuntimeError as e:
+        elapsed = time.monotonic() - t0   # before the diagnosis below, which may take seconds
+        # The shared-memory channel's text names the lost rank itself, without the store (which a dead
+        # rank 0 takes along); torch.distributed's does not, the heartbeats do. Either way the failure
+        # that every later call repeats names it. (names_peers is read after the wait: it may change.)
+        named = getattr(work, "names_peers", False)
+        who = "" if named else _lost(comm)
         if _is_timeout(e):
-            elapsed = time.monotonic() - t0
             # the process group's own (shorter) timeout may fire first: say which one did
             msg = (f"{what} did not complete within {timeout:g} s" if elapsed >= 0.9 * timeout else
                    f"{what} timed out after {elapsed:.1f} s in {source} (the process group's own "
                    f"timeout, shorter than this communicator's {timeout:g} s)")
-            # the failure every later call repeats must name the lost rank too: the channel's own text
-            # does (shm.py), torch.distributed's does not (the heartbeats do)
-            named = getattr(work, "names_peers", False)
-            msg += f" ({source}: {e})" if named else lost(comm)
+            msg += f" ({source}: {e})" if named else who
             comm._fail(msg)
             raise CommTimeoutError(f"{msg}; the communicator is unusable now"
                                    + ("" if named else f" ({source}: {e})")) from None
-        msg = f"{what} failed{lost(comm)}: {e}"
+        msg = f"{what} failed{who}: {e}"
         comm._fail(msg)
         raise CommError(msg + "; the communicator is unusable now (did a peer process die?)") from e
 

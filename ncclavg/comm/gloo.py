@@ -87,6 +87,12 @@ class GlooCommunicator(Communicator):
         return _issue_dist(self, what, self._reduce_scatter, out, inp, op=self._dist.ReduceOp.SUM,
                            group=self.group, async_op=True)
 
+    def _from_rank_0(self, what: str, t: torch.Tensor, src: int) -> Any:
+        """Broadcast from the group's rank 0 (global rank `src`); the channel's ranks are the group's."""
+        if self._shm is not None and shm_supports(t):
+            return _issue_dist(self, what, self._shm.broadcast, t, 0)
+        return _issue_dist(self, what, self._dist.broadcast, t, src=src, group=self.group, async_op=True)
+
     def _gather(self, what: str, out: torch.Tensor, inp: torch.Tensor) -> Any:
         if self._shm is not None and shm_supports(out) and shm_supports(inp):
             return _issue_dist(self, what, self._shm.all_gather, out, inp)
@@ -278,12 +284,7 @@ class GlooCommunicator(Communicator):
             by_dtype.setdefault(t.dtype, []).append(t)
         for group_tensors in by_dtype.values():
             flat = torch.cat([t.detach().reshape(-1).cpu() for t in group_tensors])
-            if self._shm is not None and shm_supports(flat):   # channel ranks are the group's ranks
-                work = _issue_dist(self, what, self._shm.broadcast, flat, 0)
-            else:
-                work = _issue_dist(self, what, self._dist.broadcast, flat, src=src, group=self.group,
-                                   async_op=True)
-            _wait_dist(self, work, limit, what)
+            _wait_dist(self, self._from_rank_0(what, flat, src), limit, what)
             pos = 0
             with torch.no_grad():
                 for t in group_tensors:
