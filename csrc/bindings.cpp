@@ -307,17 +307,21 @@ PYBIND11_MODULE(_C, m) {
         .def(py::init<const std::string&, int, int, int64_t, uint64_t, std::vector<int>>(), py::arg("name"),
              py::arg("rank"), py::arg("nranks"), py::arg("slot_bytes"), py::arg("nonce"),
              py::arg("labels") = std::vector<int>(), Release(),
-             "Rank 0 creates the segment `name`, the others open it (see Note [Shared-memory channel]).")
-        .def("unlink_name", &ShmChannel::unlink_name)
+             "Rank 0 creates the segment and opens the door `name`; the others join through it "
+             "(Note [Shared-memory channel], Note [Segment without a name]).")
+        .def("close_door", &ShmChannel::close_door, Release())
         .def("all_reduce_sum", &ShmChannel::all_reduce_sum, py::arg("data"), py::arg("count"), py::arg("type"),
-             py::arg("timeout_s"), Release())
+             py::arg("timeout_s"), py::arg("mul") = 1.0, py::arg("div") = 1.0, Release())
         .def("reduce_scatter_sum", &ShmChannel::reduce_scatter_sum, py::arg("inp"), py::arg("out"),
-             py::arg("count"), py::arg("type"), py::arg("timeout_s"), Release())
+             py::arg("count"), py::arg("type"), py::arg("timeout_s"), py::arg("mul") = 1.0, py::arg("div") = 1.0,
+             Release())
         .def("all_gather", &ShmChannel::all_gather, py::arg("inp"), py::arg("out"), py::arg("count"),
              py::arg("type"), py::arg("timeout_s"), Release())
         .def("broadcast", &ShmChannel::broadcast, py::arg("data"), py::arg("count"), py::arg("type"),
              py::arg("root"), py::arg("timeout_s"), Release())
+        .def("barrier", &ShmChannel::barrier, py::arg("timeout_s"), Release())
         .def("abort", &ShmChannel::abort, py::arg("why"))
+        .def("resident_slot_bytes", &ShmChannel::resident_slot_bytes, py::arg("r"))
         .def_property_readonly("rank", &ShmChannel::rank)
         .def_property_readonly("nranks", &ShmChannel::nranks)
         .def_property_readonly("slot_bytes", &ShmChannel::slot_bytes)

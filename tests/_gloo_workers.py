@@ -224,22 +224,26 @@ def timeout_job(rank, world, port):
 
 
 def shm_setup_fails_job(rank, world, port, required):
-    """The shared-memory channel cannot be set up (its segment would not fit in /dev/shm): with
-    NCCLAVG_SHM=auto every rank warns and stays on torch.distributed, results unchanged; with =1 every
-    rank raises CommError naming the cause."""
+    """The shared-memory channel cannot be set up (a real limit: RLIMIT_FSIZE below the segment's size, so
+    rank 0 cannot size its memory file): with NCCLAVG_SHM=auto every rank warns and stays on
+    torch.distributed, results unchanged; with =1 every rank raises CommError naming the cause."""
+    import resource
+    import signal
     import warnings
 
     init_rank(rank, world, port)
     from ncclavg import CommError, Communicator
 
-    os.environ["NCCLAVG_SHM_SLOT_KB"] = str(1 << 30)   # 2 x world slots of 1 TiB
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)   # the failing ftruncate returns EFBIG instead
+    resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+    os.environ["NCCLAVG_SHM_SLOT_KB"] = "1024"   # a segment of 2 x world slots of 1 MiB: above the limit
     if required:
         os.environ["NCCLAVG_SHM"] = "1"
         try:
             Communicator.from_torch_distributed(device="cpu", timeout=30)
             raise AssertionError("expected CommError")
         except CommError as e:
-            assert "could not be set up" in str(e) and "/dev/shm too small" in str(e), str(e)
+            assert "could not be set up" in str(e) and "ftruncate" in str(e), str(e)
         return
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

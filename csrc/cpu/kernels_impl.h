@@ -17,6 +17,7 @@
 
 #include "../common/dtype.h"
 #include "../common/elementwise.h"
+#include "../common/pack_math.h"
 #include "vec_scalar.h"
 
 namespace ncclavg {
@@ -27,6 +28,8 @@ namespace {
 struct F32 {};
 struct F16 {};
 struct BF16 {};
+template <class T> struct IsF32 { static constexpr bool value = false; };
+template <> struct IsF32<F32> { static constexpr bool value = true; };
 
 template <class L> typename L::V ld(F32, const void* p, int64_t i) { return L::load_f32(static_cast<const float*>(p) + i); }
 template <class L> typename L::V ld(F16, const void* p, int64_t i) { return L::load_f16(static_cast<const uint16_t*>(p) + i); }
@@ -65,6 +68,50 @@ void average_range(void* const* bufs, int n, DType dtype, int64_t begin, int64_t
   });
 }
 
+// One element step of the channel's sum: lane `i` of every source in order, summed in fp32, rounded to
+// the storage type, then scaled (y = x * mul / div, Note [Pack scale modes]) and rounded again; written
+// to out and, when given, out2. Rounding before scaling makes a fused average the same bits as a sum
+// followed by the core's unpack scale.
+template <class L, class T, int kMode>
+void sum_step(void* out, void* out2, const void* const* srcs, int n, float mul, float div, int64_t i) {
+  typename L::V acc = ld<L>(T{}, srcs[0], i);
+  for (int k = 1; k < n; ++k) acc = acc + ld<L>(T{}, srcs[k], i);
+  if (kMode != ew::kPackCopy) {
+    if (!IsF32<T>::value) {   // round to storage first: store and reload the lane
+      alignas(64) float rounded[L::W];   // room for W lanes of any storage type
+      st<L>(T{}, rounded, 0, acc);
+      acc = ld<L>(T{}, rounded, 0);
+    }
+    acc = ew::pack_scale<kMode>(acc, mul, div);
+  }
+  st<L>(T{}, out, i, acc);
+  if (out2 != nullptr) st<L>(T{}, out2, i, acc);
+}
+
+template <class L, class T, int kMode>
+void sum_range_mode(void* out, void* out2, const void* const* srcs, int n, float mul, float div, int64_t begin,
+                    int64_t end) {
+  int64_t i = begin;
+  for (; i + L::W <= end; i += L::W) sum_step<L, T, kMode>(out, out2, srcs, n, mul, div, i);
+  for (; i < end; ++i) sum_step<ScalarLane, T, kMode>(out, out2, srcs, n, mul, div, i);
+}
+
+// out[i] (and out2[i] unless null) = (srcs[0][i] + ... + srcs[n-1][i]) * mul / div over [begin, end): the
+// shared-memory channel's reduction. out may be one of the sources (each lane is read before it is written).
+template <class L>
+void sum_range(void* out, void* out2, const void* const* srcs, int n, DType dtype, float mul, float div,
+               int64_t begin, int64_t end) {
+  with_storage(dtype, [&](auto tag) {
+    using T = decltype(tag);
+    switch (ew::pack_mode(mul, div)) {
+      case ew::kPackCopy: sum_range_mode<L, T, ew::kPackCopy>(out, out2, srcs, n, mul, div, begin, end); break;
+      case ew::kPackMul: sum_range_mode<L, T, ew::kPackMul>(out, out2, srcs, n, mul, div, begin, end); break;
+      case ew::kPackDiv: sum_range_mode<L, T, ew::kPackDiv>(out, out2, srcs, n, mul, div, begin, end); break;
+      default: sum_range_mode<L, T, ew::kPackMulDiv>(out, out2, srcs, n, mul, div, begin, end); break;
+    }
+  });
+}
+
 }  // namespace
 }  // namespace cpu
 }  // namespace ncclavg
@@ -72,4 +119,4 @@ void average_range(void* const* bufs, int n, DType dtype, int64_t begin, int64_t
 // The table of one ISA, as a brace initializer. It must be a constant initializer: code run by a
 // static constructor of the AVX-512 TU would itself be AVX-512 code and crash at import elsewhere.
 #define NCCLAVG_KERNEL_TABLE(Lane, level) \
-  { level, &average_range<Lane> }
+  { level, &average_range<Lane>, &sum_range<Lane> }

@@ -1,39 +1,56 @@
 // Note [Shared-memory channel]
 // On one host, torch's gloo moves even an 8-byte all-reduce through the TCP stack and its worker
 // threads: about 250 us per call on loopback, and about 1 GB/s for large buffers. Processes of one host
-// can instead meet in one shared-memory segment (DeepSpeed's CPU shm all-reduce does the same):
+// can instead meet in one shared-memory segment (Note [Segment without a name] in shm_segment.cpp):
 //
-//   [header][one line per rank: posted / reduced / consumed counters, pid][2 x nranks data slots]
+//   [header][one line per rank: posted / reduced / consumed counters, signatures, pid][per rank: 2 slots]
 //
-// A collective is a sequence of rounds, numbered the same on every rank (`seq`); round `seq` uses the
-// slot set seq % 2, so a rank can post round seq + 1 while a slower peer still reads round seq. One round:
-//   1. wait until every rank has consumed round seq - 2 (the slot set is free again);
-//   2. copy this rank's chunk (at most slot_bytes) into its slot; publish posted = seq (release);
-//   3. wait until every rank has posted seq (acquire); then by op:
-//      all_reduce_sum, small chunk: sum every slot into the output;
-//      all_reduce_sum, large chunk: rank r sums slice r of every slot into slice r of its own slot
-//        (nobody else reads that slice), publishes reduced = seq, waits for every rank's reduced, and
-//        copies every slice out: the sum's work is split over the ranks;
-//      reduce_scatter_sum: sum the part of the chunk that falls in this rank's output;
-//      all_gather / broadcast: copy the slots out;
+// A collective is a sequence of rounds (at least one, also for count 0), numbered the same on every rank
+// (`seq`); round `seq` uses each rank's slot seq % 2, so a rank can post round seq + 1 while a slower
+// peer still reads round seq. One round:
+//   1. wait until every rank has consumed round seq - 2 (the slots of this parity are free again);
+//   2. copy what the peers need into this rank's slot, write the call's signature (op, type, count, root,
+//      scale), publish posted = seq; wait until every rank has posted seq; check that every rank made
+//      the same call (so ranks that disagree on the op, the size or a broadcast's root all fail with
+//      both calls named, instead of mixing data or pairing with a later round);
+//   3. by op:
+//      all_reduce_sum, chunk <= 32 KiB: sum every rank's chunk into the output (this rank's own chunk is
+//        read from its input: it is not copied for itself);
+//      all_reduce_sum, larger: slice r of the chunk belongs to rank r, which does not copy it, sums it
+//        from every slot (its own from its input) into its output and into its slot, and publishes
+//        reduced = seq; each rank then copies every other slice as soon as its owner has published.
+//        The sum's work is split over the ranks, and nobody reads or writes its own slice twice;
+//      reduce_scatter_sum: each slot holds one piece per destination rank, so every rank sums its piece
+//        of every slot in every round (all ranks work in every round);
+//      all_gather / broadcast: copy the slots out; barrier: nothing;
 //   4. publish consumed = seq.
-// Sums run in rank order 0, 1, ..., P-1 per element, accumulated in fp32 (fp64 for float64) and rounded
-// once: every rank gets the same bits whichever rank computed an element, and a half-precision sum has
+// Sums run in rank order 0, 1, ..., P-1 per element, accumulated in fp32 (fp64 for float64) with the
+// core's SIMD lanes, rounded once to the element type, then scaled (an average divides by P in the same
+// pass): every rank gets the same bits whichever rank computed an element, and a half-precision sum has
 // one rounding instead of P - 1. For two ranks an fp32 sum is the same a + b as gloo's.
 //
-// Waiting never blocks forever: a wait spins briefly, then yields, then sleeps 50 us at a time, and
-// checks (a) a deadline, (b) an abort word in the header that any rank sets when it fails, with its
-// reason, so every survivor fails within a moment of the first, and (c) every 100 ms, whether the peer
-// it waits for still exists (its pid: gone, or a zombie). The error names that peer. A failed channel
-// stays failed. Each round also checks that every rank is in the same collective (op, type and count),
-// so two ranks that call different collectives fail with both names instead of mixing data.
+// Note [Waiting in the channel]
+// A wait spins for 50 us (a peer on another core is usually microseconds away), yields the core until
+// 1 ms (with more processes than cores, a spinning waiter would delay the very peer it waits for), then
+// sleeps on a futex in the segment, which a publishing rank wakes when someone sleeps: a rank waiting
+// for a late peer costs no CPU. While waiting it checks (a) the call's deadline (timeout_s from the
+// call's start), (b) an abort word in the header that any rank sets when it fails, with its reason, so
+// every survivor fails within a moment of the first, and (c) every 100 ms, whether the peer it waits
+// for still runs: its pid with its start time, so that a reused pid is not taken for the peer. The
+// error names that peer. A failed channel stays failed.
+//
+// Note [One owner per rank]
+// Each rank claims its line with a compare-and-swap of its pid, and every collective checks that the
+// caller is that process: a second process joining as an existing rank (the door refuses it too), or a
+// forked child calling its parent's channel, gets an error instead of mixing its data into the round.
 #include "shm_channel.h"
 
-#include <fcntl.h>
-#include <signal.h>
+#include <linux/futex.h>
+#include <pthread.h>
 #include <sched.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
@@ -41,28 +58,29 @@
 
 #include <algorithm>
 #include <cerrno>
-#include <chrono>
+#include <climits>
+#include <cmath>
 #include <cstring>
-#include <fstream>
+#include <mutex>
 #include <sstream>
-#include <thread>
-#include <vector>
 
 #include "../common/check.h"
-#include "../common/elementwise.h"
+#include "shm_segment.h"
+#include "simd.h"
 
 namespace ncclavg {
 namespace cpu {
 
 namespace {
-constexpr uint64_t kMagic = 0x6e63636c61767368ull;   // "ncclavsh"
+constexpr uint64_t kMagic = 0x6e63636c61767332ull;    // "ncclavs2"
 constexpr size_t kLinesOffset = 1024;
-constexpr int64_t kDirectBytes = 32 << 10;            // below: every rank sums the whole chunk
-constexpr int64_t kBlock = 512;                       // elements per accumulator block
+constexpr int64_t kDirectBytes = 32 << 10;             // below: every rank sums the whole chunk
 using Clock = std::chrono::steady_clock;
+enum Op : int { kAllReduce = 0, kReduceScatter = 1, kAllGather = 2, kBroadcast = 3, kBarrier = 4 };
 
 static_assert(std::atomic<uint64_t>::is_always_lock_free, "shared counters must be lock-free");
 static_assert(std::atomic<int32_t>::is_always_lock_free, "shared counters must be lock-free");
+static_assert(sizeof(std::atomic<uint32_t>) == sizeof(uint32_t), "the futex word must be a plain int");
 
 size_t type_size(ShmType t) {
   switch (t) {
@@ -74,14 +92,14 @@ size_t type_size(ShmType t) {
   return 0;
 }
 
-const char* type_name(ShmType t) {
-  switch (t) {
-    case ShmType::kFloat32: return "float32";
-    case ShmType::kFloat16: return "float16";
-    case ShmType::kBFloat16: return "bfloat16";
-    case ShmType::kFloat64: return "float64";
-  }
-  return "unknown";
+const char* type_name(int t) {
+  static const char* names[] = {"float32", "float16", "bfloat16", "float64"};
+  return t >= 0 && t < 4 ? names[t] : "unknown";
+}
+
+const char* op_name(int op) {
+  static const char* names[] = {"all_reduce_sum", "reduce_scatter_sum", "all_gather", "broadcast", "barrier"};
+  return op >= 0 && op < 5 ? names[op] : "unknown";
 }
 
 ShmType checked_type(int code) {
@@ -90,54 +108,26 @@ ShmType checked_type(int code) {
   return static_cast<ShmType>(code);
 }
 
-// out[i] = src[0][i] + src[1][i] + ... in rank order, accumulated in Acc, rounded once. `out` may be
-// one of the sources (a whole block is read before it is written).
-template <typename Elem, typename Acc, typename Load, typename Store>
-void sum_rows(unsigned char* out, const unsigned char* const* srcs, int nsrc, int64_t n, Load load,
-              Store store) {
-  Acc acc[kBlock];
-  for (int64_t b = 0; b < n; b += kBlock) {
-    const int64_t m = std::min(kBlock, n - b);
-    const Elem* s0 = reinterpret_cast<const Elem*>(srcs[0]) + b;
-    for (int64_t i = 0; i < m; ++i) acc[i] = load(s0[i]);
-    for (int r = 1; r < nsrc; ++r) {
-      const Elem* s = reinterpret_cast<const Elem*>(srcs[r]) + b;
-      for (int64_t i = 0; i < m; ++i) acc[i] += load(s[i]);
-    }
-    Elem* o = reinterpret_cast<Elem*>(out) + b;
-    for (int64_t i = 0; i < m; ++i) o[i] = store(acc[i]);
-  }
+void check_span(uintptr_t ptr, int64_t count, const char* argname) {
+  NCCLAVG_CHECK_ARG(count >= 0, "count", "must be >= 0, got ", count);
+  NCCLAVG_CHECK_ARG(count == 0 || ptr != 0, argname, "is null but count is ", count);
 }
 
-void sum_ranks(ShmType t, unsigned char* out, const unsigned char* const* srcs, int nsrc, int64_t n) {
-  switch (t) {
-    case ShmType::kFloat32:
-      sum_rows<float, float>(out, srcs, nsrc, n, [](float x) { return x; }, [](float x) { return x; });
-      break;
-    case ShmType::kFloat64:
-      sum_rows<double, double>(out, srcs, nsrc, n, [](double x) { return x; }, [](double x) { return x; });
-      break;
-    case ShmType::kFloat16:
-      sum_rows<_Float16, float>(out, srcs, nsrc, n, [](_Float16 x) { return static_cast<float>(x); },
-                                [](float x) { return static_cast<_Float16>(x); });
-      break;
-    case ShmType::kBFloat16:
-      sum_rows<uint16_t, float>(out, srcs, nsrc, n, [](uint16_t x) { return ew::bf16_bits_to_float(x); },
-                                [](float x) { return ew::float_to_bf16_bits(x); });
-      break;
-  }
+uint32_t float_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof(u));
+  return u;
 }
 
-// A process that no longer runs: gone, or a zombie nobody has reaped yet.
-bool process_gone(int pid) {
-  if (pid <= 0) return false;
-  if (kill(pid, 0) != 0) return errno == ESRCH;
-  std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
-  std::string text((std::istreambuf_iterator<char>(stat)), std::istreambuf_iterator<char>());
-  const size_t paren = text.rfind(')');
-  if (paren == std::string::npos || paren + 2 >= text.size()) return false;
-  const char state = text[paren + 2];
-  return state == 'Z' || state == 'X';
+// This process's pid, kept current across fork() (a forked child must not pass for its parent).
+std::atomic<int> g_pid{0};
+int current_pid() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    g_pid.store(getpid());
+    pthread_atfork(nullptr, nullptr, [] { g_pid.store(getpid()); });
+  });
+  return g_pid.load(std::memory_order_relaxed);
 }
 
 inline void cpu_relax() {
@@ -148,40 +138,35 @@ inline void cpu_relax() {
 #endif
 }
 
-// Spin a little (a peer on another core is usually microseconds away), then give the core away: with
-// more processes than cores, a spinning waiter would delay the very peer it waits for.
-struct Backoff {
-  Clock::time_point start = Clock::now();
-  int64_t spins = 0;
-  void pause() {
-    ++spins;
-    if (spins < 1024) {
-      cpu_relax();
-    } else if (Clock::now() - start < std::chrono::milliseconds(1)) {
-      sched_yield();
-    } else {
-      std::this_thread::sleep_for(std::chrono::microseconds(50));
-    }
-  }
-};
+Clock::time_point deadline_after(double seconds) {
+  if (seconds >= 1e9) return Clock::time_point::max();   // ~31 years: no deadline (and no overflow)
+  return Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(seconds));
+}
 
 const char* counter_meaning(int c) {
   static const char* names[] = {"post its data", "finish its share of the sum", "finish reading"};
   return names[c];
 }
 
-uint64_t signature(int op, ShmType t, int64_t count) {
-  return (static_cast<uint64_t>(op) << 56) ^ (static_cast<uint64_t>(t) << 48) ^ static_cast<uint64_t>(count);
-}
-
-const char* op_name(int op) {
-  static const char* names[] = {"all_reduce_sum", "reduce_scatter_sum", "all_gather", "broadcast"};
-  return op >= 0 && op < 4 ? names[op] : "unknown";
-}
-
-void check_span(uintptr_t ptr, int64_t count, const char* argname) {
-  NCCLAVG_CHECK_ARG(count >= 0, "count", "must be >= 0, got ", count);
-  NCCLAVG_CHECK_ARG(count == 0 || ptr != 0, argname, "is null but count is ", count);
+// out (and out2 unless null) = (srcs[0] + ... + srcs[nsrc-1]) * mul / div over n elements.
+void sum_into(ShmType t, unsigned char* out, unsigned char* out2, const unsigned char* const* srcs, int nsrc,
+              int64_t n, double mul, double div) {
+  if (n <= 0) return;
+  if (t == ShmType::kFloat64) {
+    auto* o = reinterpret_cast<double*>(out);
+    auto* o2 = reinterpret_cast<double*>(out2);
+    for (int64_t i = 0; i < n; ++i) {
+      double acc = reinterpret_cast<const double*>(srcs[0])[i];
+      for (int r = 1; r < nsrc; ++r) acc += reinterpret_cast<const double*>(srcs[r])[i];
+      if (mul != 1.0) acc *= mul;
+      if (div != 1.0) acc /= div;
+      o[i] = acc;
+      if (o2 != nullptr) o2[i] = acc;
+    }
+    return;
+  }
+  kernels().sum(out, out2, reinterpret_cast<const void* const*>(srcs), nsrc, static_cast<DType>(t),
+                static_cast<float>(mul), static_cast<float>(div), 0, n);
 }
 }  // namespace
 
@@ -193,16 +178,29 @@ struct ShmHeader {
   int64_t slot_bytes;
   std::atomic<int32_t> abort_claim;   // first failing rank + 1 claims the reason
   std::atomic<int32_t> aborted_by;    // rank + 1, published after the reason is written
+  alignas(64) std::atomic<uint32_t> wake_epoch;   // the futex word: bumped to wake sleepers
+  std::atomic<int32_t> sleepers;                  // ranks asleep on it (or about to be)
   char abort_reason[512];
 };
 static_assert(sizeof(ShmHeader) <= kLinesOffset, "header overlaps the rank lines");
 
 struct alignas(64) ShmRankLine {
   std::atomic<uint64_t> counter[3];   // posted, reduced, consumed: the last round done
-  // op, type and count of the collective of round seq, at [seq % 2]: a rank may post round seq + 1
+  // the call of round seq at [seq % 2] (op | type | root, count, scale): a rank may post round seq + 1
   // while a peer still checks round seq, never round seq + 2 (that waits for the peer's consumed = seq)
-  std::atomic<uint64_t> signature[2];
-  std::atomic<int32_t> pid;
+  std::atomic<uint64_t> signature[2][3];
+  std::atomic<int32_t> pid;             // the owner, claimed with a compare-and-swap from 0
+  std::atomic<uint64_t> start_ticks;    // the owner's start time: a reused pid has another
+};
+
+struct ShmChannel::Call {
+  const char* op;
+  ShmType type;
+  int64_t count;
+  double mul, div;
+  double timeout_s;
+  Clock::time_point deadline;
+  uint64_t sig[3];
 };
 
 ShmChannel::ShmChannel(const std::string& name, int rank, int nranks, int64_t slot_bytes, uint64_t nonce,
@@ -215,46 +213,42 @@ ShmChannel::ShmChannel(const std::string& name, int rank, int nranks, int64_t sl
     for (int r = 0; r < nranks; ++r) labels_.push_back(r);
   }
   NCCLAVG_CHECK_ARG(rank >= 0 && rank < nranks, "rank", "must be in [0, ", nranks, "), got ", rank);
-  NCCLAVG_CHECK_ARG(slot_bytes >= 4096 && slot_bytes % 64 == 0, "slot_bytes",
-                    "must be >= 4096 and a multiple of 64, got ", slot_bytes);
-  NCCLAVG_CHECK_ARG(name.size() > 1 && name[0] == '/' && name.find('/', 1) == std::string::npos && name.size() < 200,
-                    "name", "must look like /some-name (one leading slash, no other), got '", name, "'");
+  // >= 64 bytes per rank: a reduce-scatter round carries one piece for every rank
+  NCCLAVG_CHECK_ARG(slot_bytes >= std::max<int64_t>(4096, 64 * int64_t{nranks}) && slot_bytes % 64 == 0 &&
+                        slot_bytes <= kShmMaxSlotBytes,
+                    "slot_bytes", "must be a multiple of 64 in [max(4096, 64 x nranks), ", kShmMaxSlotBytes,
+                    "], got ", slot_bytes);
+  check_channel_name(name);
   const size_t lines_end = kLinesOffset + static_cast<size_t>(nranks) * sizeof(ShmRankLine);
   const size_t data_offset = (lines_end + 4095) / 4096 * 4096;
-  map_bytes_ = data_offset + 2 * static_cast<size_t>(nranks) * static_cast<size_t>(slot_bytes);
+  map_bytes_ = checked_segment_bytes(data_offset, nranks, slot_bytes);
+  const size_t region = 2 * static_cast<size_t>(slot_bytes);   // one rank's two slots
+  const ShmDoorRequest request{kMagic, nonce, rank, nranks, slot_bytes};
 
-  int fd;
-  if (rank == 0) {
-    fd = shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
-    if (fd < 0) throw std::runtime_error("shm_open(" + name + ", create) failed: " + std::strerror(errno));
-    // Reserve the pages now: a /dev/shm too small for the segment must fail here, not with SIGBUS later.
-    int err = ftruncate(fd, static_cast<off_t>(map_bytes_)) != 0 ? errno : 0;
-    if (err == 0) err = posix_fallocate(fd, 0, static_cast<off_t>(map_bytes_));
-    if (err != 0) {
-      close(fd);
-      shm_unlink(name.c_str());
-      throw std::runtime_error("cannot reserve " + std::to_string(map_bytes_) + " bytes of shared memory (" +
-                               name + "): " + std::strerror(err) + " (is /dev/shm too small?)");
-    }
-  } else {
-    fd = shm_open(name.c_str(), O_RDWR, 0);
-    if (fd < 0) throw std::runtime_error("shm_open(" + name + ") failed: " + std::strerror(errno));
-    struct stat st;
-    if (fstat(fd, &st) != 0 || static_cast<size_t>(st.st_size) != map_bytes_) {
-      close(fd);
-      throw std::runtime_error("shared-memory segment " + name + " has an unexpected size");
-    }
+  const int fd = rank == 0 ? create_memory_file(map_bytes_) : receive_memory_file(name, request, 30.0);
+  auto give_up = [&](const std::string& why) {
+    if (base_ != nullptr) munmap(base_, map_bytes_);
+    base_ = nullptr;
+    ::close(fd);
+    throw std::runtime_error(why);
+  };
+  struct stat st;
+  if (fstat(fd, &st) != 0 || static_cast<size_t>(st.st_size) != map_bytes_) {
+    give_up("shared-memory channel '" + name + "': the segment rank 0 sent has an unexpected size");
   }
   void* p = mmap(nullptr, map_bytes_, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-  const int map_err = errno;
-  close(fd);
-  if (p == MAP_FAILED) {
-    if (rank == 0) shm_unlink(name.c_str());
-    throw std::runtime_error("mmap of " + name + " failed: " + std::strerror(map_err));
-  }
+  if (p == MAP_FAILED) give_up("shared-memory channel '" + name + "': mmap failed: " + std::strerror(errno));
   base_ = static_cast<unsigned char*>(p);
   header_ = reinterpret_cast<ShmHeader*>(base_);
   data_ = base_ + data_offset;
+  // Each rank allocates its own slots, from its own process: on its NUMA node (first touch).
+  try {
+    if (rank == 0) reserve_memory(fd, 0, data_offset, "the channel's header");
+    reserve_memory(fd, data_offset + static_cast<size_t>(rank) * region, region,
+                   "rank " + std::to_string(labels_[rank]) + "'s slots");
+  } catch (const std::exception& e) {
+    give_up(e.what());
+  }
   if (rank == 0) {
     header_->nonce = nonce;
     header_->nranks = nranks;
@@ -262,21 +256,48 @@ ShmChannel::ShmChannel(const std::string& name, int rank, int nranks, int64_t sl
     header_->magic.store(kMagic, std::memory_order_release);
   } else if (header_->magic.load(std::memory_order_acquire) != kMagic || header_->nonce != nonce ||
              header_->nranks != nranks || header_->slot_bytes != slot_bytes) {
-    munmap(base_, map_bytes_);
-    base_ = nullptr;
-    throw std::runtime_error("shared-memory segment " + name + " is not the one rank 0 created");
+    give_up("shared-memory channel '" + name + "': the segment is not the one rank 0 created");
   }
-  line(rank_).pid.store(static_cast<int32_t>(getpid()), std::memory_order_release);
+  // See Note [One owner per rank].
+  int32_t expected = 0;
+  if (!line(rank).pid.compare_exchange_strong(expected, current_pid())) {
+    give_up("shared-memory channel '" + name + "': rank " + std::to_string(labels_[rank]) +
+            " is taken already, by pid " + std::to_string(expected));
+  }
+  line(rank).start_ticks.store(process_start_ticks(current_pid()), std::memory_order_release);
+  if (rank == 0) {
+    try {
+      door_ = std::make_unique<ShmDoor>(name, fd, request);   // owns fd from here
+    } catch (const std::exception& e) {
+      give_up(e.what());
+    }
+  } else {
+    ::close(fd);
+  }
 }
 
 ShmChannel::~ShmChannel() {
+  door_.reset();
   if (base_ != nullptr) munmap(base_, map_bytes_);
-  if (rank_ == 0 && !name_.empty()) shm_unlink(name_.c_str());
 }
 
-void ShmChannel::unlink_name() {
-  if (rank_ == 0 && !name_.empty()) shm_unlink(name_.c_str());
-  name_.clear();
+void ShmChannel::close_door() { door_.reset(); }
+
+int64_t ShmChannel::resident_slot_bytes(int r) const {
+  NCCLAVG_CHECK_ARG(r >= 0 && r < nranks_, "r", "must be in [0, ", nranks_, "), got ", r);
+  const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+  const uintptr_t lo = reinterpret_cast<uintptr_t>(slot(0, r)), hi = lo + 2 * static_cast<size_t>(slot_bytes_);
+  const uintptr_t first = lo / page * page;
+  std::vector<unsigned char> in_core((hi - first + page - 1) / page);
+  if (mincore(reinterpret_cast<void*>(first), hi - first, in_core.data()) != 0) return -1;
+  int64_t bytes = 0;
+  for (size_t i = 0; i < in_core.size(); ++i) {
+    if (in_core[i] & 1) {
+      const uintptr_t a = std::max(lo, first + i * page), b = std::min(hi, first + (i + 1) * page);
+      bytes += static_cast<int64_t>(b - a);
+    }
+  }
+  return bytes;
 }
 
 ShmRankLine& ShmChannel::line(int r) const {
@@ -284,17 +305,7 @@ ShmRankLine& ShmChannel::line(int r) const {
 }
 
 unsigned char* ShmChannel::slot(uint64_t seq, int r) const {
-  return data_ + (static_cast<size_t>(seq & 1) * nranks_ + r) * static_cast<size_t>(slot_bytes_);
-}
-
-void ShmChannel::check_usable(const char* op) const {
-  const int by = header_->aborted_by.load(std::memory_order_acquire);
-  if (by != 0) {
-    const int who = by - 1 < nranks_ ? labels_[by - 1] : by - 1;
-    throw ShmPeerError(std::string("shared-memory ") + op + ": the channel was aborted by rank " +
-                       std::to_string(who) + ": " + header_->abort_reason);
-  }
-  if (failed_) throw ShmPeerError(std::string("shared-memory ") + op + ": the channel failed earlier");
+  return data_ + (2 * static_cast<size_t>(r) + (seq & 1)) * static_cast<size_t>(slot_bytes_);
 }
 
 void ShmChannel::abort(const std::string& why) {
@@ -304,6 +315,7 @@ void ShmChannel::abort(const std::string& why) {
     std::strncpy(header_->abort_reason, why.c_str(), sizeof(header_->abort_reason) - 1);
     header_->aborted_by.store(rank_ + 1, std::memory_order_release);
   }
+  wake_all();
 }
 
 void ShmChannel::fail_all(const std::string& why, bool timeout) {
@@ -313,207 +325,273 @@ void ShmChannel::fail_all(const std::string& why, bool timeout) {
   throw ShmPeerError(why);
 }
 
+void ShmChannel::wake_all() {
+  header_->wake_epoch.fetch_add(1, std::memory_order_seq_cst);
+  syscall(SYS_futex, reinterpret_cast<uint32_t*>(&header_->wake_epoch), FUTEX_WAKE, INT_MAX, nullptr, nullptr, 0);
+}
+
+// seq_cst store, then the sleepers' count: with the sleeper's increment-then-check (wait_for), one of
+// the two sides always sees the other, so no wake-up is lost. See Note [Waiting in the channel].
 void ShmChannel::publish(Counter c, uint64_t seq) {
-  line(rank_).counter[c].store(seq, std::memory_order_release);
+  line(rank_).counter[c].store(seq, std::memory_order_seq_cst);
+  if (header_->sleepers.load(std::memory_order_seq_cst) > 0) wake_all();
+}
+
+void ShmChannel::begin(Call& call) {
+  const int by = header_->aborted_by.load(std::memory_order_acquire);
+  if (by != 0) {
+    const int who = by - 1 < nranks_ ? labels_[by - 1] : by - 1;
+    throw ShmPeerError(std::string("shared-memory ") + call.op + ": the channel was aborted by rank " +
+                       std::to_string(who) + ": " + header_->abort_reason);
+  }
+  if (failed_) throw ShmPeerError(std::string("shared-memory ") + call.op + ": the channel failed earlier");
+  const int owner = line(rank_).pid.load(std::memory_order_relaxed);
+  if (owner != current_pid()) {   // See Note [One owner per rank]
+    throw std::runtime_error("shared-memory " + std::string(call.op) + ": rank " + std::to_string(labels_[rank_]) +
+                             " of this channel belongs to pid " + std::to_string(owner) + ", not to pid " +
+                             std::to_string(current_pid()) + " (a forked child cannot use its parent's channel)");
+  }
+  call.deadline = deadline_after(call.timeout_s);
 }
 
 // Waits until rank `only_rank` (every other rank when -1) has published counter c >= target.
-void ShmChannel::wait_for(Counter c, uint64_t target, int only_rank, const char* op, double timeout_s,
-                          uint64_t seq) {
-  Clock::time_point deadline = Clock::time_point::max();
-  bool have_deadline = false;
+void ShmChannel::wait_for(Counter c, uint64_t target, int only_rank, const Call& call, uint64_t seq) {
   for (int r = 0; r < nranks_; ++r) {
     if (r == rank_ || (only_rank >= 0 && r != only_rank)) continue;
     std::atomic<uint64_t>& counter = line(r).counter[c];
     if (counter.load(std::memory_order_acquire) >= target) continue;
-    if (!have_deadline) {   // the clock is read only when some peer is not there yet
-      deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(timeout_s));
-      have_deadline = true;
-    }
-    Backoff backoff;
-    Clock::time_point next_pid_check = backoff.start + std::chrono::milliseconds(100);
-    while (counter.load(std::memory_order_acquire) < target) {
+    const Clock::time_point start = Clock::now();
+    Clock::time_point next_check = start + std::chrono::milliseconds(100);
+    enum { kSpin, kYield, kSleep } phase = kSpin;
+    for (uint64_t i = 1; counter.load(std::memory_order_acquire) < target; ++i) {
       if (local_abort_.load(std::memory_order_acquire) || header_->aborted_by.load(std::memory_order_acquire)) {
         failed_ = true;
-        check_usable(op);
-        throw ShmPeerError(std::string("shared-memory ") + op + ": aborted by this process");
+        const int by = header_->aborted_by.load(std::memory_order_acquire);
+        const int who = by > 0 && by - 1 < nranks_ ? labels_[by - 1] : by - 1;
+        throw ShmPeerError(by == 0 ? std::string("shared-memory ") + call.op + ": aborted by this process"
+                                   : std::string("shared-memory ") + call.op + ": the channel was aborted by rank " +
+                                         std::to_string(who) + ": " + header_->abort_reason);
       }
-      backoff.pause();
-      if (backoff.spins % 64 != 0) continue;
+      if (phase == kSpin) {
+        cpu_relax();
+      } else if (phase == kYield) {
+        sched_yield();
+      }
+      if (phase != kSleep && i % 64 != 0) continue;
       const Clock::time_point now = Clock::now();
       const int pid = line(r).pid.load(std::memory_order_acquire);
       // the same words as the gloo path's diagnosis (ncclavg/comm/liveness.py): "rank N stopped responding"
-      if (now >= deadline) {
+      if (now >= call.deadline) {
         std::ostringstream os;
-        os << "shared-memory " << op << " timed out after " << timeout_s << " s: rank " << labels_[r]
+        os << "shared-memory " << call.op << " timed out after " << call.timeout_s << " s: rank " << labels_[r]
            << " stopped responding (pid " << pid << "): it did not " << counter_meaning(c) << " for round " << seq
            << " (this is rank " << labels_[rank_] << ", " << nranks_ << " processes on this channel)";
         fail_all(os.str(), true);
       }
-      if (now >= next_pid_check) {
-        next_pid_check = now + std::chrono::milliseconds(100);
-        if (process_gone(pid)) {
+      if (now >= next_check) {
+        next_check = now + std::chrono::milliseconds(100);
+        if (process_gone(pid, line(r).start_ticks.load(std::memory_order_acquire))) {
           std::ostringstream os;
-          os << "shared-memory " << op << ": rank " << labels_[r] << " stopped responding (pid " << pid
+          os << "shared-memory " << call.op << ": rank " << labels_[r] << " stopped responding (pid " << pid
              << "): its process exited while rank " << labels_[rank_] << " waited for it to " << counter_meaning(c);
           fail_all(os.str(), false);
         }
       }
+      const auto waited = now - start;
+      phase = waited < std::chrono::microseconds(50) ? kSpin : waited < std::chrono::milliseconds(1) ? kYield : kSleep;
+      if (phase != kSleep) continue;
+      // Sleep until a publish (or an abort) bumps the futex word, the next liveness check, or the deadline.
+      header_->sleepers.fetch_add(1, std::memory_order_seq_cst);
+      const uint32_t epoch = header_->wake_epoch.load(std::memory_order_seq_cst);
+      if (counter.load(std::memory_order_seq_cst) < target && !local_abort_.load(std::memory_order_acquire)) {
+        const auto until = std::min(next_check, call.deadline);
+        const int64_t ns = std::max<int64_t>(
+            1000, std::chrono::duration_cast<std::chrono::nanoseconds>(until - Clock::now()).count());
+        timespec ts{static_cast<time_t>(ns / 1000000000), static_cast<long>(ns % 1000000000)};
+        syscall(SYS_futex, reinterpret_cast<uint32_t*>(&header_->wake_epoch), FUTEX_WAIT, epoch, &ts, nullptr, 0);
+      }
+      header_->sleepers.fetch_sub(1, std::memory_order_seq_cst);
     }
   }
 }
 
-uint64_t ShmChannel::begin_round(const char* op, double timeout_s) {
+void ShmChannel::check_same_collective(const Call& call, uint64_t seq) {
+  auto describe = [this](const uint64_t* sig) {
+    std::ostringstream d;
+    const int op = static_cast<int>(sig[0] & 0xff);
+    d << op_name(op) << " of " << sig[1] << " " << type_name(static_cast<int>((sig[0] >> 8) & 0xff));
+    if (op == kBroadcast) {
+      const int root = static_cast<int>(sig[0] >> 16) - 1;
+      d << " from root " << (root >= 0 && root < nranks_ ? labels_[root] : root);
+    }
+    if (sig[2] != (uint64_t{float_bits(1.0f)} << 32 | float_bits(1.0f))) d << " (scaled)";
+    return d.str();
+  };
+  for (int r = 0; r < nranks_; ++r) {
+    if (r == rank_) continue;
+    uint64_t theirs[3];
+    for (int k = 0; k < 3; ++k) theirs[k] = line(r).signature[seq & 1][k].load(std::memory_order_relaxed);
+    if (theirs[0] != call.sig[0] || theirs[1] != call.sig[1] || theirs[2] != call.sig[2]) {
+      std::ostringstream os;
+      os << "shared-memory collectives out of step: rank " << labels_[rank_] << " called " << describe(call.sig)
+         << ", rank " << labels_[r] << " called " << describe(theirs)
+         << ": every rank must call the same collectives, with the same sizes and root, in the same order";
+      fail_all(os.str(), false);
+    }
+  }
+}
+
+// Steps 1-2 of a round: returns the round, every rank's slot filled, every rank in the same collective.
+uint64_t ShmChannel::post_round(Call& call, const std::function<void(unsigned char*)>& fill) {
   const uint64_t seq = ++seq_;
-  if (seq > 2) wait_for(kConsumed, seq - 2, -1, op, timeout_s, seq);
+  if (seq > 2) wait_for(kConsumed, seq - 2, -1, call, seq);
+  fill(slot(seq, rank_));
+  for (int k = 0; k < 3; ++k) line(rank_).signature[seq & 1][k].store(call.sig[k], std::memory_order_relaxed);
+  publish(kPosted, seq);
+  wait_for(kPosted, seq, -1, call, seq);
+  check_same_collective(call, seq);
   return seq;
 }
 
 namespace {
-// The same collective on every rank, or a clear error that names both.
-void check_signatures(ShmRankLine* lines, int nranks, int rank, uint64_t mine, int only_rank, uint64_t seq,
-                      const std::vector<int>& labels) {
-  for (int r = 0; r < nranks; ++r) {
-    if (r == rank || (only_rank >= 0 && r != only_rank)) continue;
-    const uint64_t theirs = lines[r].signature[seq & 1].load(std::memory_order_relaxed);
-    if (theirs != mine) {
-      std::ostringstream os;
-      auto describe = [](uint64_t sig) {
-        std::ostringstream d;
-        d << op_name(int(sig >> 56)) << " of " << (sig & 0xffffffffffffull) << " "
-          << type_name(static_cast<ShmType>((sig >> 48) & 0xff));
-        return d.str();
-      };
-      os << "shared-memory collectives out of step: rank " << labels[rank] << " called " << describe(mine)
-         << ", rank " << labels[r] << " called " << describe(theirs) << ": every rank must call the same collectives in the same order";
-      throw ShmPeerError(os.str());
-    }
-  }
+// A call's description: its name, validated element type and timeout, and its signature.
+template <class Call>
+Call make_call(const char* op, int op_id, int type, int root, int64_t count, double mul, double div,
+               double timeout_s) {
+  const ShmType t = checked_type(type);
+  NCCLAVG_CHECK_ARG(!std::isnan(timeout_s) && timeout_s > 0, "timeout_s", "must be > 0, got ", timeout_s);
+  NCCLAVG_CHECK_ARG(std::isfinite(mul) && std::isfinite(div) && div != 0, "mul/div",
+                    "must be finite with div != 0, got ", mul, " / ", div);
+  Call c{op, t, count, mul, div, timeout_s, {}, {}};
+  c.sig[0] = static_cast<uint64_t>(op_id) | static_cast<uint64_t>(type) << 8 | static_cast<uint64_t>(root + 1) << 16;
+  c.sig[1] = static_cast<uint64_t>(count);
+  c.sig[2] = uint64_t{float_bits(static_cast<float>(mul))} << 32 | float_bits(static_cast<float>(div));
+  return c;
 }
+
+// Elements per rank's slice of an all-reduce chunk of n: a multiple of 32 (64-byte aligned slices).
+int64_t slice_of(int64_t n, int nranks) { return ((n + nranks - 1) / nranks + 31) / 32 * 32; }
 }  // namespace
 
-// Steps 1-3 of a round in which every rank posts `bytes` from `data`: returns the round, every rank's
-// chunk readable in its slot, every rank in the same collective.
-uint64_t ShmChannel::post_round(const char* op, const unsigned char* data, int64_t bytes, uint64_t sig,
-                                double timeout_s) {
-  const uint64_t seq = begin_round(op, timeout_s);
-  std::memcpy(slot(seq, rank_), data, static_cast<size_t>(bytes));
-  line(rank_).signature[seq & 1].store(sig, std::memory_order_relaxed);
-  publish(kPosted, seq);
-  wait_for(kPosted, seq, -1, op, timeout_s, seq);
-  check_same_collective(sig, -1, seq);
-  return seq;
-}
-
-void ShmChannel::check_same_collective(uint64_t sig, int only_rank, uint64_t seq) {
-  try {
-    check_signatures(&line(0), nranks_, rank_, sig, only_rank, seq, labels_);
-  } catch (const ShmPeerError& e) {
-    fail_all(e.what(), false);
-  }
-}
-
-void ShmChannel::all_reduce_sum(uintptr_t data, int64_t count, int type, double timeout_s) {
-  const ShmType t = checked_type(type);
+void ShmChannel::all_reduce_sum(uintptr_t data, int64_t count, int type, double timeout_s, double mul, double div) {
+  Call call = make_call<Call>("all_reduce_sum", kAllReduce, type, -1, count, mul, div, timeout_s);
   check_span(data, count, "data");
-  check_usable("all_reduce_sum");
-  const int64_t es = static_cast<int64_t>(type_size(t));
+  begin(call);
+  const int64_t es = static_cast<int64_t>(type_size(call.type));
   const int64_t chunk = slot_bytes_ / es;
-  const uint64_t sig = signature(0, t, count);
   auto* base = reinterpret_cast<unsigned char*>(data);
   std::vector<const unsigned char*> srcs(nranks_);
-  for (int64_t off = 0; off < count; off += chunk) {
+  int64_t off = 0;
+  do {
     const int64_t n = std::min(chunk, count - off);
-    unsigned char* out = base + off * es;
-    const uint64_t seq = post_round("all_reduce_sum", out, n * es, sig, timeout_s);
+    unsigned char* mine = base + off * es;
+    uint64_t seq;
     if (n * es <= kDirectBytes || nranks_ == 1) {
-      for (int r = 0; r < nranks_; ++r) srcs[r] = slot(seq, r);
-      sum_ranks(t, out, srcs.data(), nranks_, n);
+      seq = post_round(call, [&](unsigned char* s) { std::memcpy(s, mine, static_cast<size_t>(n * es)); });
+      for (int r = 0; r < nranks_; ++r) srcs[r] = r == rank_ ? mine : slot(seq, r);
+      sum_into(call.type, mine, nullptr, srcs.data(), nranks_, n, mul, div);
     } else {
-      // slice r of the chunk, 64-byte aligned, is summed by rank r into its own slot
-      const int64_t per = ((n + nranks_ - 1) / nranks_ + 31) / 32 * 32;
+      const int64_t per = slice_of(n, nranks_);
       const int64_t lo = std::min(n, rank_ * per), hi = std::min(n, lo + per);
-      for (int r = 0; r < nranks_; ++r) srcs[r] = slot(seq, r) + lo * es;
-      if (hi > lo) sum_ranks(t, slot(seq, rank_) + lo * es, srcs.data(), nranks_, hi - lo);
+      seq = post_round(call, [&](unsigned char* s) {   // every slice but this rank's own
+        std::memcpy(s, mine, static_cast<size_t>(lo * es));
+        std::memcpy(s + hi * es, mine + hi * es, static_cast<size_t>((n - hi) * es));
+      });
+      for (int r = 0; r < nranks_; ++r) srcs[r] = (r == rank_ ? mine : slot(seq, r)) + lo * es;
+      sum_into(call.type, mine + lo * es, slot(seq, rank_) + lo * es, srcs.data(), nranks_, hi - lo, mul, div);
       publish(kReduced, seq);
-      wait_for(kReduced, seq, -1, "all_reduce_sum", timeout_s, seq);
-      for (int r = 0; r < nranks_; ++r) {
+      for (int i = 1; i < nranks_; ++i) {   // each slice as soon as its owner has summed it
+        const int r = (rank_ + i) % nranks_;
         const int64_t rlo = std::min(n, r * per), rhi = std::min(n, rlo + per);
-        if (rhi > rlo) std::memcpy(out + rlo * es, slot(seq, r) + rlo * es, static_cast<size_t>((rhi - rlo) * es));
+        if (rhi <= rlo) continue;
+        wait_for(kReduced, seq, r, call, seq);
+        std::memcpy(mine + rlo * es, slot(seq, r) + rlo * es, static_cast<size_t>((rhi - rlo) * es));
       }
     }
     publish(kConsumed, seq);
-  }
+    off += n;
+  } while (off < count);
 }
 
-void ShmChannel::reduce_scatter_sum(uintptr_t in, uintptr_t out, int64_t count, int type, double timeout_s) {
-  const ShmType t = checked_type(type);
+void ShmChannel::reduce_scatter_sum(uintptr_t in, uintptr_t out, int64_t count, int type, double timeout_s,
+                                    double mul, double div) {
+  Call call = make_call<Call>("reduce_scatter_sum", kReduceScatter, type, -1, count, mul, div, timeout_s);
   check_span(in, count, "in");
   check_span(out, count, "out");
-  check_usable("reduce_scatter_sum");
-  const int64_t es = static_cast<int64_t>(type_size(t));
-  const int64_t chunk = slot_bytes_ / es;
-  const int64_t total = count * nranks_;
-  const int64_t mine_lo = rank_ * count, mine_hi = mine_lo + count;
-  const uint64_t sig = signature(1, t, count);
+  begin(call);
+  const int64_t es = static_cast<int64_t>(type_size(call.type));
+  // a round carries `piece` elements for every destination rank
+  const int64_t fit = slot_bytes_ / es / nranks_;
+  const int64_t piece = fit >= 32 ? fit / 32 * 32 : fit;
   const auto* src = reinterpret_cast<const unsigned char*>(in);
   auto* dst = reinterpret_cast<unsigned char*>(out);
   std::vector<const unsigned char*> srcs(nranks_);
-  for (int64_t off = 0; off < total; off += chunk) {
-    const int64_t n = std::min(chunk, total - off);
-    const uint64_t seq = post_round("reduce_scatter_sum", src + off * es, n * es, sig, timeout_s);
-    const int64_t lo = std::max(off, mine_lo), hi = std::min(off + n, mine_hi);
-    if (hi > lo) {
-      for (int r = 0; r < nranks_; ++r) srcs[r] = slot(seq, r) + (lo - off) * es;
-      sum_ranks(t, dst + (lo - mine_lo) * es, srcs.data(), nranks_, hi - lo);
+  int64_t off = 0;
+  do {
+    const int64_t m = std::min(piece, count - off);
+    const uint64_t seq = post_round(call, [&](unsigned char* s) {
+      for (int d = 0; d < nranks_; ++d) {
+        if (d != rank_) std::memcpy(s + d * piece * es, src + (d * count + off) * es, static_cast<size_t>(m * es));
+      }
+    });
+    for (int r = 0; r < nranks_; ++r) {
+      srcs[r] = r == rank_ ? src + (rank_ * count + off) * es : slot(seq, r) + rank_ * piece * es;
     }
+    sum_into(call.type, dst + off * es, nullptr, srcs.data(), nranks_, m, mul, div);
     publish(kConsumed, seq);
-  }
+    off += m;
+  } while (off < count);
 }
 
 void ShmChannel::all_gather(uintptr_t in, uintptr_t out, int64_t count, int type, double timeout_s) {
-  const ShmType t = checked_type(type);
+  Call call = make_call<Call>("all_gather", kAllGather, type, -1, count, 1.0, 1.0, timeout_s);
   check_span(in, count, "in");
   check_span(out, count, "out");
-  check_usable("all_gather");
-  const int64_t es = static_cast<int64_t>(type_size(t));
+  begin(call);
+  const int64_t es = static_cast<int64_t>(type_size(call.type));
   const int64_t chunk = slot_bytes_ / es;
-  const uint64_t sig = signature(2, t, count);
   const auto* src = reinterpret_cast<const unsigned char*>(in);
   auto* dst = reinterpret_cast<unsigned char*>(out);
-  for (int64_t off = 0; off < count; off += chunk) {
+  int64_t off = 0;
+  do {
     const int64_t n = std::min(chunk, count - off);
-    const uint64_t seq = post_round("all_gather", src + off * es, n * es, sig, timeout_s);
+    const uint64_t seq = post_round(call, [&](unsigned char* s) { std::memcpy(s, src + off * es, static_cast<size_t>(n * es)); });
     for (int r = 0; r < nranks_; ++r) {
-      std::memcpy(dst + (r * count + off) * es, slot(seq, r), static_cast<size_t>(n * es));
+      unsigned char* to = dst + (r * count + off) * es;
+      const unsigned char* from = r == rank_ ? src + off * es : slot(seq, r);
+      if (to != from) std::memmove(to, from, static_cast<size_t>(n * es));   // in may be out's own block
     }
     publish(kConsumed, seq);
-  }
+    off += n;
+  } while (off < count);
 }
 
 void ShmChannel::broadcast(uintptr_t data, int64_t count, int type, int root, double timeout_s) {
-  const ShmType t = checked_type(type);
-  check_span(data, count, "data");
   NCCLAVG_CHECK_ARG(root >= 0 && root < nranks_, "root", "must be in [0, ", nranks_, "), got ", root);
-  check_usable("broadcast");
-  const int64_t es = static_cast<int64_t>(type_size(t));
+  Call call = make_call<Call>("broadcast", kBroadcast, type, root, count, 1.0, 1.0, timeout_s);
+  check_span(data, count, "data");
+  begin(call);
+  const int64_t es = static_cast<int64_t>(type_size(call.type));
   const int64_t chunk = slot_bytes_ / es;
-  const uint64_t sig = signature(3, t, count);
   auto* base = reinterpret_cast<unsigned char*>(data);
-  for (int64_t off = 0; off < count; off += chunk) {
+  int64_t off = 0;
+  do {
     const int64_t n = std::min(chunk, count - off);
-    const uint64_t seq = begin_round("broadcast", timeout_s);
-    if (rank_ == root) {
-      std::memcpy(slot(seq, rank_), base + off * es, static_cast<size_t>(n * es));
-      line(rank_).signature[seq & 1].store(sig, std::memory_order_relaxed);
-      publish(kPosted, seq);
-    } else {
-      wait_for(kPosted, seq, root, "broadcast", timeout_s, seq);
-      check_same_collective(sig, root, seq);
-      std::memcpy(base + off * es, slot(seq, root), static_cast<size_t>(n * es));
-    }
+    // every rank posts (the root its data, the others only their call), so every rank checks the root
+    const uint64_t seq = post_round(call, [&](unsigned char* s) {
+      if (rank_ == root) std::memcpy(s, base + off * es, static_cast<size_t>(n * es));
+    });
+    if (rank_ != root) std::memcpy(base + off * es, slot(seq, root), static_cast<size_t>(n * es));
     publish(kConsumed, seq);
-  }
+    off += n;
+  } while (off < count);
+}
+
+void ShmChannel::barrier(double timeout_s) {
+  Call call = make_call<Call>("barrier", kBarrier, 0, -1, 0, 1.0, 1.0, timeout_s);
+  begin(call);
+  const uint64_t seq = post_round(call, [](unsigned char*) {});
+  publish(kConsumed, seq);
 }
 
 }  // namespace cpu

@@ -1,10 +1,13 @@
-// A collective channel between the processes of one host, through one POSIX shared-memory segment:
-// the gloo backend's transport when every process of the group shares the host (ncclavg/comm/shm.py).
-// See Note [Shared-memory channel] in shm_channel.cpp.
+// A collective channel between the processes of one host, through one shared-memory segment: the gloo
+// backend's transport when processes of the group share a host (ncclavg/comm/shm.py).
+// See Note [Shared-memory channel] in shm_channel.cpp and Note [Segment without a name] in shm_segment.cpp.
 #pragma once
 #include <atomic>
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
+#include <memory>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -22,30 +25,34 @@ struct ShmPeerError : std::runtime_error {
 
 struct ShmHeader;
 struct ShmRankLine;
+class ShmDoor;
 
 class ShmChannel {
  public:
-  // Rank 0 creates the segment `name` (it must not exist) and reserves its memory, so that a full
-  // /dev/shm fails here and not with SIGBUS later; the other ranks open it and check `nonce`.
-  // `labels` (default 0..nranks-1): how errors name each channel rank, e.g. its rank in the process
-  // group when the channel spans only one host's processes.
+  // Rank 0 creates the segment and opens a door named `name` (any 1-100 printable characters; choose it
+  // at random) through which the other ranks receive it; the other ranks ask that door, giving `nonce`,
+  // and fail at once when it is not open (yet). `labels` (default 0..nranks-1): how errors name each
+  // channel rank, e.g. its rank in the process group when the channel spans only one host's processes.
   ShmChannel(const std::string& name, int rank, int nranks, int64_t slot_bytes, uint64_t nonce,
              std::vector<int> labels = {});
   ~ShmChannel();
   ShmChannel(const ShmChannel&) = delete;
   ShmChannel& operator=(const ShmChannel&) = delete;
 
-  // Removes the name (the mapping stays): once every rank has opened it, so nothing outlives a crash.
-  void unlink_name();
+  // Rank 0: closes the door (once every rank has joined, or given up). Idempotent; a no-op elsewhere.
+  void close_door();
 
-  // Every collective is called by every rank in the same order, and waits at most timeout_s for its
-  // peers. Pointers are host memory of count elements (of `type`), unless said otherwise.
-  void all_reduce_sum(uintptr_t data, int64_t count, int type, double timeout_s);
+  // Every collective is called by every rank in the same order, and returns or fails within timeout_s.
+  // Pointers are host memory of count elements (of `type`), unless said otherwise. Sums are in rank
+  // order, accumulated in fp32 (fp64 for float64), rounded to `type`, then scaled by mul / div.
+  void all_reduce_sum(uintptr_t data, int64_t count, int type, double timeout_s, double mul = 1.0, double div = 1.0);
   // in: nranks * count elements; out (count): the sum of every rank's slice `rank`.
-  void reduce_scatter_sum(uintptr_t in, uintptr_t out, int64_t count, int type, double timeout_s);
+  void reduce_scatter_sum(uintptr_t in, uintptr_t out, int64_t count, int type, double timeout_s, double mul = 1.0,
+                          double div = 1.0);
   // in: count elements; out: nranks * count, rank r's input at r * count.
   void all_gather(uintptr_t in, uintptr_t out, int64_t count, int type, double timeout_s);
   void broadcast(uintptr_t data, int64_t count, int type, int root, double timeout_s);
+  void barrier(double timeout_s);
 
   // Makes this process's waits end now and tells the peers (their next wait raises ShmPeerError).
   void abort(const std::string& why);
@@ -54,17 +61,20 @@ class ShmChannel {
   int nranks() const { return nranks_; }
   int64_t slot_bytes() const { return slot_bytes_; }
   uint64_t collectives() const { return seq_; }
+  // Bytes of rank r's slots that are in memory now (mincore): each rank reserves its own.
+  int64_t resident_slot_bytes(int r) const;
 
  private:
+  struct Call;
   enum Counter { kPosted, kReduced, kConsumed };
   unsigned char* slot(uint64_t seq, int r) const;
   ShmRankLine& line(int r) const;
-  uint64_t begin_round(const char* op, double timeout_s);
-  uint64_t post_round(const char* op, const unsigned char* data, int64_t bytes, uint64_t sig, double timeout_s);
-  void check_same_collective(uint64_t sig, int only_rank, uint64_t seq);
-  void wait_for(Counter c, uint64_t target, int only_rank, const char* op, double timeout_s, uint64_t seq);
+  void begin(Call& call);
+  uint64_t post_round(Call& call, const std::function<void(unsigned char*)>& fill);
+  void check_same_collective(const Call& call, uint64_t seq);
+  void wait_for(Counter c, uint64_t target, int only_rank, const Call& call, uint64_t seq);
   void publish(Counter c, uint64_t seq);
-  void check_usable(const char* op) const;
+  void wake_all();
   [[noreturn]] void fail_all(const std::string& why, bool timeout);
 
   std::string name_;
@@ -75,7 +85,8 @@ class ShmChannel {
   unsigned char* base_ = nullptr;
   ShmHeader* header_ = nullptr;
   unsigned char* data_ = nullptr;
-  uint64_t seq_ = 0;                 // rounds done: the same on every rank
+  std::unique_ptr<ShmDoor> door_;   // rank 0, until every rank has joined
+  uint64_t seq_ = 0;                // rounds done: the same on every rank
   std::atomic<bool> local_abort_{false};
   bool failed_ = false;
 };

@@ -29,6 +29,10 @@ struct KernelTable {
   SimdLevel level;
   // Average n buffers of `dtype` in place over [begin, end): reads each once, writes the mean to each.
   void (*average)(void* const* bufs, int n, DType dtype, int64_t begin, int64_t end);
+  // out[i] (and out2[i] unless null) = (srcs[0][i] + ... + srcs[n-1][i]) * mul / div over [begin, end):
+  // sources in order, fp32 accumulation, rounded to `dtype` before the scale (the shared-memory channel).
+  void (*sum)(void* out, void* out2, const void* const* srcs, int n, DType dtype, float mul, float div,
+              int64_t begin, int64_t end);
 };
 
 extern const KernelTable kScalarKernels;

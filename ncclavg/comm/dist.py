@@ -35,7 +35,7 @@ import pickle
 import sys
 import threading
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable, NoReturn, Optional
 
 import torch
 
@@ -61,6 +61,8 @@ def end_process(code: int = 0) -> None:
 def _is_timeout(e: BaseException) -> bool:
     if hasattr(e, "is_timeout"):   # the shared-memory channel says which (shm.py)
         return bool(e.is_timeout)
+    if isinstance(e, TimeoutError):
+        return True
     text = str(e).lower()
     return "timed out" in text or "timeout" in text
 
@@ -76,28 +78,34 @@ def _wait_dist(comm: Any, work: Any, timeout: float, what: str) -> None:
     communicator stays failed]."""
     # a shared-memory work (shm.py) may have run, and timed out, on this thread before the wait
     t0 = getattr(work, "started", None) or time.monotonic()
-    source = getattr(work, "source", "torch.distributed")
     try:
         work.wait(timeout=datetime.timedelta(seconds=timeout))
     except RuntimeError as e:
-        elapsed = time.monotonic() - t0   # before the diagnosis below, which may take seconds
-        # The shared-memory channel's text names the lost rank itself, without the store (which a dead
-        # rank 0 takes along); torch.distributed's does not, the heartbeats do. Either way the failure
-        # that every later call repeats names it. (names_peers is read after the wait: it may change.)
-        named = getattr(work, "names_peers", False)
-        who = "" if named else _lost(comm)
-        if _is_timeout(e):
-            # the process group's own (shorter) timeout may fire first: say which one did
-            msg = (f"{what} did not complete within {timeout:g} s" if elapsed >= 0.9 * timeout else
-                   f"{what} timed out after {elapsed:.1f} s in {source} (the process group's own "
-                   f"timeout, shorter than this communicator's {timeout:g} s)")
-            msg += f" ({source}: {e})" if named else who
-            comm._fail(msg)
-            raise CommTimeoutError(f"{msg}; the communicator is unusable now"
-                                   + ("" if named else f" ({source}: {e})")) from None
-        msg = f"{what} failed{who}: {e}"
+        elapsed = time.monotonic() - t0   # before the diagnosis, which may take seconds
+        # (names_peers is read after the wait: it may change)
+        _raise_failure(comm, e, what, timeout, elapsed, getattr(work, "source", "torch.distributed"),
+                       getattr(work, "names_peers", False))
+
+
+def _raise_failure(comm: Any, e: BaseException, what: Any, timeout: float, elapsed: float, source: str,
+                   named: bool) -> NoReturn:
+    """Marks `comm` unusable and raises CommTimeoutError / CommError for collective `what` that failed
+    with `e` after `elapsed` seconds in `source`. `named`: e's text names the lost rank itself (the
+    shared-memory channel's does, without the store, which a dead rank 0 takes along); otherwise the
+    heartbeats are asked. Either way the failure that every later call repeats names it."""
+    who = "" if named else _lost(comm)
+    if _is_timeout(e):
+        # the process group's own (shorter) timeout may fire first: say which one did
+        msg = (f"{what} did not complete within {timeout:g} s" if elapsed >= 0.9 * timeout else
+               f"{what} timed out after {elapsed:.1f} s in {source} (the process group's own "
+               f"timeout, shorter than this communicator's {timeout:g} s)")
+        msg += f" ({source}: {e})" if named else who
         comm._fail(msg)
-        raise CommError(msg + "; the communicator is unusable now (did a peer process die?)") from e
+        raise CommTimeoutError(f"{msg}; the communicator is unusable now"
+                               + ("" if named else f" ({source}: {e})")) from None
+    msg = f"{what} failed{who}: {e}"
+    comm._fail(msg)
+    raise CommError(msg + "; the communicator is unusable now (did a peer process die?)") from e
 
 
 def _issue_dist(comm: Any, what: str, fn: Callable, *args: Any, **kwargs: Any) -> Any:

@@ -22,6 +22,7 @@ above and their element math stay the same.
 """
 from __future__ import annotations
 
+import time
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -29,9 +30,10 @@ import torch
 from .._ext import _C
 from ..buffers import as_buffer
 from .base import Communicator, Work, check_count, check_timeout
-from .dist import _DistWork, _allgather_object_bounded, _debug_allgather_dist, _issue_dist, _wait_dist
+from .dist import (_DistWork, _allgather_object_bounded, _debug_allgather_dist, _issue_dist, _raise_failure,
+                   _wait_dist)
 from .liveness import Liveness
-from .shm import ShmTransport, host_identity, supports as shm_supports
+from .shm import TYPE_CODES as SHM_TYPE_CODES, ShmTransport, host_identity, supports as shm_supports
 
 
 class GlooCommunicator(Communicator):
@@ -70,32 +72,43 @@ class GlooCommunicator(Communicator):
         # between the processes: "shm", the shared-memory channel (one host); "shm+gloo", a channel per host
         # and torch.distributed between the hosts (Note [Several hosts] in shm.py); "gloo", torch.distributed
         self.transport = self._shm.kind if self._shm is not None else "gloo"
+        # Note [Division in the channel]
+        # With one host's channel over every process, an average's division by the number of towers runs
+        # in the channel's sum (the same bits as the unpack scale after it), one pass less. Which
+        # collective the channel runs must be the same on every rank (its signature includes the scale),
+        # so this depends only on what every rank shares: the transport, and the dtype and the call.
+        self._fuses_division = self._shm is not None and self._shm.channel is not None
+        # one tower here and one host's channel over every process: Note [Small-message fast path]
+        self._fast_channel = self._shm.channel if self._fuses_division and towers == 1 else None
 
     # ------------------------------------------------------------------ the collectives between processes
     # Each starts one SUM / gather / broadcast over the processes and returns a Work for _wait_dist:
     # through the shared-memory channel when there is one and it takes the dtype, else torch.distributed.
     # sync=True: the caller waits at once.
-    def _sum(self, what: str, t: torch.Tensor, sync: bool = True) -> Any:
+    def _sum(self, what: str, t: torch.Tensor, sync: bool = True, timeout: Optional[float] = None,
+             divisor: float = 1.0) -> Any:
+        """divisor != 1 (one-host channel only): the channel divides the sum in the same pass."""
         if self._shm is not None and shm_supports(t):
-            return _issue_dist(self, what, self._shm.all_reduce_sum, t, sync)
+            return _issue_dist(self, what, self._shm.all_reduce_sum, t, sync, timeout, divisor)
+        assert divisor == 1.0, "only the shared-memory channel divides"
         return _issue_dist(self, what, self._dist.all_reduce, t, op=self._dist.ReduceOp.SUM, group=self.group,
                            async_op=True)
 
-    def _sum_scatter(self, what: str, out: torch.Tensor, inp: torch.Tensor) -> Any:
+    def _sum_scatter(self, what: str, out: torch.Tensor, inp: torch.Tensor, timeout: Optional[float] = None) -> Any:
         if self._shm is not None and shm_supports(out) and shm_supports(inp):
-            return _issue_dist(self, what, self._shm.reduce_scatter_sum, out, inp)
+            return _issue_dist(self, what, self._shm.reduce_scatter_sum, out, inp, True, timeout)
         return _issue_dist(self, what, self._reduce_scatter, out, inp, op=self._dist.ReduceOp.SUM,
                            group=self.group, async_op=True)
 
-    def _from_rank_0(self, what: str, t: torch.Tensor, src: int) -> Any:
+    def _from_rank_0(self, what: str, t: torch.Tensor, src: int, timeout: Optional[float] = None) -> Any:
         """Broadcast from the group's rank 0 (global rank `src`); the channel's ranks are the group's."""
         if self._shm is not None and shm_supports(t):
-            return _issue_dist(self, what, self._shm.broadcast, t, 0)
+            return _issue_dist(self, what, self._shm.broadcast, t, 0, True, timeout)
         return _issue_dist(self, what, self._dist.broadcast, t, src=src, group=self.group, async_op=True)
 
-    def _gather(self, what: str, out: torch.Tensor, inp: torch.Tensor) -> Any:
+    def _gather(self, what: str, out: torch.Tensor, inp: torch.Tensor, timeout: Optional[float] = None) -> Any:
         if self._shm is not None and shm_supports(out) and shm_supports(inp):
-            return _issue_dist(self, what, self._shm.all_gather, out, inp)
+            return _issue_dist(self, what, self._shm.all_gather, out, inp, True, timeout)
         return _issue_dist(self, what, self._all_gather, out, inp, group=self.group, async_op=True)
 
     def _scale(self, buf: Any, scale: float, divisor: float, dsts: Optional[list] = None) -> None:
@@ -116,14 +129,38 @@ class GlooCommunicator(Communicator):
     def all_reduce_avg(self, tensors: Sequence[torch.Tensor], *, tag: Optional[str] = None,
                        debug_key: Optional[Sequence[int]] = None, timeout: Optional[float] = None) -> None:
         limit = self._timeout_arg(timeout)   # before anything starts: a bad timeout must not desync ranks
-        self._average(tensors, False, tag, debug_key, sync=True).wait(limit)
+        if self._fast_channel is not None and not self.debug and self._fast_average(tensors, limit, tag):
+            return
+        self._average(tensors, False, tag, debug_key, sync=True, timeout=limit).wait(limit)
+
+    # Note [Small-message fast path]
+    # A synchronous all_reduce_avg of one tower's tensor through a one-host channel is one call into the
+    # core, the very call _average would submit (Note [Division in the channel]), run on this thread with
+    # this call's timeout: no work object, no event, no worker thread, and the description of the call
+    # is written only when an error needs it. At 8 bytes the whole call costs a few microseconds over the
+    # channel's own round (it cost about 57 us through the general path). It applies when nothing else
+    # is queued on the channel; otherwise the call takes the general path, in order behind the queued
+    # ones. Either way the channel sees the same collective.
+    def _fast_average(self, tensors: Sequence[torch.Tensor], limit: float, tag: Optional[str]) -> bool:
+        tensors, bufs = self._checked_buffers(tensors, "tensors")
+        scale, pre_div, post_div = self._sum_factors()
+        t = tensors[0]
+        if scale != 1.0 or pre_div != 1.0 or not shm_supports(t):
+            return False
+        started = time.monotonic()
+        try:
+            return self._shm.run_inline(self._fast_channel.all_reduce_sum,
+                                        (t.data_ptr(), t.numel(), SHM_TYPE_CODES[t.dtype], limit, 1.0, post_div))
+        except (RuntimeError, TimeoutError) as e:   # the channel's errors; they name the peer
+            _raise_failure(self, e, str(self._what("all_reduce_avg", tensors, tag)), limit,
+                           time.monotonic() - started, "shared-memory channel", True)
 
     def all_reduce_avg_async(self, tensors: Sequence[torch.Tensor], defer_scale: bool = False, *,
                              tag: Optional[str] = None, debug_key: Optional[Sequence[int]] = None) -> Work:
         return self._average(tensors, defer_scale, tag, debug_key, sync=False)
 
     def _average(self, tensors: Sequence[torch.Tensor], defer_scale: bool, tag: Optional[str],
-                 debug_key: Optional[Sequence[int]], sync: bool) -> Work:
+                 debug_key: Optional[Sequence[int]], sync: bool, timeout: Optional[float] = None) -> Work:
         tensors, bufs = self._checked_buffers(tensors, "tensors")  # dtype / contiguity in the user's terms
         what = self._what("all_reduce_avg", tensors, tag)
         self._debug_check("all_reduce_avg", tensors[0], debug_key, self.timeout)
@@ -131,7 +168,11 @@ class GlooCommunicator(Communicator):
             _C.average_(bufs, 0)
         scale, pre_div, post_div = self._sum_factors()
         self._scale(bufs[0], scale, pre_div)
-        work = self._sum(what, tensors[0], sync)
+        # See Note [Division in the channel]: the same choice on every rank
+        fused = self._fuses_division and not defer_scale and shm_supports(tensors[0])
+        work = self._sum(what, tensors[0], sync, timeout, post_div if fused else 1.0)
+        if fused:
+            post_div = 1.0
         if self.local_size == 1 and (post_div == 1.0 or defer_scale):
             return _DistWork(self, work, what, divisor=post_div)
 
@@ -158,7 +199,7 @@ class GlooCommunicator(Communicator):
         self._debug_check("reduce_scatter_avg", inputs[0], debug_key, limit)
         if self.local_size == 1 and self._uniform:   # one tower per process: straight into the output
             out = outputs[0].view(-1)
-            work = self._sum_scatter(what, out, inputs[0].reshape(-1))
+            work = self._sum_scatter(what, out, inputs[0].reshape(-1), limit)
             _wait_dist(self, work, limit, what)
             self._scale(as_buffer(out, "outputs[0]"), 1.0, float(self.size))
             return
@@ -166,10 +207,10 @@ class GlooCommunicator(Communicator):
         acc = self._local_sum(inputs)
         if self._uniform:   # this process's towers' shards are one contiguous chunk of the same size
             mine = torch.empty(shard * self.local_size, dtype=torch.float32)
-            work = self._sum_scatter(what, mine, acc)
+            work = self._sum_scatter(what, mine, acc, limit)
             first = 0
         else:               # chunks of different sizes: reduce everything, keep this process's part
-            work = self._sum(what, acc)
+            work = self._sum(what, acc, True, limit)
             mine, first = acc, self.tower_offset * shard
         _wait_dist(self, work, limit, what)
         for t, out in enumerate(outputs):
@@ -187,13 +228,13 @@ class GlooCommunicator(Communicator):
         widest = max(self.tower_counts)
         local = inputs[0].reshape(-1) if self.local_size == 1 else torch.cat([x.reshape(-1) for x in inputs])
         if self._uniform:
-            work = self._gather(what, outputs[0].view(-1), local)
+            work = self._gather(what, outputs[0].view(-1), local, limit)
             _wait_dist(self, work, limit, what)
         else:   # gloo gathers equal sizes only: every process sends `widest` towers' worth, padded
             padded = torch.zeros(widest * n, dtype=local.dtype)
             padded[:local.numel()] = local
             gathered = torch.empty(self.world_size * widest * n, dtype=local.dtype)
-            work = self._gather(what, gathered, padded)
+            work = self._gather(what, gathered, padded, limit)
             _wait_dist(self, work, limit, what)
             out, pos = outputs[0].view(-1), 0
             for p, count in enumerate(self.tower_counts):
@@ -224,7 +265,7 @@ class GlooCommunicator(Communicator):
             _C.average_(bufs, 0)
         scale, pre_div, post_div = self._sum_factors()
         self._scale(bufs[0], scale, pre_div)
-        work = self._sum_scatter(what, out.view(-1), tensors[0].reshape(-1))
+        work = self._sum_scatter(what, out.view(-1), tensors[0].reshape(-1), limit)
         _wait_dist(self, work, limit, what)
         self._scale(as_buffer(out.view(-1), "out"), 1.0, post_div)
 
@@ -247,7 +288,7 @@ class GlooCommunicator(Communicator):
         limit = self._timeout_arg(timeout)
         what = self._what("all_gather_processes", [shard], tag)
         # the shard may be a view of an output (a tower's own slice): gather from a copy
-        work = self._gather(what, outputs[0].view(-1), shard.reshape(-1).clone())
+        work = self._gather(what, outputs[0].view(-1), shard.reshape(-1).clone(), limit)
         _wait_dist(self, work, limit, what)
         for o in outputs[1:]:
             o.view(-1).copy_(outputs[0].view(-1))
@@ -263,7 +304,7 @@ class GlooCommunicator(Communicator):
         if self.world_size == 1:
             return buf.tolist
         what = f"{self.transport} sum_over_processes of {buf.numel()} values (rank {self.rank} of {self.world_size})"
-        work = self._sum(what, buf, sync=False)   # overlaps the caller's work until finish()
+        work = self._sum(what, buf, False, limit)   # overlaps the caller's work until finish()
 
         def finish() -> list:
             _wait_dist(self, work, limit, what)
@@ -284,7 +325,7 @@ class GlooCommunicator(Communicator):
             by_dtype.setdefault(t.dtype, []).append(t)
         for group_tensors in by_dtype.values():
             flat = torch.cat([t.detach().reshape(-1).cpu() for t in group_tensors])
-            _wait_dist(self, self._from_rank_0(what, flat, src), limit, what)
+            _wait_dist(self, self._from_rank_0(what, flat, src, limit), limit, what)
             pos = 0
             with torch.no_grad():
                 for t in group_tensors:

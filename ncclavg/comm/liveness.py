@@ -17,14 +17,28 @@ round trip every PERIOD_S per process, off the training thread.
 """
 from __future__ import annotations
 
-import itertools
 import threading
 import time
 from typing import Any, Optional
 
 PERIOD_S = 0.5
 DIAGNOSE_S = 2.0
-_SEQ = itertools.count()   # communicators are built in the same order everywhere: the same number
+# Note [Heartbeat keys per group]
+# Two communicators over the same processes must not share keys, so each gets a number. A process-wide
+# count would drift between ranks that build communicators over different groups (rank 0 builds one
+# over ranks {0, 1}, then one over every rank; rank 2 builds only the second: 1 on rank 0, 0 on rank 2),
+# and the survivors would read each other's counters under different keys and name the wrong rank. The
+# members of a group build its communicators together and in the same order, so a count per member set
+# gives every member the same number.
+_SEQ: dict = {}
+_SEQ_LOCK = threading.Lock()
+
+
+def _next_index(members: str) -> int:
+    with _SEQ_LOCK:
+        n = _SEQ.get(members, 0)
+        _SEQ[members] = n + 1
+        return n
 
 
 class Liveness:
@@ -33,7 +47,7 @@ class Liveness:
     def __init__(self, store: Any, rank: int, world: int, members: str):
         self._store = store
         self._rank, self._world = rank, world
-        self._prefix = f"ncclavg/alive/{members}/{next(_SEQ)}/"
+        self._prefix = f"ncclavg/alive/{members}/{_next_index(members)}/"   # Note [Heartbeat keys per group]
         self._stop = threading.Event()
         self._store.add(self._key(rank), 1)   # exists before the first collective can fail
         self._thread = threading.Thread(target=self._beat, name="ncclavg-heartbeat", daemon=True)

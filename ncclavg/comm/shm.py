@@ -9,19 +9,23 @@ even when they could share /dev/shm: that is how containers, and the two-host te
 machine". All on one host: one channel over every process (transport "shm"). Several hosts, some with
 several processes: a channel per host and torch.distributed between the hosts' leaders (transport
 "shm+gloo", Note [Several hosts] below). Every process alone on its host: no channel ("gloo"). The setup
-is collective and bounded by the communicator's timeout: each host's leader creates its segment under a
-random name, one exchange tells the names, the others open them, a second exchange tells everyone
-whether all of that worked, and the channels are used only if it worked everywhere. Then each leader
-removes its segment's name, so no segment outlives its processes, even after a crash. A failed setup
-(e.g. a /dev/shm too small for 2 x processes x slot) warns once and leaves every process on gloo.
+is collective and bounded by the communicator's timeout: each host's leader creates its segment (a
+memory file without a name, Note [Segment without a name] in csrc/cpu/shm_segment.cpp) and opens a
+door for it under a random name, one exchange tells the names, the others receive the segment through
+the doors, a second exchange tells everyone whether all of that worked, and the channels are used only
+if it worked everywhere. Then each leader closes its door. Nothing is left behind, even after a crash.
+A failed setup (e.g. memory too short for 2 x processes x slot) warns once and leaves every process on
+gloo.
 NCCLAVG_SHM=0 turns the channels off, =1 makes a failed setup (or no two processes on one host) an
 error, auto (the default) as above.
 NCCLAVG_SHM_SLOT_KB sets the slot (by default 1 MiB, less above 16 processes on a host: slot_bytes; the
-segment is about 2 x processes x slot).
+segment is about 2 x processes x slot; at most MAX_SLOT_KB).
 Tensors of other dtypes than float32, float16, bfloat16 and float64 still go through gloo; every rank
 makes the same choice, since the dtype is the same on every rank.
 Asynchronous collectives (the averager's buckets during backward, the trainer's per-step sums) run in
-order on one worker thread; a synchronous one runs on the caller's thread when nothing is queued.
+order on one worker thread; a synchronous one runs on the caller's thread when nothing is queued
+(`run_inline`, the small-message fast path of gloo.py). Every collective carries its own time limit:
+the caller's timeout when it gave one, else the communicator's.
 """
 from __future__ import annotations
 
@@ -39,7 +43,7 @@ import torch
 from .._ext import _C
 from ..errors import CommError
 
-_TYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float64: 3}
+TYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float64: 3}
 _SETTINGS = {"0": "off", "off": "off", "1": "on", "on": "on", "auto": "auto", "": "auto"}
 
 
@@ -54,6 +58,9 @@ def setting() -> str:
 SEGMENT_TARGET = 32 << 20   # bytes of /dev/shm a host's segment aims at by default (Docker gives 64 MiB)
 
 
+MAX_SLOT_KB = 256 << 10   # the core's cap on a slot (256 MiB): beyond a few MiB a slot buys nothing
+
+
 def slot_bytes(processes: int) -> int:
     """A channel's slot: NCCLAVG_SHM_SLOT_KB when set; else 1 MiB, smaller with many processes so that
     the segment (2 x processes x slot) stays near SEGMENT_TARGET, never below 64 KiB."""
@@ -65,8 +72,8 @@ def slot_bytes(processes: int) -> int:
         kb = int(raw)
     except ValueError:
         kb = -1
-    if kb < 4:
-        raise ValueError(f"NCCLAVG_SHM_SLOT_KB must be an integer >= 4, got '{raw}'")
+    if not 4 <= kb <= MAX_SLOT_KB:
+        raise ValueError(f"NCCLAVG_SHM_SLOT_KB must be an integer in [4, {MAX_SLOT_KB}], got '{raw}'")
     return kb * 1024
 
 
@@ -87,47 +94,11 @@ def host_identity() -> str:
     return "|".join(parts)
 
 
-_PREFIX = "ncclavg-"
-STALE_S = 60.0
 GRACE_S = 1.0
 
 
-def remove_stale_segments(directory: str = "/dev/shm") -> list:
-    """Removes segment names left by a rank 0 that died during a channel's setup (the only window in which
-    a name exists): ncclavg-<pid>-<hex> whose creator is gone and that is older than STALE_S. Returns
-    what it removed."""
-    removed = []
-    try:
-        entries = list(os.scandir(directory))
-    except OSError:
-        return removed
-    now = time.time()
-    for e in entries:
-        parts = e.name[len(_PREFIX):].split("-") if e.name.startswith(_PREFIX) else []
-        if len(parts) != 2 or not parts[0].isdigit():
-            continue
-        try:
-            if now - e.stat().st_mtime < STALE_S or _alive(int(parts[0])):
-                continue
-            os.unlink(e.path)
-            removed.append(e.name)
-        except OSError:   # gone already, or not ours to remove
-            continue
-    return removed
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:   # exists, another user's
-        return True
-    return True
-
-
 def supports(t: torch.Tensor) -> bool:
-    return t.dtype in _TYPE_CODES and t.device.type == "cpu" and t.is_contiguous()
+    return t.dtype in TYPE_CODES and t.device.type == "cpu" and t.is_contiguous()
 
 
 class _ShmWork:
@@ -202,7 +173,6 @@ class ShmTransport:
         self._dist, self._group = dist, group
         if hosts is not None:
             self._mine = next(h for h in hosts if rank in h)
-            self._widest = max(len(h) for h in hosts)
         self.kind = "shm" if hosts is None else "shm+gloo"
         self.names_peers = hosts is None     # between hosts, torch.distributed's errors name nobody
         self._lock = threading.Lock()        # guards _outstanding and the worker's start
@@ -242,8 +212,7 @@ class ShmTransport:
         # open it; one exchange for the names, one for the outcome: every process decides the same
         channel, error, offer = None, "", None
         if local == 0 and len(mine) > 1:
-            remove_stale_segments()
-            offer = (f"/{_PREFIX}{os.getpid()}-{secrets.token_hex(8)}", secrets.randbits(63))
+            offer = (f"ncclavg-{secrets.token_hex(8)}", secrets.randbits(63))
             try:
                 channel = _C.ShmChannel(offer[0], 0, len(mine), size, offer[1], mine)   # errors name group ranks
             except (RuntimeError, ValueError) as e:
@@ -257,7 +226,7 @@ class ShmTransport:
                 error = f"rank {rank}: {e}"
         errors = [e for e in _allgather_object_bounded(comm, dist, group, error, timeout) if e]
         if local == 0 and channel is not None:
-            channel.unlink_name()   # everyone has opened it (or given up): the name is no longer needed
+            channel.close_door()   # everyone has joined (or given up)
         leaders = None
         if not errors and len(hosts) > 1 and local == 0:
             try:
@@ -275,30 +244,46 @@ class ShmTransport:
         return cls(channel, rank, world, timeout, hosts=hosts, leaders=leaders, dist=dist, group=group)
 
     # ------------------------------------------------------------------ collectives
-    def all_reduce_sum(self, t: torch.Tensor, sync: bool = False) -> _ShmWork:
-        if self._hosts is not None:
-            return self._submit(self._across_all_reduce, (t,), (t,), sync)
-        return self._submit(self._channel.all_reduce_sum, (t.data_ptr(), t.numel(), _TYPE_CODES[t.dtype]), (t,), sync)
+    # Each takes flat contiguous CPU tensors of a `supports` dtype and returns a _ShmWork; `timeout`
+    # (seconds) bounds this call (default: the communicator's).
+    @property
+    def channel(self) -> Any:
+        """The core channel when it alone connects every process (one host), for run_inline; else None."""
+        return self._channel if self._hosts is None else None
 
-    def reduce_scatter_sum(self, out: torch.Tensor, inp: torch.Tensor, sync: bool = True) -> _ShmWork:
+    def all_reduce_sum(self, t: torch.Tensor, sync: bool = False, timeout: Optional[float] = None,
+                       divisor: float = 1.0) -> _ShmWork:
+        """divisor != 1: one host only (`channel` is not None); the channel divides in the same pass."""
         if self._hosts is not None:
-            return self._submit(self._across_reduce_scatter, (out, inp), (out, inp), sync)
+            if divisor != 1.0:
+                raise ValueError("divisor: between hosts the channel does not divide")
+            return self._submit(self._across_all_reduce, (t,), (t,), sync, timeout)
+        return self._submit(self._channel.all_reduce_sum, (t.data_ptr(), t.numel(), TYPE_CODES[t.dtype]), (t,),
+                            sync, timeout, (1.0, float(divisor)))
+
+    def reduce_scatter_sum(self, out: torch.Tensor, inp: torch.Tensor, sync: bool = True,
+                           timeout: Optional[float] = None) -> _ShmWork:
+        if self._hosts is not None:
+            return self._submit(self._across_reduce_scatter, (out, inp), (out, inp), sync, timeout)
         return self._submit(self._channel.reduce_scatter_sum,
-                            (inp.data_ptr(), out.data_ptr(), out.numel(), _TYPE_CODES[out.dtype]), (out, inp), sync)
+                            (inp.data_ptr(), out.data_ptr(), out.numel(), TYPE_CODES[out.dtype]), (out, inp), sync,
+                            timeout)
 
-    def all_gather(self, out: torch.Tensor, inp: torch.Tensor, sync: bool = True) -> _ShmWork:
+    def all_gather(self, out: torch.Tensor, inp: torch.Tensor, sync: bool = True,
+                   timeout: Optional[float] = None) -> _ShmWork:
         if self._hosts is not None:
-            return self._submit(self._across_all_gather, (out, inp), (out, inp), sync)
+            return self._submit(self._across_all_gather, (out, inp), (out, inp), sync, timeout)
         return self._submit(self._channel.all_gather,
-                            (inp.data_ptr(), out.data_ptr(), inp.numel(), _TYPE_CODES[inp.dtype]), (out, inp), sync)
+                            (inp.data_ptr(), out.data_ptr(), inp.numel(), TYPE_CODES[inp.dtype]), (out, inp), sync,
+                            timeout)
 
-    def broadcast(self, t: torch.Tensor, root: int, sync: bool = True) -> _ShmWork:
+    def broadcast(self, t: torch.Tensor, root: int, sync: bool = True, timeout: Optional[float] = None) -> _ShmWork:
         if self._hosts is not None:
             if root != 0:
                 raise ValueError(f"root: between hosts only rank 0 broadcasts, got {root}")
-            return self._submit(self._across_broadcast, (t,), (t,), sync)
-        return self._submit(self._channel.broadcast, (t.data_ptr(), t.numel(), _TYPE_CODES[t.dtype], int(root)),
-                            (t,), sync)
+            return self._submit(self._across_broadcast, (t,), (t,), sync, timeout)
+        return self._submit(self._channel.broadcast, (t.data_ptr(), t.numel(), TYPE_CODES[t.dtype], int(root)),
+                            (t,), sync, timeout)
 
     def abort(self, why: str) -> None:
         if self._channel is not None:
@@ -320,13 +305,19 @@ class ShmTransport:
     # inline like any other: (1) within each host, through its channel; (2) between the hosts' leaders
     # (the lowest rank of each host), through torch.distributed on a group of the leaders alone; (3)
     # within each host again, from its leader. So each host sends one message per collective over the
-    # network instead of one per process. all_reduce_sum: (1) sums the host's processes in rank order,
-    # (2) sums the hosts' sums (gloo's order), (3) broadcasts the result from the leader: every process
-    # of every host gets the leader's bits, so they all agree. reduce_scatter_sum is that all-reduce on
-    # a copy, keeping this rank's slice. all_gather gathers each host's inputs, then the leaders gather
-    # the hosts' blocks (padded to the largest host: gloo gathers equal sizes) and put them in rank order,
-    # and (3) broadcasts the whole result. broadcast is from rank 0, the leader of the first host. A
-    # leader whose step (2) fails aborts its host's channel with the reason, so that its host's other
+    # network instead of one per process.
+    # - all_reduce_sum: (1) sums the host's processes in rank order, (2) sums the hosts' sums (gloo's
+    #   order), (3) broadcasts the result from the leader: every process of every host gets the
+    #   leader's bits, so they all agree.
+    # - reduce_scatter_sum: (1) sums the host's inputs, (2) each leader sends every other leader only
+    #   the slices of that host's ranks (one all_to_all with per-host sizes) and sums what it receives
+    #   in host order (fp32 accumulation, one rounding), (3) hands each process of its host its slice.
+    #   The network carries each slice once, not the whole vector twice as an all-reduce would.
+    # - all_gather: (1) gathers each host's inputs, (2) the leaders exchange the hosts' blocks with one
+    #   all_to_all whose sizes are the hosts' own (no padding to the largest host) and put them in rank
+    #   order, (3) broadcasts the whole result.
+    # - broadcast is from rank 0, the leader of the first host.
+    # A leader whose step (2) fails aborts its host's channel with the reason, so that its host's other
     # processes fail at once instead of waiting out the timeout.
     def _local(self, op: str, *args: Any) -> None:
         if self._channel is not None:
@@ -343,51 +334,88 @@ class ShmTransport:
             raise RuntimeError(why) from e
 
     def _across_all_reduce(self, t: torch.Tensor, timeout: float) -> None:
-        ptr, n, code = t.data_ptr(), t.numel(), _TYPE_CODES[t.dtype]
+        ptr, n, code = t.data_ptr(), t.numel(), TYPE_CODES[t.dtype]
         self._local("all_reduce_sum", ptr, n, code, timeout)
         if self._leaders is not None:
             self._between_hosts("all_reduce", lambda: self._dist.all_reduce(
                 t, op=self._dist.ReduceOp.SUM, group=self._leaders, async_op=True), timeout)
         self._local("broadcast", ptr, n, code, 0, timeout)
 
+    def _host_order(self, per_rank: torch.Tensor) -> torch.Tensor:
+        """per_rank: world_size blocks in rank order -> the same blocks grouped by host, hosts in order."""
+        blocks = per_rank.view(self.world_size, -1)
+        return torch.cat([blocks[h] for h in self._hosts]).reshape(-1)
+
     def _across_reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, timeout: float) -> None:
-        whole = inp.reshape(-1).clone()
-        self._across_all_reduce(whole, timeout)
-        n = out.numel()
-        out.view(-1).copy_(whole[self.rank * n:(self.rank + 1) * n])
+        n, code = out.numel(), TYPE_CODES[out.dtype]
+        host_sum = inp.reshape(-1).clone()
+        self._local("all_reduce_sum", host_sum.data_ptr(), host_sum.numel(), code, timeout)   # (1)
+        mine = torch.empty(len(self._mine) * n, dtype=out.dtype)   # this host's ranks' slices, summed
+        if self._leaders is not None:                                                          # (2)
+            send = self._host_order(host_sum)
+            got = torch.empty(len(self._hosts) * mine.numel(), dtype=out.dtype)
+            self._between_hosts("all_to_all", lambda: self._dist.all_to_all_single(
+                got, send, [mine.numel()] * len(self._hosts), [len(h) * n for h in self._hosts],
+                group=self._leaders, async_op=True), timeout)
+            parts = got.view(len(self._hosts), -1)
+            acc = parts[0].to(torch.float64 if out.dtype == torch.float64 else torch.float32, copy=True)
+            for part in parts[1:]:
+                acc += part
+            mine.copy_(acc)
+        self._local("broadcast", mine.data_ptr(), mine.numel(), code, 0, timeout)               # (3)
+        at = self._mine.index(self.rank) * n
+        out.view(-1).copy_(mine[at:at + n])
 
     def _across_all_gather(self, out: torch.Tensor, inp: torch.Tensor, timeout: float) -> None:
-        n, code = inp.numel(), _TYPE_CODES[inp.dtype]
+        n, code = inp.numel(), TYPE_CODES[inp.dtype]
         mine = torch.empty(len(self._mine) * n, dtype=inp.dtype)
-        if self._channel is not None:
+        if self._channel is not None:                                                          # (1)
             self._channel.all_gather(inp.data_ptr(), mine.data_ptr(), n, code, timeout)
         else:
             mine.copy_(inp.reshape(-1))
         flat = out.view(-1)
-        if self._leaders is not None:
-            block = torch.zeros(self._widest * n, dtype=inp.dtype)
-            block[:mine.numel()] = mine
-            blocks = torch.empty(len(self._hosts) * self._widest * n, dtype=inp.dtype)
-            gather = getattr(self._dist, "all_gather_single", None) or self._dist.all_gather_into_tensor
-            self._between_hosts("all_gather", lambda: gather(blocks, block, group=self._leaders, async_op=True),
-                                timeout)
-            for h, members in enumerate(self._hosts):
-                for j, r in enumerate(members):
-                    at = (h * self._widest + j) * n
-                    flat[r * n:(r + 1) * n] = blocks[at:at + n]
-        self._local("broadcast", flat.data_ptr(), flat.numel(), code, 0, timeout)
+        if self._leaders is not None:                                                          # (2)
+            got = torch.empty(self.world_size * n, dtype=inp.dtype)
+            sizes = [len(h) * n for h in self._hosts]
+            self._between_hosts("all_to_all", lambda: self._dist.all_to_all_single(
+                got, mine.repeat(len(self._hosts)), sizes, [mine.numel()] * len(self._hosts),
+                group=self._leaders, async_op=True), timeout)
+            at = 0
+            for members in self._hosts:
+                for r in members:
+                    flat[r * n:(r + 1) * n] = got[at:at + n]
+                    at += n
+        self._local("broadcast", flat.data_ptr(), flat.numel(), code, 0, timeout)              # (3)
 
     def _across_broadcast(self, t: torch.Tensor, timeout: float) -> None:
         if self._leaders is not None:
             src = self._dist.get_global_rank(self._group, 0) if self._group is not None else 0
             self._between_hosts("broadcast", lambda: self._dist.broadcast(
                 t, src=src, group=self._leaders, async_op=True), timeout)
-        self._local("broadcast", t.data_ptr(), t.numel(), _TYPE_CODES[t.dtype], 0, timeout)
+        self._local("broadcast", t.data_ptr(), t.numel(), TYPE_CODES[t.dtype], 0, timeout)
 
     # ------------------------------------------------------------------ execution
-    def _submit(self, fn: Callable, args: tuple, keep: tuple, sync: bool) -> _ShmWork:
+    def run_inline(self, fn: Callable, args: tuple) -> bool:
+        """Runs fn(*args) on this thread now, when no collective is queued or running, and returns True;
+        else runs nothing and returns False (the caller then submits it). Exceptions are the channel's
+        own: the fast path of a synchronous call, with no work object (gloo.py)."""
+        with self._lock:
+            if self._outstanding or self._closed:
+                return False
+            self._outstanding = 1
+            self._exec.acquire()
+        try:
+            fn(*args)
+        finally:
+            self._exec.release()
+            self._done()
+        return True
+
+    def _submit(self, fn: Callable, args: tuple, keep: tuple, sync: bool, timeout: Optional[float],
+                after: tuple = ()) -> _ShmWork:
+        """Runs fn(*args, timeout, *after), inline or on the worker; see `run_inline` for the fast path."""
         work = _ShmWork(self, keep)
-        call = (fn, args + (self._timeout,))
+        call = (fn, args + (self._timeout if timeout is None else float(timeout),) + after)
         with self._lock:
             if self._closed:
                 raise RuntimeError("the shared-memory channel is closed")

@@ -39,12 +39,21 @@ def run(body, world, *args, expect=None, timeout_s=120):
             p.join(timeout=30)
             if p.is_alive():
                 p.kill()
-    assert not os.path.exists("/dev/shm" + name), "the segment outlived its processes"
+    assert not left_behind(name), "the channel left a name behind"
     return sorted(out, key=lambda m: m[0])
 
 
-# slot 64 KiB: fp32 chunks of 16384 elements, the split sum above 8192; sizes cover 0, odd sizes,
-# both sides of the split threshold, one slot plus a little, and many rounds
+def left_behind(name):
+    """Names the channel `name` would leave after its processes: a file in /dev/shm, or its door (an
+    abstract unix socket, listed in /proc/net/unix as @ncclavg/<name>)."""
+    found = [p for p in os.listdir("/dev/shm") if name.strip("/") in p]
+    with open("/proc/net/unix") as f:
+        found += [line.split()[-1] for line in f if line.rstrip().endswith("@ncclavg/" + name)]
+    return found
+
+
+# slot 64 KiB: fp32 chunks of 16384 elements, the split sum above 8192; sizes cover 0, odd sizes (the
+# SIMD lanes' scalar tails), both sides of the split threshold, one slot plus a little, and many rounds
 SIZES = (0, 1, 33, 8191, 8193, 16389, 70001)
 
 
@@ -52,7 +61,7 @@ SIZES = (0, 1, 33, 8191, 8193, 16389, 70001)
 def test_collectives_bit_for_bit(world):
     out = run(_shm_workers.collectives, world, 64 << 10, SIZES)
     assert [m[1] for m in out] == ["ok"] * world, out
-    assert {m[2] for m in out} == {4 * 4 * len(SIZES)}
+    assert {m[2] for m in out} == {4 * 8 * len(SIZES)}
     assert len({m[3] for m in out}) == 1, "the ranks disagree on the number of rounds"
 
 
@@ -61,11 +70,33 @@ def test_smallest_slot_many_rounds():
     assert [m[1] for m in out] == ["ok", "ok"], out
 
 
-def test_collectives_out_of_step_fail_on_both_ranks():
-    out = run(_shm_workers.mismatch, 2, 64 << 10)
-    for rank, text, _ in out:
-        assert text.startswith("ShmPeerError"), text
-        assert "out of step" in text and "all_reduce_sum" in text and "all_gather" in text, text
+# Each case: what every rank's error must mention. A broadcast whose ranks disagree on the root, and a
+# count-0 call beside real ones, used to pass silently (a stale value, or a round paired with the next).
+MISMATCHES = {
+    "op": (2, ("all_reduce_sum of 10", "all_gather of 10")),
+    "root": (3, ("broadcast of 10 float32 from root 0", "broadcast of 10 float32 from root 1")),
+    "zero": (2, ("all_reduce_sum of 0 float32", "all_reduce_sum of 10 float32")),
+    "scale": (2, ("all_reduce_sum of 10 float32 (scaled)",)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MISMATCHES))
+def test_collectives_out_of_step_fail_on_every_rank(case):
+    world, names = MISMATCHES[case]
+    msgs = run(_shm_workers.out_of_step, world, 64 << 10, case, expect=2 * world)
+    first = {}
+    for rank, text, elapsed in msgs:
+        first.setdefault(rank, []).append(text)
+    for rank, (text, later) in first.items():
+        assert text.startswith("ShmPeerError") and "out of step" in text, (rank, text)
+        assert all(n in text for n in names) or "aborted by rank" in text, (rank, text)
+        assert later.startswith("ShmPeerError"), (rank, later)   # a failed channel stays failed
+    assert any(all(n in t for n in names) for t, _ in first.values()), first
+
+
+def test_zero_count_calls_pair_with_each_other():
+    out = run(_shm_workers.zero_count_then_sum, 2, 64 << 10)
+    assert [m[1] for m in out] == [[30.0] * 4, [30.0] * 4], out
 
 
 @pytest.mark.parametrize("labels", [(), (4, 9)])
@@ -99,7 +130,6 @@ def test_abort_reason_reaches_the_peer():
 
 def test_bad_arguments_name_the_argument():
     ch = _C.ShmChannel(_name(), 0, 1, 4096, 1)
-    ch.unlink_name()
     with pytest.raises(TypeError, match="'type'"):
         ch.all_reduce_sum(0, 0, 7, 1.0)
     with pytest.raises(ValueError, match="'count'"):
@@ -108,8 +138,15 @@ def test_bad_arguments_name_the_argument():
         ch.all_reduce_sum(0, 5, 0, 1.0)
     with pytest.raises(ValueError, match="'root'"):
         ch.broadcast(0, 0, 0, 1, 1.0)
-    for kwargs, arg in [(dict(name="no-slash"), "name"), (dict(rank=2), "rank"), (dict(nranks=0), "nranks"),
-                        (dict(slot_bytes=1000), "slot_bytes"), (dict(labels=[3]), "labels")]:
+    for bad in (0.0, -1.0, float("nan")):
+        with pytest.raises(ValueError, match="'timeout_s'"):
+            ch.all_reduce_sum(0, 0, 0, bad)
+    with pytest.raises(ValueError, match="'mul/div'"):
+        ch.all_reduce_sum(0, 0, 0, 1.0, 1.0, 0.0)
+    for kwargs, arg in [(dict(name=""), "name"), (dict(name="has space"), "name"), (dict(name="x" * 101), "name"),
+                        (dict(rank=2), "rank"), (dict(nranks=0), "nranks"), (dict(slot_bytes=1000), "slot_bytes"),
+                        (dict(slot_bytes=(256 << 20) + 64), "slot_bytes"), (dict(slot_bytes=1 << 52), "slot_bytes"),
+                        (dict(nranks=128, slot_bytes=4096), "slot_bytes"), (dict(labels=[3]), "labels")]:
         full = dict(name=_name(), rank=0, nranks=2, slot_bytes=4096, nonce=1) | kwargs
         with pytest.raises(ValueError, match=f"'{arg}'"):
             _C.ShmChannel(**full)
@@ -119,34 +156,36 @@ def test_one_rank_channel_is_the_identity():
     import torch
 
     ch = _C.ShmChannel(_name(), 0, 1, 4096, 1)
-    ch.unlink_name()
     x = torch.randn(3000)
     y = x.clone()
     ch.all_reduce_sum(y.data_ptr(), y.numel(), 0, 1.0)
     assert torch.equal(x, y)
 
 
-def test_a_segment_too_large_for_dev_shm_fails_cleanly():
+def test_a_segment_too_large_for_memory_fails_cleanly():
+    # 2 x 4096 ranks x 256 MiB: a valid slot, but 2 TiB in all; refused before any memory is taken
     name = _name()
-    # 2 x 2 slots of 2**40 bytes: more than any /dev/shm; reserved up front, so it fails here (not SIGBUS)
-    with pytest.raises(RuntimeError, match="/dev/shm too small"):
-        _C.ShmChannel(name, 0, 2, 1 << 40, 1)
-    assert not os.path.exists("/dev/shm" + name)
+    with pytest.raises(ValueError, match="'slot_bytes'.*does not fit in half of this machine's memory"):
+        _C.ShmChannel(name, 0, 4096, 256 << 20, 1)
+    assert not left_behind(name)
 
 
-def test_existing_name_and_wrong_nonce_are_refused():
+def test_door_checks_who_joins():
     name = _name()
-    ch = _C.ShmChannel(name, 0, 2, 4096, 11)
+    ch = _C.ShmChannel(name, 0, 3, 4096, 11)
     try:
-        with pytest.raises(RuntimeError, match="shm_open"):
-            _C.ShmChannel(name, 0, 2, 4096, 11)          # rank 0 creates, never reuses
-        with pytest.raises(RuntimeError, match="not the one rank 0 created"):
-            _C.ShmChannel(name, 1, 2, 4096, 12)          # another job's segment
-        with pytest.raises(RuntimeError, match="unexpected size"):
-            _C.ShmChannel(name, 1, 3, 4096, 11)          # another group size
+        with pytest.raises(RuntimeError, match="cannot open its door"):
+            _C.ShmChannel(name, 0, 2, 4096, 11)          # the name is this channel's
+        with pytest.raises(RuntimeError, match="refused rank 1: the request does not carry this channel's nonce"):
+            _C.ShmChannel(name, 1, 3, 4096, 12)          # another job's nonce
+        with pytest.raises(RuntimeError, match="refused rank 1: the request is for 2 ranks"):
+            _C.ShmChannel(name, 1, 2, 4096, 11)          # another group size
     finally:
-        ch.unlink_name()
-    assert not os.path.exists("/dev/shm" + name)
+        ch.close_door()
+    with pytest.raises(RuntimeError, match="no door is open"):
+        _C.ShmChannel(name, 1, 3, 4096, 11)              # closed: nobody joins any more
+    del ch
+    assert not left_behind(name)
 
 
 def test_transport_settings(monkeypatch):
@@ -155,9 +194,10 @@ def test_transport_settings(monkeypatch):
     monkeypatch.setenv("NCCLAVG_SHM", "maybe")
     with pytest.raises(ValueError, match="NCCLAVG_SHM"):
         shm.setting()
-    monkeypatch.setenv("NCCLAVG_SHM_SLOT_KB", "2")
-    with pytest.raises(ValueError, match="NCCLAVG_SHM_SLOT_KB"):
-        shm.slot_bytes(2)
+    for bad in ("2", str(1 << 52), str((256 << 10) + 1), "lots"):   # a huge value once wrapped the size
+        monkeypatch.setenv("NCCLAVG_SHM_SLOT_KB", bad)
+        with pytest.raises(ValueError, match=r"NCCLAVG_SHM_SLOT_KB must be an integer in \[4, 262144\]"):
+            shm.slot_bytes(2)
     monkeypatch.setenv("NCCLAVG_SHM_SLOT_KB", "96")
     assert shm.slot_bytes(2) == 96 << 10
     # default: 1 MiB up to 16 processes, then the segment stays at 32 MiB, the slot at least 64 KiB
@@ -179,19 +219,3 @@ def test_processes_on_different_hosts_keep_gloo(monkeypatch):
         ShmTransport.connect(Comm(), None, None, ["host-a", "host-b"], 5.0)
     monkeypatch.setenv("NCCLAVG_SHM", "0")
     assert ShmTransport.connect(Comm(), None, None, ["host-a", "host-a"], 5.0) is None
-
-
-def test_stale_segment_names_are_removed(tmp_path):
-    from ncclavg.comm import shm
-
-    dead = tmp_path / "ncclavg-999999999-0123abcd"          # no such pid
-    alive = tmp_path / f"ncclavg-{os.getpid()}-0123abcd"     # this process: in use
-    fresh = tmp_path / "ncclavg-999999998-0123abcd"          # too recent: maybe mid-setup
-    other = tmp_path / "someone-else-999999999"
-    for p in (dead, alive, fresh, other):
-        p.write_bytes(b"x")
-    old = time.time() - 2 * shm.STALE_S
-    for p in (dead, alive, other):
-        os.utime(p, (old, old))
-    assert shm.remove_stale_segments(str(tmp_path)) == [dead.name]
-    assert not dead.exists() and alive.exists() and fresh.exists() and other.exists()
