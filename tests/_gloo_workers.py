@@ -103,6 +103,32 @@ def pretend_hosts(rank, layout):
         gloo_backend.host_identity = lambda: f"test-host-{layout[rank]}"
 
 
+def spy_between_hosts(comm):
+    """Between hosts (shm+gloo): records (op, output splits, input splits) of each all_to_all the hosts'
+    leaders run, and any other torch.distributed collective by name; None on other transports."""
+    if comm.transport != "shm+gloo":
+        return None
+    calls, real = [], comm._shm._dist
+
+    class Spy:
+        def __getattr__(self, name):
+            fn = getattr(real, name)
+            if name == "all_to_all_single":
+                def record(out, inp, out_splits, in_splits, **kw):
+                    calls.append((name, list(out_splits), list(in_splits)))
+                    return fn(out, inp, out_splits, in_splits, **kw)
+                return record
+            if name in ("all_reduce", "all_gather_into_tensor", "all_gather_single", "all_gather"):
+                def other(*a, **kw):
+                    calls.append((name,))
+                    return fn(*a, **kw)
+                return other
+            return fn
+
+    comm._shm._dist = Spy()
+    return calls
+
+
 def collectives_and_ddp(rank, world, port, layout=None):
     init_rank(rank, world, port)
     pretend_hosts(rank, layout)
@@ -148,12 +174,21 @@ def collectives_and_ddp(rank, world, port, layout=None):
     shard = 5
     full = rank_inputs(world, shard * world, torch.float32, 9)
     out = torch.empty(shard)
+    between = spy_between_hosts(comm)
     comm.reduce_scatter_avg([full[rank].clone()], [out])
     mean = sum(full) / world
     assert torch.equal(out, mean[rank * shard:(rank + 1) * shard])
     gathered = torch.empty(shard * world)
     comm.all_gather([out], [gathered])
     assert torch.equal(gathered, mean)
+    if between is not None and layout[rank] not in layout[:rank]:   # a host's leader: what crossed hosts
+        hosts = [[r for r in range(world) if layout[r] == h] for h in sorted(set(layout), key=layout.index)]
+        sizes = [len(h) * shard for h in hosts]
+        # reduce-scatter: one all_to_all of the vector itself (each host's slices to that host), not an
+        # all-reduce of it; all_gather: each host's own block, not padded to the largest host
+        my_host = next(h for h in hosts if rank in h)
+        assert between == [("all_to_all_single", [len(my_host) * shard] * len(hosts), sizes),
+                           ("all_to_all_single", sizes, [len(my_host) * shard] * len(hosts))], between
     assert comm.allgather_object({"rank": rank}) == [{"rank": r} for r in range(world)]
     # bad input: one tensor per local tower
     try:
@@ -220,6 +255,36 @@ def timeout_job(rank, world, port):
         assert time.monotonic() - t0 < 10
     else:
         time.sleep(3)  # never joins the collective (rank 0 gives up after 1 s)
+    os._exit(0)  # the group is unusable after a timeout: skip its teardown
+
+
+def per_call_timeout_job(rank, world, port, op):
+    """A call's own timeout bounds it on every transport, even when it is far below the communicator's:
+    rank 1 comes 6 s late, rank 0's call (timeout=1) must fail after about 1 s, not 6 s (nor 60)."""
+    init_rank(rank, world, port)
+    from ncclavg import CommTimeoutError, Communicator
+
+    comm = Communicator.from_torch_distributed(device="cpu", timeout=60.0)
+    comm.all_reduce_avg([torch.ones(4)])   # both ranks are here
+    calls = {
+        "all_reduce_avg": lambda t: comm.all_reduce_avg([torch.ones(10)], timeout=t),
+        "reduce_scatter_avg": lambda t: comm.reduce_scatter_avg([torch.ones(2 * world)], [torch.empty(2)], timeout=t),
+        "all_gather": lambda t: comm.all_gather([torch.ones(2)], [torch.empty(2 * world)], timeout=t),
+        "broadcast_tensors": lambda t: comm.broadcast_tensors([torch.ones(3)], timeout=t),
+    }
+    if rank == 0:
+        t0 = time.monotonic()
+        try:
+            calls[op](1.0)
+            raise AssertionError("expected CommTimeoutError")
+        except CommTimeoutError as e:
+            assert "did not complete within 1 s" in str(e), str(e)
+            # the channel names the late rank; gloo cannot (its heartbeats still beat: it is only late)
+            assert "rank 1 stopped responding" in str(e) or os.environ["NCCLAVG_SHM"] == "0", str(e)
+        elapsed = time.monotonic() - t0
+        assert elapsed < 4.0, f"{op} with timeout=1 took {elapsed:.1f} s"   # the peer came after 6 s
+    else:
+        time.sleep(6)
     os._exit(0)  # the group is unusable after a timeout: skip its teardown
 
 

@@ -65,59 +65,20 @@
 #include <sstream>
 
 #include "../common/check.h"
+#include "shm_internal.h"
 #include "shm_segment.h"
-#include "simd.h"
 
 namespace ncclavg {
 namespace cpu {
+using namespace shm_detail;
 
 namespace {
 constexpr uint64_t kMagic = 0x6e63636c61767332ull;    // "ncclavs2"
 constexpr size_t kLinesOffset = 1024;
-constexpr int64_t kDirectBytes = 32 << 10;             // below: every rank sums the whole chunk
-using Clock = std::chrono::steady_clock;
-enum Op : int { kAllReduce = 0, kReduceScatter = 1, kAllGather = 2, kBroadcast = 3, kBarrier = 4 };
 
 static_assert(std::atomic<uint64_t>::is_always_lock_free, "shared counters must be lock-free");
 static_assert(std::atomic<int32_t>::is_always_lock_free, "shared counters must be lock-free");
 static_assert(sizeof(std::atomic<uint32_t>) == sizeof(uint32_t), "the futex word must be a plain int");
-
-size_t type_size(ShmType t) {
-  switch (t) {
-    case ShmType::kFloat32: return 4;
-    case ShmType::kFloat16:
-    case ShmType::kBFloat16: return 2;
-    case ShmType::kFloat64: return 8;
-  }
-  return 0;
-}
-
-const char* type_name(int t) {
-  static const char* names[] = {"float32", "float16", "bfloat16", "float64"};
-  return t >= 0 && t < 4 ? names[t] : "unknown";
-}
-
-const char* op_name(int op) {
-  static const char* names[] = {"all_reduce_sum", "reduce_scatter_sum", "all_gather", "broadcast", "barrier"};
-  return op >= 0 && op < 5 ? names[op] : "unknown";
-}
-
-ShmType checked_type(int code) {
-  NCCLAVG_CHECK_TYPE(code >= 0 && code <= 3, "type", "unknown element type code ", code,
-                     " (0 float32, 1 float16, 2 bfloat16, 3 float64)");
-  return static_cast<ShmType>(code);
-}
-
-void check_span(uintptr_t ptr, int64_t count, const char* argname) {
-  NCCLAVG_CHECK_ARG(count >= 0, "count", "must be >= 0, got ", count);
-  NCCLAVG_CHECK_ARG(count == 0 || ptr != 0, argname, "is null but count is ", count);
-}
-
-uint32_t float_bits(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof(u));
-  return u;
-}
 
 // This process's pid, kept current across fork() (a forked child must not pass for its parent).
 std::atomic<int> g_pid{0};
@@ -148,26 +109,6 @@ const char* counter_meaning(int c) {
   return names[c];
 }
 
-// out (and out2 unless null) = (srcs[0] + ... + srcs[nsrc-1]) * mul / div over n elements.
-void sum_into(ShmType t, unsigned char* out, unsigned char* out2, const unsigned char* const* srcs, int nsrc,
-              int64_t n, double mul, double div) {
-  if (n <= 0) return;
-  if (t == ShmType::kFloat64) {
-    auto* o = reinterpret_cast<double*>(out);
-    auto* o2 = reinterpret_cast<double*>(out2);
-    for (int64_t i = 0; i < n; ++i) {
-      double acc = reinterpret_cast<const double*>(srcs[0])[i];
-      for (int r = 1; r < nsrc; ++r) acc += reinterpret_cast<const double*>(srcs[r])[i];
-      if (mul != 1.0) acc *= mul;
-      if (div != 1.0) acc /= div;
-      o[i] = acc;
-      if (o2 != nullptr) o2[i] = acc;
-    }
-    return;
-  }
-  kernels().sum(out, out2, reinterpret_cast<const void* const*>(srcs), nsrc, static_cast<DType>(t),
-                static_cast<float>(mul), static_cast<float>(div), 0, n);
-}
 }  // namespace
 
 struct ShmHeader {
@@ -193,15 +134,6 @@ struct alignas(64) ShmRankLine {
   std::atomic<uint64_t> start_ticks;    // the owner's start time: a reused pid has another
 };
 
-struct ShmChannel::Call {
-  const char* op;
-  ShmType type;
-  int64_t count;
-  double mul, div;
-  double timeout_s;
-  Clock::time_point deadline;
-  uint64_t sig[3];
-};
 
 ShmChannel::ShmChannel(const std::string& name, int rank, int nranks, int64_t slot_bytes, uint64_t nonce,
                        std::vector<int> labels)
@@ -241,7 +173,9 @@ ShmChannel::ShmChannel(const std::string& name, int rank, int nranks, int64_t sl
   base_ = static_cast<unsigned char*>(p);
   header_ = reinterpret_cast<ShmHeader*>(base_);
   data_ = base_ + data_offset;
-  // Each rank allocates its own slots, from its own process: on its NUMA node (first touch).
+  // Each rank allocates its own slots, from its own process, and writes them first: they are placed on
+  // its NUMA node (the node of the first touch), where it writes them every round. Rank 0 used to
+  // reserve every slot, placing all of them on its own node.
   try {
     if (rank == 0) reserve_memory(fd, 0, data_offset, "the channel's header");
     reserve_memory(fd, data_offset + static_cast<size_t>(rank) * region, region,
@@ -249,6 +183,7 @@ ShmChannel::ShmChannel(const std::string& name, int rank, int nranks, int64_t sl
   } catch (const std::exception& e) {
     give_up(e.what());
   }
+  std::memset(slot(0, rank), 0, region);
   if (rank == 0) {
     header_->nonce = nonce;
     header_->nranks = nranks;
@@ -451,147 +386,6 @@ uint64_t ShmChannel::post_round(Call& call, const std::function<void(unsigned ch
   wait_for(kPosted, seq, -1, call, seq);
   check_same_collective(call, seq);
   return seq;
-}
-
-namespace {
-// A call's description: its name, validated element type and timeout, and its signature.
-template <class Call>
-Call make_call(const char* op, int op_id, int type, int root, int64_t count, double mul, double div,
-               double timeout_s) {
-  const ShmType t = checked_type(type);
-  NCCLAVG_CHECK_ARG(!std::isnan(timeout_s) && timeout_s > 0, "timeout_s", "must be > 0, got ", timeout_s);
-  NCCLAVG_CHECK_ARG(std::isfinite(mul) && std::isfinite(div) && div != 0, "mul/div",
-                    "must be finite with div != 0, got ", mul, " / ", div);
-  Call c{op, t, count, mul, div, timeout_s, {}, {}};
-  c.sig[0] = static_cast<uint64_t>(op_id) | static_cast<uint64_t>(type) << 8 | static_cast<uint64_t>(root + 1) << 16;
-  c.sig[1] = static_cast<uint64_t>(count);
-  c.sig[2] = uint64_t{float_bits(static_cast<float>(mul))} << 32 | float_bits(static_cast<float>(div));
-  return c;
-}
-
-// Elements per rank's slice of an all-reduce chunk of n: a multiple of 32 (64-byte aligned slices).
-int64_t slice_of(int64_t n, int nranks) { return ((n + nranks - 1) / nranks + 31) / 32 * 32; }
-}  // namespace
-
-void ShmChannel::all_reduce_sum(uintptr_t data, int64_t count, int type, double timeout_s, double mul, double div) {
-  Call call = make_call<Call>("all_reduce_sum", kAllReduce, type, -1, count, mul, div, timeout_s);
-  check_span(data, count, "data");
-  begin(call);
-  const int64_t es = static_cast<int64_t>(type_size(call.type));
-  const int64_t chunk = slot_bytes_ / es;
-  auto* base = reinterpret_cast<unsigned char*>(data);
-  std::vector<const unsigned char*> srcs(nranks_);
-  int64_t off = 0;
-  do {
-    const int64_t n = std::min(chunk, count - off);
-    unsigned char* mine = base + off * es;
-    uint64_t seq;
-    if (n * es <= kDirectBytes || nranks_ == 1) {
-      seq = post_round(call, [&](unsigned char* s) { std::memcpy(s, mine, static_cast<size_t>(n * es)); });
-      for (int r = 0; r < nranks_; ++r) srcs[r] = r == rank_ ? mine : slot(seq, r);
-      sum_into(call.type, mine, nullptr, srcs.data(), nranks_, n, mul, div);
-    } else {
-      const int64_t per = slice_of(n, nranks_);
-      const int64_t lo = std::min(n, rank_ * per), hi = std::min(n, lo + per);
-      seq = post_round(call, [&](unsigned char* s) {   // every slice but this rank's own
-        std::memcpy(s, mine, static_cast<size_t>(lo * es));
-        std::memcpy(s + hi * es, mine + hi * es, static_cast<size_t>((n - hi) * es));
-      });
-      for (int r = 0; r < nranks_; ++r) srcs[r] = (r == rank_ ? mine : slot(seq, r)) + lo * es;
-      sum_into(call.type, mine + lo * es, slot(seq, rank_) + lo * es, srcs.data(), nranks_, hi - lo, mul, div);
-      publish(kReduced, seq);
-      for (int i = 1; i < nranks_; ++i) {   // each slice as soon as its owner has summed it
-        const int r = (rank_ + i) % nranks_;
-        const int64_t rlo = std::min(n, r * per), rhi = std::min(n, rlo + per);
-        if (rhi <= rlo) continue;
-        wait_for(kReduced, seq, r, call, seq);
-        std::memcpy(mine + rlo * es, slot(seq, r) + rlo * es, static_cast<size_t>((rhi - rlo) * es));
-      }
-    }
-    publish(kConsumed, seq);
-    off += n;
-  } while (off < count);
-}
-
-void ShmChannel::reduce_scatter_sum(uintptr_t in, uintptr_t out, int64_t count, int type, double timeout_s,
-                                    double mul, double div) {
-  Call call = make_call<Call>("reduce_scatter_sum", kReduceScatter, type, -1, count, mul, div, timeout_s);
-  check_span(in, count, "in");
-  check_span(out, count, "out");
-  begin(call);
-  const int64_t es = static_cast<int64_t>(type_size(call.type));
-  // a round carries `piece` elements for every destination rank
-  const int64_t fit = slot_bytes_ / es / nranks_;
-  const int64_t piece = fit >= 32 ? fit / 32 * 32 : fit;
-  const auto* src = reinterpret_cast<const unsigned char*>(in);
-  auto* dst = reinterpret_cast<unsigned char*>(out);
-  std::vector<const unsigned char*> srcs(nranks_);
-  int64_t off = 0;
-  do {
-    const int64_t m = std::min(piece, count - off);
-    const uint64_t seq = post_round(call, [&](unsigned char* s) {
-      for (int d = 0; d < nranks_; ++d) {
-        if (d != rank_) std::memcpy(s + d * piece * es, src + (d * count + off) * es, static_cast<size_t>(m * es));
-      }
-    });
-    for (int r = 0; r < nranks_; ++r) {
-      srcs[r] = r == rank_ ? src + (rank_ * count + off) * es : slot(seq, r) + rank_ * piece * es;
-    }
-    sum_into(call.type, dst + off * es, nullptr, srcs.data(), nranks_, m, mul, div);
-    publish(kConsumed, seq);
-    off += m;
-  } while (off < count);
-}
-
-void ShmChannel::all_gather(uintptr_t in, uintptr_t out, int64_t count, int type, double timeout_s) {
-  Call call = make_call<Call>("all_gather", kAllGather, type, -1, count, 1.0, 1.0, timeout_s);
-  check_span(in, count, "in");
-  check_span(out, count, "out");
-  begin(call);
-  const int64_t es = static_cast<int64_t>(type_size(call.type));
-  const int64_t chunk = slot_bytes_ / es;
-  const auto* src = reinterpret_cast<const unsigned char*>(in);
-  auto* dst = reinterpret_cast<unsigned char*>(out);
-  int64_t off = 0;
-  do {
-    const int64_t n = std::min(chunk, count - off);
-    const uint64_t seq = post_round(call, [&](unsigned char* s) { std::memcpy(s, src + off * es, static_cast<size_t>(n * es)); });
-    for (int r = 0; r < nranks_; ++r) {
-      unsigned char* to = dst + (r * count + off) * es;
-      const unsigned char* from = r == rank_ ? src + off * es : slot(seq, r);
-      if (to != from) std::memmove(to, from, static_cast<size_t>(n * es));   // in may be out's own block
-    }
-    publish(kConsumed, seq);
-    off += n;
-  } while (off < count);
-}
-
-void ShmChannel::broadcast(uintptr_t data, int64_t count, int type, int root, double timeout_s) {
-  NCCLAVG_CHECK_ARG(root >= 0 && root < nranks_, "root", "must be in [0, ", nranks_, "), got ", root);
-  Call call = make_call<Call>("broadcast", kBroadcast, type, root, count, 1.0, 1.0, timeout_s);
-  check_span(data, count, "data");
-  begin(call);
-  const int64_t es = static_cast<int64_t>(type_size(call.type));
-  const int64_t chunk = slot_bytes_ / es;
-  auto* base = reinterpret_cast<unsigned char*>(data);
-  int64_t off = 0;
-  do {
-    const int64_t n = std::min(chunk, count - off);
-    // every rank posts (the root its data, the others only their call), so every rank checks the root
-    const uint64_t seq = post_round(call, [&](unsigned char* s) {
-      if (rank_ == root) std::memcpy(s, base + off * es, static_cast<size_t>(n * es));
-    });
-    if (rank_ != root) std::memcpy(base + off * es, slot(seq, root), static_cast<size_t>(n * es));
-    publish(kConsumed, seq);
-    off += n;
-  } while (off < count);
-}
-
-void ShmChannel::barrier(double timeout_s) {
-  Call call = make_call<Call>("barrier", kBarrier, 0, -1, 0, 1.0, 1.0, timeout_s);
-  begin(call);
-  const uint64_t seq = post_round(call, [](unsigned char*) {});
-  publish(kConsumed, seq);
 }
 
 }  // namespace cpu

@@ -36,6 +36,39 @@ from .liveness import Liveness
 from .shm import TYPE_CODES as SHM_TYPE_CODES, ShmTransport, host_identity, supports as shm_supports
 
 
+# Note [Reduce-scatter as all_to_all]
+# torch.distributed's gloo reduce_scatter_tensor ignores Work.wait(timeout) (torch 2.13: a peer 5 s late
+# holds a wait with a 1 s limit for the whole 5 s; all_reduce, all_gather, broadcast and all_to_all stop
+# at the limit). So the torch.distributed path sends each rank its slice of every input with one
+# all_to_all (the same bytes as a reduce-scatter) and sums the received pieces here, in rank order with
+# fp32 accumulation (fp64 for float64) and one rounding: the shared-memory channel's arithmetic, and the
+# call's timeout holds.
+def _sum_pieces(pieces: torch.Tensor, out: torch.Tensor) -> None:
+    """out = pieces[0] + pieces[1] + ... in order, accumulated wide, rounded once."""
+    wide = torch.float64 if out.dtype == torch.float64 else torch.float32
+    acc = pieces[0].to(wide, copy=True)
+    for p in pieces[1:]:
+        acc += p
+    out.view(-1).copy_(acc)
+
+
+class _ThenWork:
+    """A torch.distributed work, and what to run on this thread once it has completed."""
+
+    def __init__(self, work: Any, then: Callable[[], None]):
+        self._work, self._then, self._done = work, then, False
+
+    def wait(self, timeout: Any = None) -> bool:
+        self._work.wait(timeout=timeout)
+        if not self._done:
+            self._then()
+            self._done = True
+        return True
+
+    def is_completed(self) -> bool:
+        return bool(self._work.is_completed())
+
+
 class GlooCommunicator(Communicator):
     """`towers` CPU towers in this process, averaged with every tower of every process of `group`. See
     Note [Hierarchical CPU average]. Building one is a collective: every process of the group builds
@@ -56,8 +89,7 @@ class GlooCommunicator(Communicator):
         self.devices = ["cpu"] * towers
         self.timeout = check_timeout(timeout)
         self.predivide = bool(predivide)
-        # reduce_scatter_tensor / all_gather_into_tensor were renamed in recent torch versions.
-        self._reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+        # all_gather_into_tensor was renamed in recent torch versions.
         self._all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         self._shm: Optional[ShmTransport] = None
         found = ([(towers, "")] if self.world_size == 1 else
@@ -97,8 +129,10 @@ class GlooCommunicator(Communicator):
     def _sum_scatter(self, what: str, out: torch.Tensor, inp: torch.Tensor, timeout: Optional[float] = None) -> Any:
         if self._shm is not None and shm_supports(out) and shm_supports(inp):
             return _issue_dist(self, what, self._shm.reduce_scatter_sum, out, inp, True, timeout)
-        return _issue_dist(self, what, self._reduce_scatter, out, inp, op=self._dist.ReduceOp.SUM,
-                           group=self.group, async_op=True)
+        # See Note [Reduce-scatter as all_to_all]
+        pieces = torch.empty(self.world_size * out.numel(), dtype=out.dtype)
+        work = _issue_dist(self, what, self._dist.all_to_all_single, pieces, inp, group=self.group, async_op=True)
+        return _ThenWork(work, lambda: _sum_pieces(pieces.view(self.world_size, -1), out))
 
     def _from_rank_0(self, what: str, t: torch.Tensor, src: int, timeout: Optional[float] = None) -> Any:
         """Broadcast from the group's rank 0 (global rank `src`); the channel's ranks are the group's."""

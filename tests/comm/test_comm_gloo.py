@@ -31,6 +31,13 @@ def test_gloo_wait_times_out(shm, monkeypatch):
     run_ranks(_gloo_workers.timeout_job, 2, timeout_s=60)
 
 
+@pytest.mark.parametrize("shm", ["auto", "0"])
+@pytest.mark.parametrize("op", ["all_reduce_avg", "reduce_scatter_avg", "all_gather", "broadcast_tensors"])
+def test_a_calls_own_timeout_bounds_it(op, shm, monkeypatch):
+    monkeypatch.setenv("NCCLAVG_SHM", shm)
+    run_ranks(_gloo_workers.per_call_timeout_job, 2, args=(op,), timeout_s=60)
+
+
 @pytest.mark.parametrize("required", [False, True])
 def test_shm_setup_failure_falls_back_or_raises(required):
     run_ranks(_gloo_workers.shm_setup_fails_job, 2, args=(required,), timeout_s=60)

@@ -3,53 +3,15 @@ segment, no torch.distributed. Results are compared bit for bit with the arithme
 defines (Note [Shared-memory channel]: rank order, fp32 accumulation, one rounding), so no tolerance is
 involved; failures must name the peer and end within their bounds."""
 import os
-import secrets
-import time
 
 import _shm_workers
 import pytest
-import torch.multiprocessing as mp
+from _shm_util import channel_name as _name, left_behind, run
 
 from ncclavg import _C
 from ncclavg.errors import CommError
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="no /dev/shm on this machine")
-
-
-def _name():
-    return f"/ncclavg-test-{os.getpid()}-{secrets.token_hex(6)}"
-
-
-def run(body, world, *args, expect=None, timeout_s=120):
-    """Runs body(rank, world, name, *args, queue) in `world` spawned processes; returns the messages they
-    queued (`expect` of them, world by default), and checks that no segment was left behind."""
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    name = _name()
-    procs = [ctx.Process(target=body, args=(r, world, name, *args, q)) for r in range(world)]
-    for p in procs:
-        p.start()
-    out = []
-    try:
-        deadline = time.monotonic() + timeout_s
-        while len(out) < (expect or world):
-            out.append(q.get(timeout=max(1.0, deadline - time.monotonic())))
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-    assert not left_behind(name), "the channel left a name behind"
-    return sorted(out, key=lambda m: m[0])
-
-
-def left_behind(name):
-    """Names the channel `name` would leave after its processes: a file in /dev/shm, or its door (an
-    abstract unix socket, listed in /proc/net/unix as @ncclavg/<name>)."""
-    found = [p for p in os.listdir("/dev/shm") if name.strip("/") in p]
-    with open("/proc/net/unix") as f:
-        found += [line.split()[-1] for line in f if line.rstrip().endswith("@ncclavg/" + name)]
-    return found
 
 
 # slot 64 KiB: fp32 chunks of 16384 elements, the split sum above 8192; sizes cover 0, odd sizes (the
