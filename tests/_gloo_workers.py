@@ -318,3 +318,62 @@ def shm_setup_fails_job(rank, world, port, required):
     x = torch.full((5,), float(rank))
     comm.all_reduce_avg([x])
     assert torch.equal(x, torch.full((5,), (world - 1) / 2))
+
+
+def fast_path_job(rank, world, port):
+    """The small-message fast path (Note [Small-message fast path]) against what can change under its
+    cache: a tensor resized or set_ to other memory, freed and replaced, an inference tensor, a call made
+    while an asynchronous one is queued; every result exact (small integers), bad input as the general
+    path says it."""
+    init_rank(rank, world, port)
+    from ncclavg import Communicator
+
+    comm = Communicator.from_torch_distributed(device="cpu", timeout=60)
+    assert comm.transport == "shm" and comm._fast is not None
+    mean = (world - 1) / 2
+
+    def check(t, n):
+        assert t.numel() == n and torch.equal(t, torch.full((n,), mean, dtype=t.dtype)), (t, n)
+
+    x = torch.full((4,), float(rank))
+    comm.all_reduce_avg([x])
+    check(x, 4)
+    for _ in range(3):   # the cached call, again and again
+        x.fill_(rank)
+        comm.all_reduce_avg([x])
+        check(x, 4)
+    x.resize_(9000)   # other memory, other size (the version moves)
+    x.fill_(rank)
+    comm.all_reduce_avg([x])
+    check(x, 9000)
+    x.set_(torch.full((3,), float(rank)))
+    comm.all_reduce_avg([x])
+    check(x, 3)
+    for dtype in (torch.bfloat16, torch.float16):
+        for _ in range(2):
+            y = torch.full((5,), float(rank), dtype=dtype)   # a new tensor, often at a freed one's id
+            comm.all_reduce_avg([y])
+            check(y, 5)
+            del y
+    with torch.inference_mode():
+        z = torch.full((6,), float(rank))
+        comm.all_reduce_avg([z])
+        check(z, 6)
+    a, b = torch.full((70000,), float(rank)), torch.full((2,), float(rank))
+    work = comm.all_reduce_avg_async([a])   # queued on the worker: the next call must run after it
+    comm.all_reduce_avg([b])
+    work.wait()
+    check(a, 70000)
+    check(b, 2)
+    try:
+        comm.all_reduce_avg([torch.ones(3, dtype=torch.float64)])
+        raise AssertionError("expected TypeError")
+    except TypeError as e:
+        assert "tensors" in str(e), str(e)
+    try:
+        comm.all_reduce_avg([torch.ones(6)[::2]])
+        raise AssertionError("expected an error for a non-contiguous tensor")
+    except (TypeError, ValueError) as e:
+        assert "tensors" in str(e) and "contiguous" in str(e), str(e)
+    comm.all_reduce_avg([x], timeout=5.0)   # still in step after the refused calls
+    check(x, 3)

@@ -57,6 +57,7 @@
 #endif
 
 #include <algorithm>
+#include <cstddef>
 #include <cerrno>
 #include <climits>
 #include <cmath>
@@ -109,7 +110,10 @@ const char* counter_meaning(int c) {
   return names[c];
 }
 
+thread_local ShmBlockingHook* t_blocking_hook = nullptr;
 }  // namespace
+
+void set_blocking_hook(ShmBlockingHook* hook) { t_blocking_hook = hook; }
 
 struct ShmHeader {
   std::atomic<uint64_t> magic;
@@ -126,14 +130,17 @@ struct ShmHeader {
 static_assert(sizeof(ShmHeader) <= kLinesOffset, "header overlaps the rank lines");
 
 struct alignas(64) ShmRankLine {
+  // Written by its rank every round and read by every peer: one cache line.
   std::atomic<uint64_t> counter[3];   // posted, reduced, consumed: the last round done
-  // the call of round seq at [seq % 2] (op | type | root, count, scale): a rank may post round seq + 1
+  // the call of round seq at [seq % 2] (op | type | root | scale, count): a rank may post round seq + 1
   // while a peer still checks round seq, never round seq + 2 (that waits for the peer's consumed = seq)
-  std::atomic<uint64_t> signature[2][3];
-  std::atomic<int32_t> pid;             // the owner, claimed with a compare-and-swap from 0
-  std::atomic<uint64_t> start_ticks;    // the owner's start time: a reused pid has another
+  std::atomic<uint64_t> signature[2][2];
+  // The owner, claimed with a compare-and-swap from 0 (Note [One owner per rank]), and its start time
+  // (a reused pid has another): read only while waiting long, so on a line of their own.
+  alignas(64) std::atomic<int32_t> pid;
+  std::atomic<uint64_t> start_ticks;
 };
-
+static_assert(offsetof(ShmRankLine, pid) == 64, "the round's state must fill exactly one cache line");
 
 ShmChannel::ShmChannel(const std::string& name, int rank, int nranks, int64_t slot_bytes, uint64_t nonce,
                        std::vector<int> labels)
@@ -334,6 +341,11 @@ void ShmChannel::wait_for(Counter c, uint64_t target, int only_rank, const Call&
       }
       const auto waited = now - start;
       phase = waited < std::chrono::microseconds(50) ? kSpin : waited < std::chrono::milliseconds(1) ? kYield : kSleep;
+      if (phase != kSpin && t_blocking_hook != nullptr) {   // once per call: e.g. the GIL goes here
+        ShmBlockingHook* hook = t_blocking_hook;
+        t_blocking_hook = nullptr;
+        hook->before_blocking();
+      }
       if (phase != kSleep) continue;
       // Sleep until a publish (or an abort) bumps the futex word, the next liveness check, or the deadline.
       header_->sleepers.fetch_add(1, std::memory_order_seq_cst);
@@ -356,21 +368,21 @@ void ShmChannel::check_same_collective(const Call& call, uint64_t seq) {
     const int op = static_cast<int>(sig[0] & 0xff);
     d << op_name(op) << " of " << sig[1] << " " << type_name(static_cast<int>((sig[0] >> 8) & 0xff));
     if (op == kBroadcast) {
-      const int root = static_cast<int>(sig[0] >> 16) - 1;
+      const int root = static_cast<int>((sig[0] >> 16) & 0xffffff) - 1;
       d << " from root " << (root >= 0 && root < nranks_ ? labels_[root] : root);
     }
-    if (sig[2] != (uint64_t{float_bits(1.0f)} << 32 | float_bits(1.0f))) d << " (scaled)";
+    if ((sig[0] >> 40) != scale_hash(1.0, 1.0)) d << " (scaled)";
     return d.str();
   };
   for (int r = 0; r < nranks_; ++r) {
     if (r == rank_) continue;
-    uint64_t theirs[3];
-    for (int k = 0; k < 3; ++k) theirs[k] = line(r).signature[seq & 1][k].load(std::memory_order_relaxed);
-    if (theirs[0] != call.sig[0] || theirs[1] != call.sig[1] || theirs[2] != call.sig[2]) {
+    const uint64_t theirs[2] = {line(r).signature[seq & 1][0].load(std::memory_order_relaxed),
+                                line(r).signature[seq & 1][1].load(std::memory_order_relaxed)};
+    if (theirs[0] != call.sig[0] || theirs[1] != call.sig[1]) {
       std::ostringstream os;
       os << "shared-memory collectives out of step: rank " << labels_[rank_] << " called " << describe(call.sig)
          << ", rank " << labels_[r] << " called " << describe(theirs)
-         << ": every rank must call the same collectives, with the same sizes and root, in the same order";
+         << ": every rank must call the same collectives, with the same sizes, root and scale, in the same order";
       fail_all(os.str(), false);
     }
   }
@@ -381,7 +393,7 @@ uint64_t ShmChannel::post_round(Call& call, const std::function<void(unsigned ch
   const uint64_t seq = ++seq_;
   if (seq > 2) wait_for(kConsumed, seq - 2, -1, call, seq);
   fill(slot(seq, rank_));
-  for (int k = 0; k < 3; ++k) line(rank_).signature[seq & 1][k].store(call.sig[k], std::memory_order_relaxed);
+  for (int k = 0; k < 2; ++k) line(rank_).signature[seq & 1][k].store(call.sig[k], std::memory_order_relaxed);
   publish(kPosted, seq);
   wait_for(kPosted, seq, -1, call, seq);
   check_same_collective(call, seq);

@@ -23,6 +23,17 @@ struct ShmPeerError : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+// What a waiting collective calls once, on its own thread, when its wait outlasts the first spin (Note
+// [Waiting in the channel]): the Python binding of the small-message fast path releases the GIL there,
+// so that a call whose peers are ready never gives it up. Set per thread; nullptr: none.
+struct ShmBlockingHook {
+  virtual void before_blocking() = 0;
+
+ protected:
+  ~ShmBlockingHook() = default;
+};
+void set_blocking_hook(ShmBlockingHook* hook);
+
 struct ShmHeader;
 struct ShmRankLine;
 class ShmDoor;

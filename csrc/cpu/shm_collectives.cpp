@@ -46,9 +46,9 @@ Call make_call(const char* op, int op_id, int type, int root, int64_t count, dou
   NCCLAVG_CHECK_ARG(std::isfinite(mul) && std::isfinite(div) && div != 0, "mul/div",
                     "must be finite with div != 0, got ", mul, " / ", div);
   Call c{op, t, count, mul, div, timeout_s, {}, {}};
-  c.sig[0] = static_cast<uint64_t>(op_id) | static_cast<uint64_t>(type) << 8 | static_cast<uint64_t>(root + 1) << 16;
+  c.sig[0] = static_cast<uint64_t>(op_id) | static_cast<uint64_t>(type) << 8 |
+             static_cast<uint64_t>(root + 1) << 16 | scale_hash(mul, div) << 40;
   c.sig[1] = static_cast<uint64_t>(count);
-  c.sig[2] = uint64_t{float_bits(static_cast<float>(mul))} << 32 | float_bits(static_cast<float>(div));
   return c;
 }
 

@@ -51,6 +51,13 @@ inline uint32_t float_bits(float f) {
   return u;
 }
 
+// 24 bits that tell two scales (mul, div) of a call apart (a signature has room for no more).
+inline uint64_t scale_hash(double mul, double div) {
+  const uint64_t h = (uint64_t{float_bits(static_cast<float>(mul))} * 0x9E3779B97F4A7C15ull) ^
+                     float_bits(static_cast<float>(div));
+  return (h * 0xC2B2AE3D27D4EB4Full) >> 40;
+}
+
 }  // namespace shm_detail
 
 // One collective call: its name, element type, size, scale, time limit and signature.
@@ -61,7 +68,7 @@ struct ShmChannel::Call {
   double mul, div;
   double timeout_s;
   shm_detail::Clock::time_point deadline;
-  uint64_t sig[3];
+  uint64_t sig[2];   // op | type << 8 | (root + 1) << 16 | scale_hash << 40, count
 };
 
 }  // namespace cpu

@@ -11,12 +11,16 @@ Note [Bench timing]
   the ratios between them stay meaningful even when the absolute times wobble.
 - Iterations are scaled down with size: a size aims at `budget` seconds per contender, never fewer
   than min(3, iters) rounds, never more than `iters`. A 256 MiB point costs a few rounds, 8 B gets all.
-- CPU: each run is timed on its own and the median is reported. GPU: a device synchronize costs about
-  as much as a small all-reduce, so runs are timed in batches between two synchronizes and the
-  median over batches of the per-run time is reported (nccl-tests times one loop the same way).
+- One CPU process: each run is timed on its own and the median is reported. GPU: a device
+  synchronize costs about as much as a small all-reduce, so runs are timed in batches between two
+  synchronizes and the median over batches of the per-run time is reported (nccl-tests times one loop
+  the same way).
 - Multi-process: all ranks must run the same number of collectives, so the iteration counts are
-  agreed (max of each rank's estimate) and each sample is the slowest rank's (a collective is done
-  when the last rank is done).
+  agreed (max of each rank's estimate). Before each contender's timed batch every rank passes a
+  barrier, so no rank times a contender while another still finishes the previous one (on 2 cores an
+  8-byte copy read 41-69 us instead of 1.5 us that way); the ranks leave a barrier some microseconds
+  apart, so small sizes run in batches of BATCH_SECONDS that spread that skew thin. Each sample is the
+  slowest rank's (a collective is done when the last rank is done).
 """
 from __future__ import annotations
 
@@ -32,7 +36,7 @@ from .contenders import (CommAverage, Contender, CopyReference, CupyNccl, TorchA
 from .inputs import ExactPattern
 
 MIN_ITERS = 3
-GPU_BATCH_SECONDS = 1e-3
+BATCH_SECONDS = 1e-3   # small sizes: runs per timed batch (GPU, and CPU with several processes)
 
 
 class Ranks:
@@ -241,11 +245,16 @@ def measure_size(contenders: list[Contender], w: Workload, s: Setup, iters: int,
             round_s = sum(est)
         rounds = max(min(iters, MIN_ITERS), min(iters, int(budget * len(contenders) / round_s)))
         batch = [1] * len(contenders)
-        if s.on_gpu:
-            batch = [max(1, min(rounds // MIN_ITERS, int(GPU_BATCH_SECONDS / e))) for e in est]
+        if s.on_gpu or ranks.group is not None:
+            batch = [max(1, min(rounds // MIN_ITERS, int(BATCH_SECONDS / e))) for e in est]
             rounds = max(1, -(-rounds // max(batch)))  # about `iters` runs of the cheapest contender
-        ranks.barrier()
-        samples = [[_timed(c, sync, k) for c, k in zip(contenders, batch)] for _ in range(rounds)]
+        samples = []
+        for _ in range(rounds):
+            row = []
+            for c, k in zip(contenders, batch):
+                ranks.barrier()   # every rank starts this contender's batch together
+                row.append(_timed(c, sync, k))
+            samples.append(row)
         samples = [ranks.max(list(col)) for col in zip(*samples)]   # per contender, slowest rank
         return [Point(statistics.median(col) * 1e6, wr, rounds * k, 1 + n_warm)
                 for col, wr, k in zip(samples, wrong, batch)]

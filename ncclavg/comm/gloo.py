@@ -22,7 +22,6 @@ above and their element math stay the same.
 """
 from __future__ import annotations
 
-import time
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -30,10 +29,10 @@ import torch
 from .._ext import _C
 from ..buffers import as_buffer
 from .base import Communicator, Work, check_count, check_timeout
-from .dist import (_DistWork, _allgather_object_bounded, _debug_allgather_dist, _issue_dist, _raise_failure,
-                   _wait_dist)
+from .dist import _DistWork, _allgather_object_bounded, _debug_allgather_dist, _issue_dist, _wait_dist
 from .liveness import Liveness
-from .shm import TYPE_CODES as SHM_TYPE_CODES, ShmTransport, host_identity, supports as shm_supports
+from .shm import ShmTransport, host_identity, supports as shm_supports
+from .shm_fast import FastAverage
 
 
 # Note [Reduce-scatter as all_to_all]
@@ -111,7 +110,7 @@ class GlooCommunicator(Communicator):
         # so this depends only on what every rank shares: the transport, and the dtype and the call.
         self._fuses_division = self._shm is not None and self._shm.channel is not None
         # one tower here and one host's channel over every process: Note [Small-message fast path]
-        self._fast_channel = self._shm.channel if self._fuses_division and towers == 1 else None
+        self._fast = FastAverage(self, self._shm) if self._fuses_division and towers == 1 else None
 
     # ------------------------------------------------------------------ the collectives between processes
     # Each starts one SUM / gather / broadcast over the processes and returns a Work for _wait_dist:
@@ -162,32 +161,10 @@ class GlooCommunicator(Communicator):
 
     def all_reduce_avg(self, tensors: Sequence[torch.Tensor], *, tag: Optional[str] = None,
                        debug_key: Optional[Sequence[int]] = None, timeout: Optional[float] = None) -> None:
-        limit = self._timeout_arg(timeout)   # before anything starts: a bad timeout must not desync ranks
-        if self._fast_channel is not None and not self.debug and self._fast_average(tensors, limit, tag):
+        limit = self.timeout if timeout is None else check_timeout(timeout)   # before anything starts
+        if self._fast is not None and self._fast(tensors, limit, tag):   # Note [Small-message fast path]
             return
         self._average(tensors, False, tag, debug_key, sync=True, timeout=limit).wait(limit)
-
-    # Note [Small-message fast path]
-    # A synchronous all_reduce_avg of one tower's tensor through a one-host channel is one call into the
-    # core, the very call _average would submit (Note [Division in the channel]), run on this thread with
-    # this call's timeout: no work object, no event, no worker thread, and the description of the call
-    # is written only when an error needs it. At 8 bytes the whole call costs a few microseconds over the
-    # channel's own round (it cost about 57 us through the general path). It applies when nothing else
-    # is queued on the channel; otherwise the call takes the general path, in order behind the queued
-    # ones. Either way the channel sees the same collective.
-    def _fast_average(self, tensors: Sequence[torch.Tensor], limit: float, tag: Optional[str]) -> bool:
-        tensors, bufs = self._checked_buffers(tensors, "tensors")
-        scale, pre_div, post_div = self._sum_factors()
-        t = tensors[0]
-        if scale != 1.0 or pre_div != 1.0 or not shm_supports(t):
-            return False
-        started = time.monotonic()
-        try:
-            return self._shm.run_inline(self._fast_channel.all_reduce_sum,
-                                        (t.data_ptr(), t.numel(), SHM_TYPE_CODES[t.dtype], limit, 1.0, post_div))
-        except (RuntimeError, TimeoutError) as e:   # the channel's errors; they name the peer
-            _raise_failure(self, e, str(self._what("all_reduce_avg", tensors, tag)), limit,
-                           time.monotonic() - started, "shared-memory channel", True)
 
     def all_reduce_avg_async(self, tensors: Sequence[torch.Tensor], defer_scale: bool = False, *,
                              tag: Optional[str] = None, debug_key: Optional[Sequence[int]] = None) -> Work:

@@ -38,6 +38,10 @@ def test_a_calls_own_timeout_bounds_it(op, shm, monkeypatch):
     run_ranks(_gloo_workers.per_call_timeout_job, 2, args=(op,), timeout_s=60)
 
 
+def test_small_message_fast_path_follows_its_tensors():
+    run_ranks(_gloo_workers.fast_path_job, 2, timeout_s=120)
+
+
 @pytest.mark.parametrize("required", [False, True])
 def test_shm_setup_failure_falls_back_or_raises(required):
     run_ranks(_gloo_workers.shm_setup_fails_job, 2, args=(required,), timeout_s=60)
