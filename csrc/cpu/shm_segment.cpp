@@ -145,7 +145,7 @@ void reserve_memory(int fd, size_t offset, size_t bytes, const std::string& what
 
 ShmDoor::ShmDoor(const std::string& name, int fd, const ShmDoorRequest& expected)
     : fd_(fd), expected_(expected), served_(static_cast<size_t>(expected.nranks), 0),
-      remaining_(expected.nranks - 1) {
+      remaining_(expected.nranks - 1), owner_pid_(getpid()) {
   check_channel_name(name);
   listen_fd_ = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
   if (listen_fd_ < 0) throw std::runtime_error("shared-memory channel: " + errno_text("socket"));
@@ -165,7 +165,13 @@ ShmDoor::~ShmDoor() { close(); }
 
 void ShmDoor::close() {
   stop_.store(true, std::memory_order_release);
-  if (thread_.joinable()) thread_.join();
+  if (thread_.joinable()) {
+    if (getpid() == owner_pid_) {
+      thread_.join();
+    } else {   // a forked child has a copy of this object but not the thread: leave the handle alone
+      new std::thread(std::move(thread_));   // never destroyed: destroying it would std::terminate
+    }
+  }
   close_fds();
 }
 

@@ -64,6 +64,7 @@ class ShmDoor {
   ShmDoorRequest expected_;
   std::vector<char> served_;   // per rank: its descriptor was handed out
   int remaining_;
+  int owner_pid_;   // the process whose thread serves
   std::atomic<bool> stop_{false};
   std::thread thread_;
 };

@@ -137,3 +137,24 @@ def test_heartbeat_keys_agree_between_ranks_that_build_different_groups():
     finally:
         liveness._SEQ.clear()
         liveness._SEQ.update(saved)
+
+
+def test_a_forked_child_can_drop_its_copy_of_an_open_channel():
+    # Rank 0's door is served by a thread; a child forked meanwhile (a DataLoader worker, say) has a copy
+    # of the channel object but not the thread, and must be able to destroy it without std::terminate.
+    ch = _C.ShmChannel(channel_name(), 0, 2, SLOT, 1)
+    pid = os.fork()
+    if pid == 0:
+        try:
+            del ch
+            os._exit(0)
+        except BaseException:   # noqa: BLE001
+            os._exit(3)
+    deadline = time.monotonic() + 30   # joining the absent thread would hang the child: bounded here
+    while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if done[0] == 0:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+    ch.close_door()
+    assert done[0] == pid and os.WIFEXITED(done[1]) and os.WEXITSTATUS(done[1]) == 0, done
