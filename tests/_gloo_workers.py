@@ -377,3 +377,28 @@ def fast_path_job(rank, world, port):
         assert "tensors" in str(e) and "contiguous" in str(e), str(e)
     comm.all_reduce_avg([x], timeout=5.0)   # still in step after the refused calls
     check(x, 3)
+    # a fast-path call that has to wait gives the GIL up: another thread of this process keeps running
+    import threading
+
+    ticks, stop = [0], threading.Event()
+
+    def count():
+        while not stop.is_set():
+            ticks[0] += 1
+
+    if rank == 0:
+        counter = threading.Thread(target=count)
+        counter.start()
+        x.fill_(rank)
+        before = ticks[0]
+        comm.all_reduce_avg([x])   # rank 1 is 1.5 s late
+        during = ticks[0] - before
+        stop.set()
+        counter.join()
+        # about 10 M counts a second when it runs; held out by the GIL, none
+        assert during > 100000, f"the counting thread ran {during} times while rank 0 waited 1.5 s"
+    else:
+        time.sleep(1.5)
+        x.fill_(rank)
+        comm.all_reduce_avg([x])
+    check(x, 3)

@@ -30,8 +30,9 @@
 // one rounding instead of P - 1. For two ranks an fp32 sum is the same a + b as gloo's.
 //
 // Note [Waiting in the channel]
-// A wait spins for 50 us (a peer on another core is usually microseconds away), yields the core until
-// 1 ms (with more processes than cores, a spinning waiter would delay the very peer it waits for), then
+// A wait spins for 50 us (a peer on another core is usually microseconds away; no spinning at all when
+// the channel has more ranks than this process may use CPUs), yields the core until 1 ms (with more
+// processes than cores, a spinning waiter would delay the very peer it waits for), then
 // sleeps on a futex in the segment, which a publishing rank wakes when someone sleeps: a rank waiting
 // for a late peer costs no CPU. While waiting it checks (a) the call's deadline (timeout_s from the
 // call's start), (b) an abort word in the header that any rank sets when it fails, with its reason, so
@@ -111,6 +112,15 @@ const char* counter_meaning(int c) {
 }
 
 thread_local ShmBlockingHook* t_blocking_hook = nullptr;
+
+// Runs this thread's blocking hook, once: before the first yield or sleep of a call (the GIL goes).
+inline void before_blocking() {
+  if (t_blocking_hook != nullptr) {
+    ShmBlockingHook* hook = t_blocking_hook;
+    t_blocking_hook = nullptr;
+    hook->before_blocking();
+  }
+}
 }  // namespace
 
 void set_blocking_hook(ShmBlockingHook* hook) { t_blocking_hook = hook; }
@@ -207,6 +217,10 @@ ShmChannel::ShmChannel(const std::string& name, int rank, int nranks, int64_t sl
             " is taken already, by pid " + std::to_string(expected));
   }
   line(rank).start_ticks.store(process_start_ticks(current_pid()), std::memory_order_release);
+  // More ranks than CPUs to run them: a spinning waiter holds the CPU its peer needs, so yield at once.
+  cpu_set_t cpus;
+  const int usable = sched_getaffinity(0, sizeof(cpus), &cpus) == 0 ? CPU_COUNT(&cpus) : 0;
+  spin_ = usable > 0 && nranks > usable ? Clock::duration::zero() : std::chrono::microseconds(50);
   if (rank == 0) {
     try {
       door_ = std::make_unique<ShmDoor>(name, fd, request);   // owns fd from here
@@ -304,7 +318,7 @@ void ShmChannel::wait_for(Counter c, uint64_t target, int only_rank, const Call&
     if (counter.load(std::memory_order_acquire) >= target) continue;
     const Clock::time_point start = Clock::now();
     Clock::time_point next_check = start + std::chrono::milliseconds(100);
-    enum { kSpin, kYield, kSleep } phase = kSpin;
+    enum { kSpin, kYield, kSleep } phase = spin_ > Clock::duration::zero() ? kSpin : kYield;
     for (uint64_t i = 1; counter.load(std::memory_order_acquire) < target; ++i) {
       if (local_abort_.load(std::memory_order_acquire) || header_->aborted_by.load(std::memory_order_acquire)) {
         failed_ = true;
@@ -314,6 +328,7 @@ void ShmChannel::wait_for(Counter c, uint64_t target, int only_rank, const Call&
                                    : std::string("shared-memory ") + call.op + ": the channel was aborted by rank " +
                                          std::to_string(who) + ": " + header_->abort_reason);
       }
+      if (phase != kSpin) before_blocking();
       if (phase == kSpin) {
         cpu_relax();
       } else if (phase == kYield) {
@@ -340,13 +355,9 @@ void ShmChannel::wait_for(Counter c, uint64_t target, int only_rank, const Call&
         }
       }
       const auto waited = now - start;
-      phase = waited < std::chrono::microseconds(50) ? kSpin : waited < std::chrono::milliseconds(1) ? kYield : kSleep;
-      if (phase != kSpin && t_blocking_hook != nullptr) {   // once per call: e.g. the GIL goes here
-        ShmBlockingHook* hook = t_blocking_hook;
-        t_blocking_hook = nullptr;
-        hook->before_blocking();
-      }
+      phase = waited < spin_ ? kSpin : waited < std::chrono::milliseconds(1) ? kYield : kSleep;
       if (phase != kSleep) continue;
+      before_blocking();
       // Sleep until a publish (or an abort) bumps the futex word, the next liveness check, or the deadline.
       header_->sleepers.fetch_add(1, std::memory_order_seq_cst);
       const uint32_t epoch = header_->wake_epoch.load(std::memory_order_seq_cst);

@@ -100,6 +100,7 @@ class ShmChannel {
   uint64_t seq_ = 0;                // rounds done: the same on every rank
   std::atomic<bool> local_abort_{false};
   bool failed_ = false;
+  std::chrono::steady_clock::duration spin_{};   // how long a wait spins before it yields
 };
 
 }  // namespace cpu
