@@ -35,6 +35,9 @@ from . import shm
 from .backend_lane import Job
 
 GATHER_LIMIT = 16 << 20   # bytes: above, reductions the channel cannot sum go through gloo
+# gloo has no kernels for these: reductions go through the next wider integer (the low bits of a wrapped
+# sum, product, minimum or bitwise op are the same), data movement through the bytes
+_GLOO_WIDER = {torch.int16: torch.int32, torch.uint16: torch.int32, torch.uint32: torch.int64}
 R = ReduceOp.RedOpType
 _SUMS = (R.SUM, R.AVG, R.PREMUL_SUM)
 _HALF = (torch.float16, torch.bfloat16)
@@ -50,9 +53,11 @@ def premul_factor(op: Any) -> float:
     return float(f.item() if isinstance(f, torch.Tensor) else f)
 
 
-def _byte_wire(flat_bytes: torch.Tensor) -> torch.Tensor:
-    """A channel-typed view of an even number of bytes."""
-    return flat_bytes.view(torch.float32) if flat_bytes.numel() % 4 == 0 else flat_bytes.view(torch.float16)
+def _byte_wire(flat_bytes: torch.Tensor, unit: int = 0) -> torch.Tensor:
+    """A channel-typed view of an even number of bytes: float32 when `unit` (default: their count) is a
+    multiple of 4, else float16. A gather's input and output must be viewed alike: pass the input's count."""
+    unit = unit or flat_bytes.numel()
+    return flat_bytes.view(torch.float32) if unit % 4 == 0 else flat_bytes.view(torch.float16)
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
@@ -82,12 +87,12 @@ class CpuCollectives:
         """out_bytes (size x in_bytes, uint8) = every rank's in_bytes, in rank order, through the channel."""
         n = in_bytes.numel()
         if n % 2 == 0:
-            self._channel(job, "all_gather", _byte_wire(out_bytes), _byte_wire(in_bytes))
+            self._channel(job, "all_gather", _byte_wire(out_bytes, n), _byte_wire(in_bytes))
             return
         padded = torch.zeros(n + 1, dtype=torch.uint8)
         padded[:n] = in_bytes
         rows = torch.empty(self.size * (n + 1), dtype=torch.uint8)
-        self._channel(job, "all_gather", _byte_wire(rows), _byte_wire(padded))
+        self._channel(job, "all_gather", _byte_wire(rows, n + 1), _byte_wire(padded))
         out_bytes.view(self.size, n).copy_(rows.view(self.size, n + 1)[:, :n])
 
     def _broadcast_bytes(self, job: Job, data: torch.Tensor, root: int) -> None:
@@ -154,9 +159,14 @@ class CpuCollectives:
             t.div_(self.size)
 
     def _gloo_allreduce(self, job: Job, t: torch.Tensor, kind: Any) -> None:
+        if t.dtype in _GLOO_WIDER:
+            wide = t.to(_GLOO_WIDER[t.dtype])
+            self._gloo_allreduce(job, wide, kind)
+            t.copy_(wide)
+            return
         opts = AllreduceOptions()
-        integer_avg = kind == R.AVG and not t.is_floating_point()
-        opts.reduceOp = ReduceOp(R.SUM) if integer_avg or kind == R.PREMUL_SUM else ReduceOp(kind)
+        integer_avg = kind == R.AVG and not t.is_floating_point() and t.dtype != torch.bool
+        opts.reduceOp = ReduceOp(R.SUM) if kind in (R.AVG, R.PREMUL_SUM) else ReduceOp(kind)   # bool: an OR
         self._gloo_op(job, self.gloo.allreduce([t], opts))
         if integer_avg:
             t.copy_(torch.div(t, self.size, rounding_mode="trunc"))
@@ -186,35 +196,41 @@ class CpuCollectives:
         if kind == R.PREMUL_SUM:
             inp = inp * premul_factor(op)   # the caller's input stays as it is
             kind = R.SUM
-        if (self.transport is not None and out.is_floating_point() and out.dtype in shm._TYPE_CODES
-                and kind in (R.SUM, R.AVG)):
+        if out.is_floating_point() and out.dtype in shm._TYPE_CODES and kind in (R.SUM, R.AVG):
             o, i = out.view(-1), inp.reshape(-1)
-            if kind == R.AVG and out.dtype in _HALF:
+            if kind == R.AVG and out.dtype in _HALF:   # an fp32 sum, one rounding (see the Note)
                 acc = torch.empty(o.numel(), dtype=torch.float32)
-                self._channel(job, "reduce_scatter_sum", acc, i.to(torch.float32))
+                self._sum_scatter(job, acc, i.to(torch.float32))
                 o.copy_(acc.div_(self.size))
                 return
-            self._channel(job, "reduce_scatter_sum", o, i)
+            self._sum_scatter(job, o, i)
             if kind == R.AVG:
                 o.div_(self.size)
             return
-        if self.transport is not None and self.size * inp.numel() * inp.element_size() <= GATHER_LIMIT:
-            whole = inp.reshape(-1).clone()
-            self.allreduce(job, whole, ReduceOp(kind))
-            n = out.numel()
-            out.view(-1).copy_(whole[self.rank * n:(self.rank + 1) * n])
+        # anything else: the whole input all-reduced (by the rules above), this rank's slice kept
+        whole = inp.reshape(-1).clone()
+        self.allreduce(job, whole, ReduceOp(kind))
+        n = out.numel()
+        out.view(-1).copy_(whole[self.rank * n:(self.rank + 1) * n])
+
+    def _sum_scatter(self, job: Job, out: torch.Tensor, inp: torch.Tensor) -> None:
+        if self.transport is not None:
+            self._channel(job, "reduce_scatter_sum", out, inp)
             return
         opts = ReduceScatterOptions()
-        opts.reduceOp = ReduceOp(kind)
+        opts.reduceOp = ReduceOp(R.SUM)
         self._gloo_op(job, self.gloo._reduce_scatter_base(out, inp, opts))
 
     def reduce_scatter(self, job: Job, out: torch.Tensor, inputs: List[torch.Tensor], op: Any) -> None:
         if all(x.numel() == out.numel() for x in inputs):
             self.reduce_scatter_single(job, out, torch.cat([x.reshape(-1) for x in inputs]), op)
             return
-        opts = ReduceScatterOptions()
-        opts.reduceOp = op
-        self._gloo_op(job, self.gloo.reduce_scatter([out], [inputs], opts))
+        # sizes that differ by rank: every slice all-reduced, this rank's kept
+        for r, x in enumerate(inputs):
+            whole = x.reshape(-1).clone()
+            self.allreduce(job, whole, op)
+            if r == self.rank:
+                out.view(-1).copy_(whole)
 
     # ------------------------------------------------------------------ data movement
     def broadcast(self, job: Job, t: torch.Tensor, root: int) -> None:
@@ -225,7 +241,7 @@ class CpuCollectives:
             return
         opts = BroadcastOptions()
         opts.rootRank, opts.rootTensor = root, 0
-        self._gloo_op(job, self.gloo.broadcast([t], opts))
+        self._gloo_op(job, self.gloo.broadcast([_bytes(t)], opts))
 
     def all_gather_single(self, job: Job, out: torch.Tensor, inp: torch.Tensor) -> None:
         if inp.numel() == 0:
@@ -233,11 +249,11 @@ class CpuCollectives:
         if self.transport is not None:
             self._gather_into(job, _bytes(out), _bytes(inp))
             return
-        self._gloo_op(job, self.gloo._allgather_base(out, inp, AllgatherOptions()))
+        self._gloo_op(job, self.gloo._allgather_base(_bytes(out), _bytes(inp), AllgatherOptions()))
 
     def allgather(self, job: Job, outs: List[torch.Tensor], inp: torch.Tensor) -> None:
         if self.transport is None or any(o.numel() != inp.numel() for o in outs):
-            self._gloo_op(job, self.gloo.allgather([outs], [inp], AllgatherOptions()))
+            self._gloo_op(job, self.gloo.allgather([[_bytes(o) for o in outs]], [_bytes(inp)], AllgatherOptions()))
             return
         rows = self._rows(job, inp) if inp.numel() else None
         for r, o in enumerate(outs):
@@ -248,7 +264,8 @@ class CpuCollectives:
         if self.transport is None:
             opts = GatherOptions()
             opts.rootRank = root
-            self._gloo_op(job, self.gloo.gather([outs] if self.rank == root else [], [inp], opts))
+            self._gloo_op(job, self.gloo.gather([[_bytes(o) for o in outs]] if self.rank == root else [],
+                                                [_bytes(inp)], opts))
             return
         rows = self._rows(job, inp) if inp.numel() else None
         if self.rank == root and rows is not None:
@@ -261,7 +278,8 @@ class CpuCollectives:
         if self.transport is None or not (self._any_root or root == 0):
             opts = ScatterOptions()
             opts.rootRank = root
-            self._gloo_op(job, self.gloo.scatter([out], [inputs] if self.rank == root else [], opts))
+            self._gloo_op(job, self.gloo.scatter([_bytes(out)], [[_bytes(x) for x in inputs]]   # type: ignore[union-attr]
+                                                 if self.rank == root else [], opts))
             return
         n = out.numel()
         if self.rank == root:
