@@ -358,3 +358,52 @@ def mismatch_job(rank, world, port):
         raise AssertionError("expected the group to stay failed")
     except BackendError as e:
         assert "earlier collective failed" in str(e), str(e)
+
+
+def peer_lost_job(rank, world, port, outdir, victim, how, timeout, mode):
+    """The victim is killed (SIGKILL) or frozen (SIGSTOP) after a few good collectives; every survivor's
+    next collective (a plain all_reduce, or a DDP step) must fail naming it, within the timeout."""
+    import signal
+    import time
+
+    from _fault_util import report
+
+    init_backend(rank, world, port, timeout_s=timeout)
+    model = None
+    if mode == "ddp":
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        model = DDP(torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.Linear(64, 2)))
+    for _ in range(3):
+        t = torch.ones(1000)
+        dist.all_reduce(t)
+    dist.barrier()
+    if rank == victim:
+        os.kill(os.getpid(), signal.SIGKILL if how == "kill" else signal.SIGSTOP)
+        time.sleep(60)
+    time.sleep(0.2)   # the victim is gone (or frozen) before the survivors' next call
+    t0 = time.monotonic()
+    try:
+        for _ in range(3):
+            if model is not None:
+                model(torch.randn(4, 8)).sum().backward()
+            else:
+                dist.all_reduce(torch.ones(1000))
+        report(outdir, rank, type="none", msg="no error", elapsed=time.monotonic() - t0)
+    except Exception as e:   # noqa: BLE001 (reported for the test to judge)
+        later = ""
+        try:
+            dist.all_reduce(torch.ones(2))
+        except Exception as e2:   # noqa: BLE001
+            later = f"{type(e2).__name__}: {e2}"
+        report(outdir, rank, type=type(e).__name__, classes=[c.__name__ for c in type(e).__mro__], msg=str(e),
+               elapsed=time.monotonic() - t0, later=later)
+    # rank 0 hosts the store (tcp://): it stays until every survivor has named the lost rank through it
+    deadline = time.monotonic() + 30
+    survivors = [r for r in range(world) if r != victim]
+    while time.monotonic() < deadline and not all(os.path.exists(os.path.join(outdir, f"rank{r}.json"))
+                                                  for r in survivors):
+        time.sleep(0.05)
+    from ncclavg.comm import end_process
+
+    end_process(0)
