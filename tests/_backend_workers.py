@@ -407,3 +407,19 @@ def peer_lost_job(rank, world, port, outdir, victim, how, timeout, mode):
     from ncclavg.comm import end_process
 
     end_process(0)
+
+
+def reinit_job(rank, world, port, files):
+    """file:// initialisation; destroy_process_group() lets the queued work finish and closes the channel;
+    a second init_process_group in the same processes gets a new one."""
+    for k, path in enumerate(files):
+        init_backend(rank, world, port, init=f"file://{path}")
+        pg = dist.group.WORLD
+        works = [dist.all_reduce(torch.full((100,), float(rank + k)), async_op=True) for _ in range(4)]
+        t = torch.full((3,), float(rank))
+        dist.all_reduce(t)
+        assert same(t, torch.full((3,), float(sum(range(world)))))
+        assert all(w.is_completed() for w in works)   # issued before, completed in order
+        lane = pg._lane
+        dist.destroy_process_group()
+        assert lane.closed

@@ -156,6 +156,7 @@ class Lane:
         self.transport = transport
         self.label = label
         self.failure: Optional[str] = None
+        self.users = 0                 # process groups using this lane (backend_setup.py)
         self._lock = threading.Lock()
         self._queue: "queue.SimpleQueue[Optional[Job]]" = queue.SimpleQueue()
         self._pending = 0              # jobs submitted and not yet complete

@@ -233,20 +233,31 @@ def lane_for(members: Tuple[int, ...], store: Any, rank: int, size: int, gloo: A
     with _LANES_LOCK:
         lane = _LANES.get(key)
         if lane is not None and lane.failure is None and not lane.closed:
+            lane.users += 1
             return lane
     transport = connect_channel(store, rank, size, gloo, timeout)
     lane = Lane(transport, label=f"{rank}of{size}")
+    lane.users = 1
     with _LANES_LOCK:
         _LANES[key] = lane
         _ALL_LANES.add(lane)
     return lane
 
 
+def release_lane(lane: Lane, timeout: float) -> None:
+    """A group that used `lane` is shut down: the last one closes it (its channel and threads), after
+    what was queued has finished (at most `timeout` s)."""
+    with _LANES_LOCK:
+        lane.users -= 1
+        last = lane.users <= 0
+        if last:
+            for key in [k for k, v in _LANES.items() if v is lane]:
+                del _LANES[key]
+    if last:
+        lane.close(timeout)
+
+
 def live_lanes() -> List[Lane]:
     return list(_ALL_LANES)
 
 
-def forget_lane(lane: Lane) -> None:
-    with _LANES_LOCK:
-        for key in [k for k, v in _LANES.items() if v is lane]:
-            del _LANES[key]

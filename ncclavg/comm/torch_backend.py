@@ -426,9 +426,9 @@ class ProcessGroupNcclavg(dist.ProcessGroup):
         its channel stop with the last group that uses them (at exit at the latest)."""
         if self._shut:
             return
-        self._lane.drain(min(self._timeout, 30.0))
         self._shut = True
         self._liveness.close()
+        backend_setup.release_lane(self._lane, min(self._timeout, 30.0))
 
     def abort(self) -> None:
         self._lane._fail(f"rank {self._rank}: the process group was aborted")

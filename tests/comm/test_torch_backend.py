@@ -41,3 +41,8 @@ def test_subgroups_and_device_mesh(monkeypatch):
 def test_mismatched_sizes_fail_on_every_rank(monkeypatch):
     monkeypatch.setenv("NCCLAVG_SHM", "auto")
     run_ranks(W.mismatch_job, 2, timeout_s=120)
+
+
+def test_file_init_destroy_and_init_again(tmp_path, monkeypatch):
+    monkeypatch.setenv("NCCLAVG_SHM", "auto")
+    run_ranks(W.reinit_job, 2, args=([str(tmp_path / "init1"), str(tmp_path / "init2")],), timeout_s=120)

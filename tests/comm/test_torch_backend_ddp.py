@@ -32,3 +32,7 @@ def test_ddp_hook_bfloat16_wire(group, monkeypatch):
 @pytest.mark.parametrize("world", [2, 3])
 def test_fsdp2_on_ncclavg_matches_gloo(world):
     run_ranks(W.fsdp2_job, world, timeout_s=240)
+
+
+def test_distributed_checkpoint_and_object_collectives(tmp_path):
+    run_ranks(W.checkpoint_job, 2, args=(str(tmp_path / "ckpt"),), timeout_s=240)
