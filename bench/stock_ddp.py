@@ -7,6 +7,8 @@ contender from the same initial weights (the models of bench/scale.py):
   ddp ncclavg           the same over the ncclavg group: no other change to the training code
   ddp gloo+hook         DDP over gloo with ncclavg.ddp.register(model): the buckets through ncclavg
   fsdp2 gloo / ncclavg  fully_shard (each Linear, then the root) on a CPU DeviceMesh of the group
+  fsdp2 gloo+comms      FSDP2 over gloo with ncclavg's custom all-gather / reduce-scatter
+                        (ncclavg.comm.fsdp_comms.use_ncclavg)
 All use torch.optim.AdamW(fused=True), lr 1e-3, the global batch split over the P processes. The
 contenders take turns block by block after one warm-up block each (order rotated every round, a barrier
 before each block), so the machine's load falls on all alike. Reported: rank 0's median step time,
@@ -32,8 +34,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common  # noqa: E402  (puts an in-place built checkout first on sys.path)
 from scale import build_model, make_batches, workloads  # noqa: E402  (the models and data of bench/scale.py)
 
-KINDS = ("ddp gloo", "ddp ncclavg", "ddp gloo+hook", "fsdp2 gloo", "fsdp2 ncclavg")
-REFERENCE = {"ddp ncclavg": "ddp gloo", "ddp gloo+hook": "ddp gloo", "fsdp2 ncclavg": "fsdp2 gloo"}
+KINDS = ("ddp gloo", "ddp ncclavg", "ddp gloo+hook", "fsdp2 gloo", "fsdp2 ncclavg", "fsdp2 gloo+comms")
+REFERENCE = {"ddp ncclavg": "ddp gloo", "ddp gloo+hook": "ddp gloo", "fsdp2 ncclavg": "fsdp2 gloo",
+             "fsdp2 gloo+comms": "fsdp2 gloo"}
 
 
 # ----------------------------------------------------------------------------------------- one rank
@@ -58,6 +61,10 @@ def _contender(kind: str, model, gloo, world: int):
             if isinstance(layer, torch.nn.Linear):
                 fully_shard(layer, mesh=mesh)
         m = fully_shard(model, mesh=mesh)
+        if kind.endswith("+comms"):
+            from ncclavg.comm.fsdp_comms import use_ncclavg
+
+            use_ncclavg(m)
     return m, torch.optim.AdamW(m.parameters(), lr=1e-3, fused=True)
 
 
@@ -150,7 +157,7 @@ def summarise(world: int, raw: dict, wls: list) -> list:
         for k in KINDS:
             row = {"workload": wl["name"], "processes": world, "contender": k, "step_ms": med[k] * 1e3,
                    "samples_per_s": wl["batch"] / med[k],
-                   "transport": raw["transport"] if "ncclavg" in k or "hook" in k else "gloo"}
+                   "transport": raw["transport"] if "ncclavg" in k or "+" in k else "gloo"}
             ref = REFERENCE.get(k)
             if ref is not None:
                 row["x_gloo"] = med[ref] / med[k]

@@ -147,13 +147,18 @@ def fsdp2_job(rank, world, port):
     gloo = dist.new_group(backend="gloo")
     steps = STEPS if world == 2 else 1
     results = []
-    for group in (dist.group.WORLD, gloo):
+    # FSDP2 on ncclavg, on gloo (the reference), and on gloo with ncclavg's custom comms (fsdp_comms.py)
+    for group, custom in ((dist.group.WORLD, False), (gloo, False), (gloo, True)):
         mesh = DeviceMesh.from_group(group, "cpu")
         m = copy.deepcopy(base)
         for layer in m.net:
             if isinstance(layer, nn.Linear):
                 fully_shard(layer, mesh=mesh)
         fully_shard(m, mesh=mesh)
+        if custom:
+            from ncclavg.comm.fsdp_comms import use_ncclavg
+
+            assert use_ncclavg(m) == 4
         opt = torch.optim.SGD(m.parameters(), lr=0.1)
         for step in range(steps):
             opt.zero_grad()
@@ -161,14 +166,17 @@ def fsdp2_job(rank, world, port):
             nn.functional.cross_entropy(m(x), y).backward()
             opt.step()
         results.append([p.full_tensor().detach().clone() for p in m.parameters()])
+    ours, ref, custom = results
     if world == 2:
-        for a, b in zip(*results):
+        for a, b, c in zip(ours, ref, custom):
             assert torch.equal(a, b), (a - b).abs().max()
+            assert torch.equal(c, b), (c - b).abs().max()
     else:
         scales = grad_scale(base, state_of(base), rank, world, 0, gloo)
-        for a, b, s in zip(*results, scales):
+        for a, b, c, s in zip(ours, ref, custom, scales):
             tol = 0.1 * 2 * gamma(world - 1) * s + 2 * 2.0 ** -24 * b.abs()
             assert bool(((a - b).abs() <= tol).all()), (a - b).abs().max()
+            assert torch.equal(a, c)   # the same collectives of the same channel
     dist.barrier()
 
 
