@@ -32,23 +32,27 @@ def _summary(out, name, hook):
     assert float(m.group(1)) > 0.7   # two epochs of the digits MLP (about 0.87 here)
 
 
-@pytest.mark.parametrize("extra,hook", [((), "off"), (("--hook", "--wire", "bfloat16"), "on")])
+@pytest.mark.parametrize("extra,hook", [((), "off"), pytest.param(("--hook", "--wire", "bfloat16"), "on",
+                                                                    marks=pytest.mark.slow)])
 def test_stock_ddp_example(extra, hook):
     _summary(_torchrun("stock_ddp.py", "--epochs", "2", *extra), "stock_ddp", hook)
 
 
+@pytest.mark.slow
 def test_fsdp2_example():
     out = _torchrun("fsdp2.py", "--epochs", "2")
     m = re.search(r"fsdp2: test_accuracy=(\d\.\d+) world_size=2 transport=shm", out)
     assert m and float(m.group(1)) > 0.7, out[-3000:]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("pytorch_lightning") is None and importlib.util.find_spec("lightning") is None,
                     reason="PyTorch Lightning is not installed (pip install pytorch-lightning)")
 def test_lightning_example():
     _summary(_torchrun("lightning_ddp.py", "--epochs", "2", "--hook"), "lightning_ddp", "on")
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("accelerate") is None,
                     reason="Accelerate is not installed (pip install accelerate)")
 def test_accelerate_example():

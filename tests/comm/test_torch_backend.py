@@ -7,7 +7,7 @@ import pytest
 from _dist_util import run_ranks
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_collectives_match_gloo(world, monkeypatch):
     monkeypatch.setenv("NCCLAVG_SHM", "auto")
     run_ranks(W.collectives_job, world, timeout_s=240)

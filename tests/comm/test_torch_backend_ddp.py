@@ -6,7 +6,7 @@ import pytest
 from _dist_util import run_ranks
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_stock_ddp_on_ncclavg_matches_gloo(world):
     run_ranks(W.ddp_job, world, timeout_s=240)
 
@@ -18,18 +18,18 @@ def test_stock_ddp_on_ncclavg_matches_gloo_four_processes():
 
 # the hook on a DDP model built over ncclavg, and over gloo (the hook makes its own ncclavg group)
 @pytest.mark.parametrize("group", ["ncclavg", "gloo"])
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_ddp_hook_matches_stock_ddp(group, world):
     run_ranks(W.ddp_job, world, args=((group, None),), timeout_s=240)
 
 
-@pytest.mark.parametrize("group", ["ncclavg", "gloo"])
+@pytest.mark.parametrize("group", [pytest.param("ncclavg", marks=pytest.mark.slow), "gloo"])
 def test_ddp_hook_bfloat16_wire(group, monkeypatch):
     # over gloo the bfloat16 wire takes the all-to-all path (fp32 adds), over ncclavg the channel's sum
     run_ranks(W.ddp_job, 3, args=((group, "bfloat16"),), timeout_s=240)
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_fsdp2_on_ncclavg_matches_gloo(world):
     run_ranks(W.fsdp2_job, world, timeout_s=240)
 

@@ -11,12 +11,15 @@ from _fault_util import read_reports, spawn_ranks
 TIMEOUT = 4.0
 
 
+SLOW = pytest.mark.slow
+
+
 @pytest.mark.parametrize("world,victim,how,shm,mode", [
     (2, 1, "kill", "auto", "allreduce"),
-    (3, 0, "kill", "auto", "allreduce"),     # rank 0 hosts the store: the channel names it, not the heartbeats
+    pytest.param(3, 0, "kill", "auto", "allreduce", marks=SLOW),   # rank 0 hosts the store: the channel names it
     (2, 1, "stop", "auto", "allreduce"),
-    (3, 2, "kill", "0", "allreduce"),
-    (2, 1, "stop", "0", "allreduce"),
+    pytest.param(3, 2, "kill", "0", "allreduce", marks=SLOW),
+    pytest.param(2, 1, "stop", "0", "allreduce", marks=SLOW),
     (2, 1, "kill", "auto", "ddp"),
 ])
 def test_lost_peer_is_named_within_the_timeout(tmp_path, monkeypatch, world, victim, how, shm, mode):
