@@ -91,8 +91,9 @@ def rank_main(rank: int, world: int, port: int, spec: dict, out: str) -> None:
         batches = make_batches(wl)
         per = wl["batch"] // world
         mine = [(x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]) for x, y in batches]
-        contenders = {k: _contender(k, copy.deepcopy(base), gloo, world) for k in KINDS}
-        pos = {k: 0 for k in KINDS}
+        kinds = spec["kinds"]
+        contenders = {k: _contender(k, copy.deepcopy(base), gloo, world) for k in kinds}
+        pos = {k: 0 for k in kinds}
 
         def block(kind: str, steps: int) -> list:
             m, opt = contenders[kind]
@@ -107,11 +108,11 @@ def rank_main(rank: int, world: int, port: int, spec: dict, out: str) -> None:
                 times.append(time.perf_counter() - t0)
             return times
 
-        for k in KINDS:   # warm-up: DDP rebuilds its buckets after its first step, FSDP2 lazily initialises
+        for k in kinds:   # warm-up: DDP rebuilds its buckets after its first step, FSDP2 lazily initialises
             dist.barrier(group=gloo)
             block(k, spec["steps"])
-        rounds: dict = {k: [] for k in KINDS}
-        order = list(KINDS)
+        rounds: dict = {k: [] for k in kinds}
+        order = list(kinds)
         for _ in range(spec["rounds"]):
             for k in order:
                 dist.barrier(group=gloo)
@@ -149,17 +150,17 @@ def _run_shape(world: int, spec: dict, timeout: float) -> dict:
 
 
 # ----------------------------------------------------------------------------------------- report
-def summarise(world: int, raw: dict, wls: list) -> list:
+def summarise(world: int, raw: dict, wls: list, kinds: list) -> list:
     rows = []
     for wl in wls:
         rounds = raw["workloads"][wl["name"]]
-        med = {k: statistics.median([t for block in rounds[k] for t in block]) for k in KINDS}
-        for k in KINDS:
+        med = {k: statistics.median([t for block in rounds[k] for t in block]) for k in kinds}
+        for k in kinds:
             row = {"workload": wl["name"], "processes": world, "contender": k, "step_ms": med[k] * 1e3,
                    "samples_per_s": wl["batch"] / med[k],
                    "transport": raw["transport"] if "ncclavg" in k or "+" in k else "gloo"}
             ref = REFERENCE.get(k)
-            if ref is not None:
+            if ref in kinds:
                 row["x_gloo"] = med[ref] / med[k]
                 row["paired_x_gloo"] = statistics.median(statistics.median(a) / statistics.median(b)
                                                          for a, b in zip(rounds[ref], rounds[k]))
@@ -184,6 +185,8 @@ def main(argv: list | None = None) -> int:
     ap.add_argument("--procs", default="2,4", help="process counts, comma-separated (default 2,4)")
     ap.add_argument("--steps", type=int, default=None, help="steps per block (default 10; quick: 2)")
     ap.add_argument("--rounds", type=int, default=None, help="rounds of blocks (default 6; quick: 2)")
+    ap.add_argument("--kinds", default=",".join(KINDS), help="contenders, comma-separated (default: all)")
+    ap.add_argument("--workloads", default=None, help="workload names, comma-separated (default: all)")
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--md", help="write a markdown note here")
     args = ap.parse_args(argv)
@@ -196,26 +199,37 @@ def main(argv: list | None = None) -> int:
     for flag in ("steps", "rounds"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
             ap.error(f"--{flag}: must be >= 1, got {getattr(args, flag)}")
+    kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
+    if not kinds or any(k not in KINDS for k in kinds):
+        ap.error(f"--kinds: expected some of {', '.join(KINDS)}, got {args.kinds!r}")
     wls = workloads(args.quick)
-    spec = {"workloads": wls, "steps": args.steps or (2 if args.quick else 10),
+    if args.workloads:
+        names = args.workloads.split(",")
+        if any(n not in [w["name"] for w in wls] for n in names):
+            ap.error(f"--workloads: expected some of {', '.join(w['name'] for w in wls)}, got {args.workloads!r}")
+        wls = [w for w in wls if w["name"] in names]
+    spec = {"workloads": wls, "kinds": kinds, "steps": args.steps or (2 if args.quick else 10),
             "rounds": args.rounds or (2 if args.quick else 6)}
+    load_start = os.getloadavg()[0]
     t0 = time.monotonic()
     rows, transports = [], {}
     for world in procs:
         raw = _run_shape(world, spec, timeout=900)
         transports[world] = raw["transport"]
-        rows += summarise(world, raw, wls)
+        rows += summarise(world, raw, wls, kinds)
     wall = time.monotonic() - t0
     text = table(rows)
     print(text)
     payload = {"machine": _common.machine(), "command": "python bench/stock_ddp.py " + " ".join(argv or sys.argv[1:]),
-               "wall_s": round(wall, 1), "spec": {k: v for k, v in spec.items()}, "transports": transports, "rows": rows}
+               "wall_s": round(wall, 1), "load_average": [round(load_start, 2), round(os.getloadavg()[0], 2)],
+               "spec": {k: v for k, v in spec.items()}, "transports": transports, "rows": rows}
     _common.write_json(args.json, payload)
     if args.md:
         m = payload["machine"]
         note = (f"# Stock DDP and FSDP2: backend ncclavg vs gloo, {m['date']}\n\n"
                 f"Machine: {m['cpu']}, {m['cores']} cores, SIMD {m['simd_level']}; torch {m['torch']}, "
-                f"ncclavg {m['ncclavg']}, python {m['python']}.\n\n"
+                f"ncclavg {m['ncclavg']}, python {m['python']}. Load average (1 min) at start "
+                f"{payload['load_average'][0]}, at end {payload['load_average'][1]} (a shared machine).\n\n"
                 f"Command: `{payload['command']}` ({wall:.0f} s). Transport of the ncclavg group: "
                 + ", ".join(f"{p} processes: {t}" for p, t in transports.items()) + ".\n\n"
                 "Workloads (bench/scale.py's): " + "; ".join(f"{w['name']}: {w['what']}, global batch {w['batch']}"

@@ -46,7 +46,6 @@ import torch.distributed as dist
 from ..errors import CommError
 
 WATCH_S = 0.2      # how often the watchdog looks at the running collective
-GRACE_S = 5.0      # a Work.wait() with no timeout waits the collective's deadline plus this
 
 
 class BackendError(dist.DistBackendError, CommError):
@@ -108,19 +107,26 @@ def _value(fut: Any) -> Any:
 class BackendWork(dist.Work):
     """The torch Work of one lane collective: wait(timeout), is_completed(), get_future(), exception()."""
 
-    def __init__(self, job: Job):
+    def __init__(self, job: Job, lane: Optional["Lane"] = None):
         super().__init__()
         self._job = job
+        self._lane = lane
         self._outer: Optional[Any] = None
 
     def wait(self, timeout: Optional[datetime.timedelta] = None) -> bool:
+        """Waits until the collective is complete and raises its error. Without a timeout (torch passes 0
+        for none) it waits as long as the collective and those queued before it take: each of them is
+        bounded by its own deadline (Note [Per-collective deadlines])."""
         job = self._job
         seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else 0.0
-        if seconds <= 0:   # torch passes 0 for "no timeout": the collective's own deadline bounds it
-            seconds = job.timeout + GRACE_S
-        if not job.event.wait(seconds):
-            raise BackendTimeoutError(f"{job.what}: wait() gave up after {seconds:g} s (the collective goes on "
-                                      f"until its own timeout of {job.timeout:g} s)")
+        if seconds > 0:
+            if not job.event.wait(seconds):
+                raise BackendTimeoutError(f"{job.what}: wait() gave up after {seconds:g} s (the collective goes "
+                                          f"on until its own timeout of {job.timeout:g} s)")
+        else:
+            while not job.event.wait(1.0):
+                if self._lane is not None and not self._lane.alive():
+                    raise BackendError(f"{job.what}: the process group's worker thread is gone")
         if job.error is not None:
             raise job.error
         return True
@@ -172,9 +178,14 @@ class Lane:
     def closed(self) -> bool:
         return self._closed
 
+    def alive(self) -> bool:
+        """False once the worker thread is gone while jobs still wait for it."""
+        worker = self._worker
+        return worker is None or worker.is_alive() or self._pending == 0
+
     # ------------------------------------------------------------------ submitting
     def submit(self, job: Job, inline: bool = False) -> BackendWork:
-        work = BackendWork(job)
+        work = BackendWork(job, self)
         with self._lock:
             if self._closed:
                 refuse = f"{job.what}: the process group was shut down"
