@@ -60,7 +60,8 @@ def main(argv: list[str] | None = None) -> None:
     same = all(torch.equal(d, digests[0]) for d in digests)
     if rank == 0:
         print(f"stock_ddp: test_accuracy={acc:.3f} backend={args.backend} world_size={world} "
-              f"hook={'on' if args.hook else 'off'} replicas_identical={same}", flush=True)
+              f"hook={'on' if args.hook else 'off'} replicas_identical={same} "
+              f"transport={getattr(dist.group.WORLD, 'transport', args.backend)}", flush=True)
     dist.barrier()
     end_process(0 if same else 1)   # no teardown race at exit: Note [Gloo teardown] in ncclavg/comm/dist.py
 
