@@ -77,7 +77,7 @@ def rank_main(rank: int, world: int, port: int, spec: dict, out: str) -> None:
     import torch
     import torch.distributed as dist
 
-    import ncclavg
+    import ncclavg  # noqa: F401  (registers the backend)
     from ncclavg.comm import end_process
 
     torch.set_num_threads(threads)

@@ -38,4 +38,4 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'ncclavg.ddp' has no attribute {name!r}")
 
 
-__all__ = ["register", "allreduce_hook", "HookState"]
+__all__ = ["register", "allreduce_hook", "HookState"]  # noqa: F822  (HookState: __getattr__ above)

@@ -5,7 +5,6 @@ cross the veth, and the four replicas end identical."""
 import os
 import re
 import subprocess
-import sys
 
 import pytest
 from _netns import NetnsUnavailable, TwoHosts
