@@ -38,4 +38,4 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'ncclavg.ddp' has no attribute {name!r}")
 
 
-__all__ = ["register", "allreduce_hook", "HookState"]  # noqa: F822  (HookState: __getattr__ above)
+__all__ = ["register", "allreduce_hook"]   # and HookState, loaded on first access (__getattr__)
