@@ -424,3 +424,29 @@ def reinit_job(rank, world, port, files):
         lane = pg._lane
         dist.destroy_process_group()
         assert lane.closed
+
+
+def own_timeout_job(rank, world, port, outdir):
+    """Two groups with the same members share one lane and channel (Note [One channel per host, shared by
+    groups]), yet each collective keeps its own group's timeout: a group made with timeout=2 s gives up
+    after 2 s while the default group's is 60 s (Note [Per-collective deadlines])."""
+    import time
+
+    from _fault_util import report
+
+    init_backend(rank, world, port, timeout_s=60)
+    short = dist.new_group(timeout=datetime.timedelta(seconds=2))
+    assert short._lane is dist.group.WORLD._lane
+    dist.all_reduce(torch.ones(3), group=short)
+    if rank == 1:
+        time.sleep(6)   # late, not lost: its heartbeat goes on
+    t0 = time.monotonic()
+    try:
+        dist.all_reduce(torch.ones(3), group=short)
+        report(outdir, rank, type="none", msg="", elapsed=time.monotonic() - t0)
+    except Exception as e:   # noqa: BLE001 (reported for the test to judge)
+        report(outdir, rank, type=type(e).__name__, msg=str(e), elapsed=time.monotonic() - t0)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and not all(os.path.exists(os.path.join(outdir, f"rank{r}.json"))
+                                                  for r in range(world)):
+        time.sleep(0.05)

@@ -42,3 +42,17 @@ def test_lost_peer_is_named_within_the_timeout(tmp_path, monkeypatch, world, vic
                 assert rep["type"] == "BackendTimeoutError" and f"within {TIMEOUT:g} s" in rep["msg"], rep
         # the group stays failed: the next call says why at once
         assert "BackendError" in rep["later"] and "earlier collective failed" in rep["later"], rep
+
+
+def test_each_group_keeps_its_own_timeout_on_a_shared_channel(tmp_path):
+    from _dist_util import run_ranks
+
+    run_ranks(W.own_timeout_job, 2, args=(str(tmp_path),), timeout_s=120)
+    reports = read_reports(tmp_path, 2)
+    early = reports[0]
+    # the short group's 2 s, not the default group's 60 s: the watchdog (0.2 s) and the look at the
+    # heartbeats (2.5 s at most) come on top
+    assert early["type"] == "BackendTimeoutError" and "within 2 s" in early["msg"], early
+    assert early["elapsed"] < 2 + 10, early
+    late = reports[1]   # arrives to find the channel aborted by rank 0, with rank 0's reason
+    assert late["type"] in ("BackendError", "BackendTimeoutError") and "within 2 s" in late["msg"], late
