@@ -9,6 +9,9 @@ command); `ncclavg.comm` holds the Communicator and its backends, `ncclavg.train
 only training needs, `ncclavg.bench` the `ncclavg bench` command. The core imports none of them when it
 loads; comm imports only the core; train and bench import comm and the core, never each other
 (tests/test_layering.py checks it).
+
+`import ncclavg` also registers the `ncclavg` torch.distributed backend, lightly: Note [Registering the
+torch.distributed backend] below.
 """
 from importlib import import_module as _import_module
 
@@ -27,7 +30,7 @@ _LAZY = {
     "TowerTrainer": "train.trainer",
 }
 # Modules and subpackages reachable as attributes of `ncclavg` once torch is there.
-_LAZY_MODULES = ("optim", "comm", "train", "bench")
+_LAZY_MODULES = ("optim", "comm", "train", "bench", "ddp")
 
 
 def __getattr__(name):
@@ -55,3 +58,75 @@ __all__ = [
     "NcclError", "CudaError", "CommTimeoutError", "LayoutMismatchError", "CommError", "CollectiveMismatchError",
     "Bucket", "BucketPlan", "ParamSlot", "Communicator", "Work", "GradientAverager",
 ]
+
+
+# Note [Registering the torch.distributed backend]
+# `init_process_group("ncclavg")` needs the name registered with torch.distributed first, and users write
+# `import ncclavg` for that. But this package must import fast and without torch (a second and a half). So
+# the registration is the one call Backend.register_backend("ncclavg", creator), made when
+# torch.distributed's distributed_c10d module exists: now if torch is imported already, else right after
+# it loads (a one-shot finder on sys.meta_path wraps that module's loader). The creator imports the
+# backend itself (ncclavg/comm/torch_backend.py) when torch creates the first group.
+_C10D = "torch.distributed.distributed_c10d"
+
+
+def _create_torch_group(dist_opts, backend_options):
+    from .comm.torch_backend import _create
+
+    return _create(dist_opts, backend_options)
+
+
+def _register_torch_backend(c10d) -> None:
+    backend = getattr(c10d, "Backend", None)
+    if backend is None or "NCCLAVG" in getattr(backend, "_plugins", {}):
+        return
+    backend.register_backend("ncclavg", _create_torch_group, extended_api=True, devices=["cpu", "cuda"])
+
+
+class _RegisterAfterTorchDistributed:
+    """A meta-path finder that only watches for torch.distributed's c10d module: it lets the finders after
+    it find the module and registers the backend once the module has run."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name != _C10D:
+            return None
+        import sys
+
+        if self in sys.meta_path:
+            sys.meta_path.remove(self)
+        for finder in sys.meta_path:
+            find = getattr(finder, "find_spec", None)
+            spec = find(name, path, target) if find is not None else None
+            if spec is not None:
+                break
+        else:
+            return None
+        loader = spec.loader
+        run = getattr(loader, "exec_module", None)
+        if run is None:
+            return spec
+
+        def exec_and_register(module):
+            run(module)
+            try:
+                _register_torch_backend(module)
+            except Exception as e:   # noqa: BLE001 (torch must import whatever happens here)
+                import warnings
+
+                warnings.warn(f"ncclavg: could not register the torch.distributed backend: {e}", RuntimeWarning)
+
+        loader.exec_module = exec_and_register
+        return spec
+
+
+def _arrange_registration() -> None:
+    import sys
+
+    c10d = sys.modules.get(_C10D)
+    if c10d is not None:
+        _register_torch_backend(c10d)
+    elif not any(isinstance(f, _RegisterAfterTorchDistributed) for f in sys.meta_path):
+        sys.meta_path.insert(0, _RegisterAfterTorchDistributed())
+
+
+_arrange_registration()

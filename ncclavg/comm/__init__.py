@@ -6,6 +6,10 @@ gloo.py (CPU towers of several processes through torch.distributed, Note [Hierar
 shm.py (gloo.py's transport between processes that share a host: the core's shared-memory channel),
 dist.py (the bounded torch.distributed plumbing), nccl.py (the core's NCCL communicator), plus
 liveness.py (heartbeats that name a lost rank) and debug.py (NCCLAVG_DEBUG's cross-rank sequence check).
+The torch-facing adapters, loaded only on use (never by this __init__): torch_backend.py (the `ncclavg`
+torch.distributed backend, registered lightly by ncclavg/__init__.py) with backend_lane.py (its ordered
+worker, works and errors), backend_setup.py (its host channels and heartbeats) and backend_cpu.py (its CPU
+collectives); ddp_hook.py (the DDP comm hook behind ncclavg.ddp) and fsdp_comms.py (FSDP2 custom comms).
 What it may import: the core (`ncclavg.ops`, `buffers`, `_ext`, `errors`, ...) and torch; never
 `ncclavg.train` or `ncclavg.bench`.
 Where to start reading: base.py's `Communicator`, then local.py, the simplest backend.

@@ -1,0 +1,320 @@
+"""How the `ncclavg` torch.distributed backend (torch_backend.py) runs its CPU collectives: a Lane executes
+the collectives of every process group that shares one host channel, one after another in the order
+they were issued, each to completion; BackendWork is the torch `Work` handed back for each; the errors
+a failed collective raises are torch's DistBackendError and ncclavg's CommError at once.
+
+Note [Backend lanes]
+torch.distributed lets a caller issue a collective and wait for it later (DDP issues one all-reduce per
+bucket while backward goes on). A lane is a worker thread and a queue: a collective issued with
+async_op=True (and every collective DDP, FSDP2 or a functional collective issues from C++) is queued and
+returns at once; the worker runs the queued collectives in order, each to completion, through the
+shared-memory channel (which releases the GIL while it works, so backward keeps computing) or through
+the group's inner gloo. A collective whose caller waits at once (async_op=False) runs on the caller's
+thread when nothing is queued: no thread hop for the small synchronous calls of a training loop. Every
+CPU collective of a group goes through its lane, the gloo fallbacks too, so they complete in the
+order they were issued, as the ranks issued them (point-to-point calls do not: a recv that waits for a
+later send would block the lane, see torch_backend.py).
+
+Note [Backend works and futures]
+torch hands a Work to its callers; DDP's reducer and the functional collectives call getFuture() and
+wait on the torch Future from C++. A Python future completed with set_exception holds the exception as
+its *value*, which C++ takes for a result (and DDP crashes reading it as tensors). So the future handed
+out is `inner.then(value)`: the lane completes `inner` (result or exception), and the callback's raise
+marks the outer future failed the way C++ understands. Through such a future the error reaches C++
+waiters (DDP's backward) as a RuntimeError carrying the message; `Work.wait()` from Python raises the
+BackendError itself.
+
+Note [Per-collective deadlines]
+Every collective has a deadline: the `timeout` of its process group (or the per-call opts.timeout),
+from when the lane starts it. A gloo step waits at most until the deadline. A channel step runs on the
+lane's thread without a deadline of its own (the channel is shared by groups with different timeouts),
+so the lane's watchdog checks the running collective every WATCH_S: past its deadline, it names the lost
+rank (the group's heartbeats) and aborts the channel with that text, which ends this rank's wait at
+once and fails every peer's next wait with the same text.
+"""
+from __future__ import annotations
+
+import datetime
+import queue
+import threading
+import time
+from typing import Any, Callable, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from ..errors import CommError
+
+WATCH_S = 0.2      # how often the watchdog looks at the running collective
+
+
+class BackendError(dist.DistBackendError, CommError):
+    """A collective of the `ncclavg` backend failed (a peer process died, the channel was aborted, the
+    ranks called different collectives), or the process group refused a collective because an earlier
+    one failed. Both torch's DistBackendError and ncclavg's CommError."""
+
+
+class BackendTimeoutError(BackendError):
+    """A collective of the `ncclavg` backend did not complete within its timeout; the message names the
+    rank that stopped responding when that can be told."""
+
+    is_timeout = True
+
+
+class Job:
+    """One collective: `run(job)` does it on the lane; `result` is what its future holds (the output
+    tensors); `what` names it in errors."""
+
+    __slots__ = ("run", "result", "what", "timeout", "namer", "deadline", "expired", "error", "event", "future",
+                 "__weakref__")
+
+    def __init__(self, run: Callable[["Job"], None], result: Any, what: str, timeout: float,
+                 namer: Optional[Callable[[], str]] = None):
+        self.run, self.result, self.what, self.timeout, self.namer = run, result, what, float(timeout), namer
+        self.deadline: Optional[float] = None   # monotonic, set when the lane starts it
+        self.expired: Optional[str] = None      # the watchdog's text, once past the deadline
+        self.error: Optional[BaseException] = None
+        self.event = threading.Event()
+        self.future = torch.futures.Future()
+
+    def remaining(self) -> float:
+        """Seconds left before the deadline (raises BackendTimeoutError when none are)."""
+        left = (self.deadline or time.monotonic() + self.timeout) - time.monotonic()
+        if left <= 0:
+            raise BackendTimeoutError(f"{self.what} did not complete within {self.timeout:g} s")
+        return left
+
+    def wait_gloo(self, work: Any) -> None:
+        """Waits for a gloo work until this job's deadline."""
+        work.wait(datetime.timedelta(seconds=self.remaining()))
+
+    def _complete(self, error: Optional[BaseException]) -> None:
+        if error is not None and not isinstance(error, Exception):   # a KeyboardInterrupt on the lane
+            error = BackendError(f"{self.what} was interrupted: {type(error).__name__}")
+        self.error = error
+        self.event.set()
+        if error is None:
+            self.future.set_result(self.result)
+        else:
+            self.future.set_exception(error)
+        self.run = None   # type: ignore[assignment]  (drops the closure's tensors)
+
+
+def _value(fut: Any) -> Any:
+    return fut.value()   # raises the lane's exception: the outer future fails (Note [Backend works and futures])
+
+
+class BackendWork(dist.Work):
+    """The torch Work of one lane collective: wait(timeout), is_completed(), get_future(), exception()."""
+
+    def __init__(self, job: Job, lane: Optional["Lane"] = None):
+        super().__init__()
+        self._job = job
+        self._lane = lane
+        self._outer: Optional[Any] = None
+
+    def wait(self, timeout: Optional[datetime.timedelta] = None) -> bool:
+        """Waits until the collective is complete and raises its error. Without a timeout (torch passes 0
+        for none) it waits as long as the collective and those queued before it take: each of them is
+        bounded by its own deadline (Note [Per-collective deadlines])."""
+        job = self._job
+        seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else 0.0
+        if seconds > 0:
+            if not job.event.wait(seconds):
+                raise BackendTimeoutError(f"{job.what}: wait() gave up after {seconds:g} s (the collective goes "
+                                          f"on until its own timeout of {job.timeout:g} s)")
+        else:
+            while not job.event.wait(1.0):
+                if self._lane is not None and not self._lane.alive():
+                    raise BackendError(f"{job.what}: the process group's worker thread is gone")
+        if job.error is not None:
+            raise job.error
+        return True
+
+    def is_completed(self) -> bool:
+        return self._job.event.is_set()
+
+    def is_success(self) -> bool:
+        return self._job.event.is_set() and self._job.error is None
+
+    def exception(self) -> Optional[BaseException]:
+        return self._job.error
+
+    def result(self) -> List[torch.Tensor]:
+        res = self._job.result
+        return list(res) if isinstance(res, (list, tuple)) else [res]
+
+    def synchronize(self) -> None:
+        pass
+
+    def get_future(self) -> Any:
+        if self._outer is None:
+            self._outer = self._job.future.then(_value)
+        return self._outer
+
+
+class Lane:
+    """Runs jobs in order on one worker thread (or inline, see Note [Backend lanes]); the first failure
+    fails every later job (a failed lane stays failed: the ranks no longer agree on what comes next).
+    `transport` is the host channel (shm.ShmTransport) of the groups that share this lane, or None."""
+
+    def __init__(self, transport: Any, label: str):
+        self.transport = transport
+        self.label = label
+        self.failure: Optional[str] = None
+        self.users = 0                 # process groups using this lane (backend_setup.py)
+        self._lock = threading.Lock()
+        self._queue: "queue.SimpleQueue[Optional[Job]]" = queue.SimpleQueue()
+        self._pending = 0              # jobs submitted and not yet complete
+        self._idle = threading.Condition(self._lock)
+        self._current: Optional[Job] = None
+        self._exec = threading.Lock()  # held while a job runs: one at a time, in the order submitted
+        self._worker: Optional[threading.Thread] = None
+        self._watchdog: Optional[threading.Thread] = None
+        self._stop = threading.Event()
+        self._closed = False
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def alive(self) -> bool:
+        """False once the worker thread is gone while jobs still wait for it."""
+        worker = self._worker
+        return worker is None or worker.is_alive() or self._pending == 0
+
+    # ------------------------------------------------------------------ submitting
+    def submit(self, job: Job, inline: bool = False) -> BackendWork:
+        work = BackendWork(job, self)
+        with self._lock:
+            if self._closed:
+                refuse = f"{job.what}: the process group was shut down"
+            elif self.failure is not None:
+                refuse = (f"{job.what} refused: an earlier collective failed ({self.failure}); the process "
+                          "group is unusable now")
+            else:
+                refuse = None
+                run_here = inline and self._pending == 0
+                self._pending += 1
+                if run_here:
+                    self._exec.acquire()   # free: whoever holds it has a job pending
+                else:
+                    self._start_threads()
+                    self._queue.put(job)
+        if refuse is not None:
+            job._complete(BackendError(refuse))
+        elif run_here:
+            self._execute(job, locked=True)
+        return work
+
+    def _start_threads(self) -> None:
+        if self._worker is None:
+            self._worker = threading.Thread(target=self._serve, name=f"ncclavg-lane-{self.label}", daemon=True)
+            self._worker.start()
+        if self._watchdog is None and self.transport is not None:
+            self._watchdog = threading.Thread(target=self._watch, name=f"ncclavg-watch-{self.label}", daemon=True)
+            self._watchdog.start()
+
+    def _serve(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            self._execute(job)
+
+    # ------------------------------------------------------------------ running
+    def _execute(self, job: Job, locked: bool = False) -> None:
+        error: Optional[BaseException] = None
+        if not locked:
+            self._exec.acquire()
+        try:
+            job.deadline = time.monotonic() + job.timeout
+            if self.failure is not None:   # failed while this job waited in the queue
+                error = BackendError(f"{job.what} refused: an earlier collective failed ({self.failure}); the "
+                                     "process group is unusable now")
+            else:
+                if self.transport is not None and self._watchdog is None:
+                    with self._lock:
+                        self._start_threads()
+                self._current = job
+                try:
+                    job.run(job)
+                except BaseException as e:   # noqa: BLE001 (handed to the waiter)
+                    error = self._failed(job, e)
+                finally:
+                    self._current = None
+        finally:
+            self._exec.release()
+        job._complete(error)
+        with self._lock:
+            self._pending -= 1
+            if self._pending == 0:
+                self._idle.notify_all()
+
+    def _failed(self, job: Job, e: BaseException) -> BaseException:
+        if isinstance(e, (ValueError, TypeError)) and job.expired is None and not isinstance(e, BackendError):
+            return e   # a bad argument found on the lane: nothing was sent, the lane stays usable
+        text = str(e).strip() or type(e).__name__
+        if job.expired is not None:
+            msg, timed_out = job.expired, True
+        else:
+            timed_out = bool(getattr(e, "is_timeout", False)) or "timed out" in text.lower() or \
+                "timeout" in text.lower()
+            who = "" if "stopped responding" in text else (job.namer() if job.namer is not None else "")
+            if timed_out:
+                msg = f"{job.what} did not complete within {job.timeout:g} s{who} ({text})"
+            else:
+                msg = f"{job.what} failed{who}: {text}"
+        self._fail(msg)
+        cls = BackendTimeoutError if timed_out else BackendError
+        return cls(msg + "; the process group is unusable now")
+
+    def _fail(self, msg: str) -> None:
+        with self._lock:
+            if self.failure is None:
+                self.failure = msg
+        if self.transport is not None:
+            try:
+                self.transport.abort(msg)   # the peers fail at their next wait instead of at their timeout
+            except Exception:   # noqa: BLE001 (an abort is best effort)
+                pass
+
+    def _watch(self) -> None:
+        """See Note [Per-collective deadlines]."""
+        while not self._stop.wait(WATCH_S):
+            job = self._current
+            if job is None or job.deadline is None or job.expired is not None or time.monotonic() < job.deadline:
+                continue
+            who = job.namer() if job.namer is not None else ""
+            if self._current is not job:
+                continue   # it completed while the peers were looked at
+            job.expired = f"{job.what} did not complete within {job.timeout:g} s{who}"
+            self.transport.abort(job.expired)
+
+    # ------------------------------------------------------------------ ending
+    def drain(self, timeout: float) -> bool:
+        """Waits until every submitted job is complete (at most `timeout` s); True when it is."""
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            while self._pending:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._idle.wait(left)
+        return True
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Lets the queued jobs finish (at most `timeout` s), then stops the threads and the channel."""
+        self.drain(timeout)
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._stop.set()
+        if self._worker is not None:
+            self._queue.put(None)
+            self._worker.join(timeout)
+        if self._watchdog is not None:
+            self._watchdog.join(timeout)
+        if self.transport is not None:
+            self.transport.close()

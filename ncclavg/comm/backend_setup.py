@@ -1,0 +1,263 @@
+"""Setting up the `ncclavg` torch.distributed backend's transports (torch_backend.py): the host channel a
+process group's CPU collectives use (shm.ShmTransport, chosen exactly as GlooCommunicator chooses it),
+shared by every group with the same members; and the heartbeats that name a lost rank.
+
+Note [One channel per host, shared by groups]
+Each process group of the backend is created by torch (init_process_group, new_group, a DeviceMesh),
+every member calling the backend's creator at the same point. A group whose members are those of a
+group created before (new_group() over every rank, a one-dimensional DeviceMesh, the hook's group) gets
+the lane of that group, and with it its channel and its order: no second /dev/shm segment, no second
+worker. Sharing a channel means the collectives of those groups are one sequence, so every rank must
+issue them in the same order, as one NCCL stream of several communicators requires; each collective
+still has its own group's deadline (Note [Per-collective deadlines] in backend_lane.py). The lanes are
+keyed by the members' global ranks, which every member computes alike; a failed lane is never handed
+to a new group. A group with other members (a subgroup) sets up a channel of its own.
+
+The setup runs before torch has registered the group, so torch.distributed's functions cannot be used
+on it: the host identities travel through the group's store, and ShmTransport.connect, which speaks
+torch.distributed, is handed `_DistOverBackends`, the few functions it calls implemented on the group's
+inner gloo backend (and, across hosts, on a gloo backend of the hosts' leaders, made the same way).
+
+Note [Naming the lost rank from the backend]
+The channel names a peer that exited itself (it watches the pids). A frozen peer, or one lost across
+hosts, is named from heartbeats, as ncclavg/comm/liveness.py does for the communicators: every process
+adds 1 to `ncclavg/alive/<group rank>` in each of its groups' stores every PERIOD_S (one thread per
+process for all groups); a survivor whose collective failed marks itself failed, reads the counters
+twice 2.5 periods apart (at most DIAGNOSE_S, on a helper thread: the store may be gone with rank 0) and
+names the ranks whose counter stopped.
+"""
+from __future__ import annotations
+
+import datetime
+import threading
+import time
+import weakref
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch.distributed as dist
+from torch._C._distributed_c10d import AllgatherOptions, AllreduceOptions, BroadcastOptions, PrefixStore
+
+from . import shm
+from .backend_lane import BackendError, Lane
+from .shm import ShmTransport
+
+host_identity = shm.host_identity   # the tests replace it to pretend several hosts
+PERIOD_S = 0.5
+DIAGNOSE_S = 2.5
+CHANNEL_TIMEOUT_S = 7 * 24 * 3600.0   # the lane's watchdog enforces each group's own timeout
+
+
+# ---------------------------------------------------------------------------------------------- heartbeats
+class _Beats:
+    """The process's heartbeat thread: one counter per (store, key) registered."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._entries: List[Tuple[Any, str]] = []
+        self._thread: Optional[threading.Thread] = None
+        self._stop = threading.Event()
+
+    def add(self, store: Any, key: str) -> None:
+        store.add(key, 1)   # exists before the first collective can fail
+        with self._lock:
+            self._entries.append((store, key))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._beat, name="ncclavg-backend-heartbeat", daemon=True)
+                self._thread.start()
+
+    def remove(self, store: Any) -> None:
+        with self._lock:
+            self._entries = [(s, k) for s, k in self._entries if s is not store]
+
+    def _beat(self) -> None:
+        while not self._stop.wait(PERIOD_S):
+            with self._lock:
+                entries = list(self._entries)
+            for store, key in entries:
+                try:
+                    store.add(key, 1)
+                except Exception:   # noqa: BLE001 (a store that is gone has nobody left to tell)
+                    self.remove(store)
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(2 * PERIOD_S)
+
+
+BEATS = _Beats()
+
+
+class GroupLiveness:
+    """Heartbeats of one process group (its store, its group ranks): `diagnose()` names the lost ranks."""
+
+    def __init__(self, store: Any, rank: int, size: int):
+        self._store, self._rank, self._size = store, rank, size
+        self.enabled = size > 1
+        if self.enabled:
+            try:
+                BEATS.add(store, self._key(rank))
+            except Exception:   # noqa: BLE001 (a store that refuses keys: errors then name nobody)
+                self.enabled = False
+
+    @staticmethod
+    def _key(rank: int) -> str:
+        return f"ncclavg/alive/{rank}"
+
+    def diagnose(self) -> str:
+        """' (rank 2 stopped responding: heartbeat stopped)', '' when every rank still beats, or a note
+        that the store did not answer. See Note [Naming the lost rank from the backend]."""
+        if not self.enabled:
+            return ""
+        found: list = []
+        store, world = self._store, self._size
+
+        def look() -> None:
+            store.add(f"ncclavg/failed/{self._rank}", 1)
+            before = [int(store.add(self._key(r), 0)) for r in range(world)]
+            time.sleep(2.5 * PERIOD_S)
+            after = [int(store.add(self._key(r), 0)) for r in range(world)]
+            failed = [int(store.add(f"ncclavg/failed/{r}", 0)) for r in range(world)]
+            found.append([r for r in range(world) if r != self._rank and after[r] == before[r] and not failed[r]])
+
+        t = threading.Thread(target=look, name="ncclavg-diagnose", daemon=True)
+        t.start()
+        t.join(DIAGNOSE_S)
+        if not found:
+            return " (which rank was lost is unknown: the store did not answer)"
+        lost = found[0]
+        if not lost:
+            return ""
+        return f" (rank{'s' if len(lost) > 1 else ''} {', '.join(map(str, lost))} stopped responding: heartbeat stopped)"
+
+    def close(self) -> None:
+        if self.enabled:
+            BEATS.remove(self._store)
+
+
+# ---------------------------------------------------------------------------------------------- the channel
+class _Group:
+    """A gloo backend and the group ranks it spans, in the shape ShmTransport.connect passes around."""
+
+    def __init__(self, backend: Any, ranks: List[int]):
+        self.backend, self.ranks = backend, ranks
+
+
+class _DistOverBackends:
+    """The torch.distributed functions ShmTransport.connect and its several-hosts steps call, on gloo
+    backends the group made itself (Note [One channel per host, shared by groups]). Ranks are the
+    group's ranks throughout."""
+
+    ReduceOp = dist.ReduceOp
+
+    def __init__(self, store: Any, rank: int, timeout: datetime.timedelta):
+        self._store, self._rank, self._timeout = store, rank, timeout
+
+    def get_global_rank(self, group: Any, rank: int) -> int:
+        return rank
+
+    def new_group(self, ranks: List[int], backend: str = "gloo", timeout: Any = None,
+                  use_local_synchronization: bool = True) -> _Group:
+        ranks = sorted(ranks)
+        store = PrefixStore("ncclavg-leaders/" + ",".join(map(str, ranks)) + "/", self._store)
+        # the group's own timeout, not the channel's: a leader must not wait longer than its group does
+        return _Group(dist.ProcessGroupGloo(store, ranks.index(self._rank), len(ranks), self._timeout), ranks)
+
+    def all_gather(self, outputs: list, tensor: Any, group: _Group, async_op: bool = True) -> Any:
+        return group.backend.allgather([outputs], [tensor], AllgatherOptions())
+
+    def all_gather_single(self, output: Any, tensor: Any, group: _Group, async_op: bool = True) -> Any:
+        return group.backend._allgather_base(output, tensor, AllgatherOptions())
+
+    all_gather_into_tensor = all_gather_single
+
+    def all_reduce(self, tensor: Any, op: Any = dist.ReduceOp.SUM, group: Optional[_Group] = None,
+                   async_op: bool = True) -> Any:
+        opts = AllreduceOptions()
+        opts.reduceOp = op
+        return group.backend.allreduce([tensor], opts)   # type: ignore[union-attr]
+
+    def broadcast(self, tensor: Any, src: int, group: _Group, async_op: bool = True) -> Any:
+        opts = BroadcastOptions()
+        opts.rootRank, opts.rootTensor = group.ranks.index(src), 0
+        return group.backend.broadcast([tensor], opts)
+
+
+class _SetupState:
+    """What ShmTransport.connect reads and records of a communicator while it sets up."""
+
+    backend = "ncclavg"
+
+    def __init__(self, rank: int, size: int):
+        self.rank, self.world_size = rank, size
+        self.failure: Optional[str] = None
+        self._liveness = None
+
+    def _fail(self, msg: str) -> None:
+        self.failure = self.failure or msg
+
+
+def _host_identities(store: Any, rank: int, size: int, timeout: datetime.timedelta) -> List[str]:
+    store.set(f"ncclavg/host/{rank}", host_identity())
+    keys = [f"ncclavg/host/{r}" for r in range(size)]
+    store.wait(keys, timeout)
+    return [store.get(k).decode() for k in keys]
+
+
+def connect_channel(store: Any, rank: int, size: int, gloo: Any, timeout: datetime.timedelta) -> Optional[ShmTransport]:
+    """Collective over the group: its host channel (transport "shm" or "shm+gloo"), or None (every
+    process alone on its host, NCCLAVG_SHM=0, or a failed setup under NCCLAVG_SHM=auto)."""
+    if size < 2 or shm.setting() == "off":
+        return None
+    try:
+        identities = _host_identities(store, rank, size, timeout)
+        return ShmTransport.connect(_SetupState(rank, size), _DistOverBackends(store, rank, timeout),
+                                    _Group(gloo, list(range(size))), identities, CHANNEL_TIMEOUT_S)
+    except BackendError:
+        raise
+    except Exception as e:   # noqa: BLE001 (the reason, in the backend's words)
+        raise BackendError(f"ncclavg backend: rank {rank} of {size} could not set up its host channel: {e}") from e
+
+
+# ---------------------------------------------------------------------------------------------- the lanes
+_LANES: Dict[tuple, Lane] = {}
+_LANES_LOCK = threading.Lock()
+_ALL_LANES: "weakref.WeakSet[Lane]" = weakref.WeakSet()
+
+
+def lane_for(members: Tuple[int, ...], store: Any, rank: int, size: int, gloo: Any,
+             timeout: datetime.timedelta) -> Lane:
+    """The lane of the groups whose members (global ranks) are `members`: the existing one, or a new
+    lane over a new channel (a collective). See Note [One channel per host, shared by groups]."""
+    key = (members, shm.setting())
+    with _LANES_LOCK:
+        lane = _LANES.get(key)
+        if lane is not None and lane.failure is None and not lane.closed:
+            lane.users += 1
+            return lane
+    transport = connect_channel(store, rank, size, gloo, timeout)
+    lane = Lane(transport, label=f"{rank}of{size}")
+    lane.users = 1
+    with _LANES_LOCK:
+        _LANES[key] = lane
+        _ALL_LANES.add(lane)
+    return lane
+
+
+def release_lane(lane: Lane, timeout: float) -> None:
+    """A group that used `lane` is shut down: the last one closes it (its channel and threads), after
+    what was queued has finished (at most `timeout` s)."""
+    with _LANES_LOCK:
+        lane.users -= 1
+        last = lane.users <= 0
+        if last:
+            for key in [k for k, v in _LANES.items() if v is lane]:
+                del _LANES[key]
+    if last:
+        lane.close(timeout)
+
+
+def live_lanes() -> List[Lane]:
+    return list(_ALL_LANES)
+
+

@@ -1,0 +1,463 @@
+"""The `ncclavg` torch.distributed backend: `init_process_group("ncclavg")` after `import ncclavg`.
+
+CPU tensors go through the host channel (shared memory between the processes of one host, `shm+gloo`
+across hosts: exactly GlooCommunicator's choice, shm.py), on a lane that runs them in order
+(backend_lane.py); what the channel has no path for goes through an inner gloo backend of the same
+group (Note [Which CPU collectives take the channel] in backend_cpu.py). CUDA tensors go to an inner
+torch ProcessGroupNCCL of the same group.
+
+Note [A ProcessGroup, not a Backend]
+torch's C++ `Backend` has no Python constructor, so a backend written in Python is a `ProcessGroup`
+subclass, and torch uses the object the creator returns as the whole group: "cpu:ncclavg,cuda:nccl" would
+never create its NCCL half. So this group hands CUDA tensors to an NCCL group of its own (made here, its
+communicators created by NCCL on first use), and registers for both devices. It is registered with the
+extended API (backend_setup.py reads the members' global ranks), and it keeps its name for the functional
+collectives (`group_name`, set by torch right after creation).
+
+Point-to-point calls (send, recv) go straight to gloo, outside the lane: a recv posted before the
+matching send of the same rank must not block the collectives queued behind it.
+"""
+from __future__ import annotations
+
+import atexit
+import datetime
+from typing import Any, List, Optional
+
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import (AllgatherOptions, AllreduceCoalescedOptions, AllreduceOptions,
+                                        AllToAllOptions, BarrierOptions, BroadcastOptions, GatherOptions, PrefixStore,
+                                        ReduceOptions, ReduceScatterOptions, ScatterOptions)
+
+from . import backend_setup
+from .backend_cpu import CpuCollectives, R, red_kind
+from .backend_lane import BackendError, BackendWork, Job, Lane
+
+NAME = "ncclavg"
+_INTEGER_OK = (R.SUM, R.AVG, R.MIN, R.MAX, R.PRODUCT, R.BAND, R.BOR, R.BXOR)
+_FLOAT_OK = (R.SUM, R.AVG, R.MIN, R.MAX, R.PRODUCT, R.PREMUL_SUM)
+
+
+def _seconds(timeout: Any, default: float) -> float:
+    """A per-call timeout from torch's options (a timedelta; unset is negative or zero), else default."""
+    if isinstance(timeout, datetime.timedelta) and timeout.total_seconds() > 0:
+        return timeout.total_seconds()
+    return default
+
+
+def _describe(tensors: List[torch.Tensor]) -> str:
+    if not tensors:
+        return "no tensors"
+    t = tensors[0]
+    n = sum(x.numel() for x in tensors)
+    return f"{n} x {str(t.dtype).replace('torch.', '')}"
+
+
+class ProcessGroupNcclavg(dist.ProcessGroup):
+    """One process group of the `ncclavg` backend. Built by torch through the creator registered for
+    the name "ncclavg" (init_process_group, new_group, DeviceMesh); see the module's notes."""
+
+    def __init__(self, store: Any, rank: int, size: int, timeout: datetime.timedelta, group_name: str = "",
+                 global_ranks: Optional[List[int]] = None, backend_options: Any = None):
+        super().__init__(rank, size)
+        self._rank, self._size = rank, size
+        self._name = str(group_name)
+        self._desc = "undefined"
+        self._timeout = timeout.total_seconds()
+        members = tuple(global_ranks) if global_ranks else tuple(range(size))
+        self._gloo = dist.ProcessGroupGloo(PrefixStore("gloo/", store), rank, size, timeout)
+        self._liveness = backend_setup.GroupLiveness(PrefixStore("beat/", store), rank, size)
+        self._lane: Lane = backend_setup.lane_for(members, PrefixStore("lane/", store), rank, size, self._gloo, timeout)
+        self._cpu = CpuCollectives(self._lane.transport, self._gloo, rank, size)
+        self._store = store
+        self._nccl = self._nccl_options(timeout, backend_options)
+        self._shut = False
+
+    @staticmethod
+    def _nccl_options(timeout: datetime.timedelta, backend_options: Any) -> Any:
+        """(options,) for the inner NCCL group, made on the first CUDA tensor; None without CUDA or NCCL."""
+        if not (dist.is_nccl_available() and torch.cuda.is_available()):
+            return None
+        opts = backend_options if isinstance(backend_options, dist.ProcessGroupNCCL.Options) else \
+            dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        return (opts,)
+
+    # ------------------------------------------------------------------ identity
+    @property
+    def transport(self) -> str:
+        """Between this group's processes on CPUs: "shm", "shm+gloo" or "gloo" (see shm.py)."""
+        return self._lane.transport.kind if self._lane.transport is not None else "gloo"
+
+    @property
+    def group_name(self) -> str:
+        return self._name
+
+    def _set_group_name(self, name: str) -> None:
+        self._name = str(name)
+
+    @property
+    def group_desc(self) -> str:
+        return self._desc
+
+    def _set_group_desc(self, desc: str) -> None:
+        self._desc = str(desc)
+
+    def getBackendName(self) -> str:
+        return NAME
+
+    def name(self) -> str:
+        return NAME
+
+    def __repr__(self) -> str:
+        return f"ProcessGroupNcclavg(rank={self._rank}, size={self._size}, transport={self.transport})"
+
+    # ------------------------------------------------------------------ checks and submission
+    def _what(self, op: str, tensors: List[torch.Tensor]) -> str:
+        return (f"ncclavg {op} of {_describe(tensors)} (group {self._name or '?'}, rank {self._rank} of "
+                f"{self._size}, {self.transport})")
+
+    def _device(self, tensors: List[torch.Tensor], argname: str) -> str:
+        """'cpu' or 'cuda' for the tensors of one call; raises naming the argument otherwise."""
+        kinds = set()
+        for i, t in enumerate(tensors):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{argname}[{i}]: expected a torch.Tensor, got {type(t).__name__}")
+            if t.layout != torch.strided:
+                raise TypeError(f"{argname}[{i}]: the ncclavg backend takes dense tensors, got {t.layout}")
+            if not t.is_contiguous():
+                raise ValueError(f"{argname}[{i}]: expected a contiguous tensor")
+            kinds.add(t.device.type)
+        if len(kinds) > 1:
+            raise ValueError(f"{argname}: tensors on several device types {sorted(kinds)} in one call")
+        kind = kinds.pop() if kinds else "cpu"
+        if kind not in ("cpu", "cuda"):
+            raise ValueError(f"{argname}: the ncclavg backend takes CPU and CUDA tensors, got {kind}")
+        if kind == "cuda" and self._nccl is None:
+            raise ValueError(f"{argname}: CUDA tensors need CUDA and NCCL, which this process does not have")
+        return kind
+
+    def _one(self, tensors: Any, argname: str) -> torch.Tensor:
+        if isinstance(tensors, torch.Tensor) or len(tensors) != 1:
+            raise ValueError(f"{argname}: expected a list of one tensor")
+        return tensors[0]
+
+    def _root(self, root: int, argname: str = "root") -> int:
+        if not isinstance(root, int) or not 0 <= root < self._size:
+            raise ValueError(f"{argname}: must be a rank of the group, in [0, {self._size}), got {root}")
+        return root
+
+    def _op(self, op: Any, t: torch.Tensor) -> Any:
+        kind = red_kind(op)
+        ok = _FLOAT_OK if (t.is_floating_point() or t.is_complex()) else _INTEGER_OK
+        if kind not in ok:
+            raise ValueError(f"op: {getattr(kind, 'name', kind)} is not supported on {t.dtype} tensors by the "
+                             "ncclavg backend")
+        if t.is_complex() and kind not in (R.SUM, R.AVG, R.PREMUL_SUM):
+            raise ValueError(f"op: {kind.name} is not defined for complex tensors")
+        return op
+
+    def _same_size(self, tensors: List[torch.Tensor], like: torch.Tensor, argname: str) -> None:
+        for i, t in enumerate(tensors):
+            if t.dtype != like.dtype or t.numel() != like.numel():
+                raise ValueError(f"{argname}[{i}]: expected {like.numel()} elements of {like.dtype}, got "
+                                 f"{t.numel()} of {t.dtype}")
+
+    def _submit(self, op: str, opts: Any, tensors: List[torch.Tensor], result: Any, body: Any) -> BackendWork:
+        if self._shut:
+            raise BackendError(f"ncclavg {op}: the process group was shut down")
+        job = Job(body, result, self._what(op, tensors), _seconds(getattr(opts, "timeout", None), self._timeout),
+                  self._liveness.diagnose)
+        return self._lane.submit(job, inline=not getattr(opts, "asyncOp", True))
+
+    def _nccl_group(self) -> Any:
+        if isinstance(self._nccl, tuple):   # made on first use (NCCL makes its communicators lazily anyway)
+            self._nccl = dist.ProcessGroupNCCL(PrefixStore("nccl/", self._store), self._rank, self._size, self._nccl[0])
+        return self._nccl
+
+    # ------------------------------------------------------------------ all-reduce family
+    def allreduce(self, tensors: List[torch.Tensor], opts: Any = None) -> Any:
+        opts = opts if opts is not None else AllreduceOptions()
+        t = self._one(tensors, "tensors")
+        if self._device([t], "tensors") == "cuda":
+            return self._nccl_group().allreduce(tensors, opts)
+        op = self._op(opts.reduceOp, t)
+        return self._submit("allreduce", opts, [t], tensors, lambda job: self._cpu.allreduce(job, t, op))
+
+    def allreduce_coalesced(self, tensors: List[torch.Tensor], opts: Any = None) -> Any:
+        opts = opts if opts is not None else AllreduceCoalescedOptions()
+        if self._device(tensors, "tensors") == "cuda":
+            return self._nccl_group().allreduce_coalesced(tensors, opts)
+        for t in tensors:
+            self._op(opts.reduceOp, t)
+        op = opts.reduceOp
+        return self._submit("allreduce_coalesced", opts, tensors, tensors,
+                            lambda job: self._cpu.allreduce_coalesced(job, list(tensors), op))
+
+    def reduce(self, tensors: List[torch.Tensor], opts: Any = None) -> Any:
+        opts = opts if opts is not None else ReduceOptions()
+        t = self._one(tensors, "tensors")
+        if self._device([t], "tensors") == "cuda":
+            return self._nccl_group().reduce(tensors, opts)
+        root, op = self._root(opts.rootRank), self._op(opts.reduceOp, t)
+        return self._submit("reduce", opts, [t], tensors, lambda job: self._cpu.reduce(job, t, root, op))
+
+    def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:
+        opts = opts if opts is not None else ReduceScatterOptions()
+        if self._device([output, input], "output_tensor, input_tensor") == "cuda":
+            return self._nccl_group()._reduce_scatter_base(output, input, opts)
+        self._check_scatter_sizes(output, input)
+        op = self._op(opts.reduceOp, output)
+        return self._submit("reduce_scatter_single", opts, [input], output,
+                            lambda job: self._cpu.reduce_scatter_single(job, output, input, op))
+
+    _reduce_scatter_base = reduce_scatter_single
+
+    def _check_scatter_sizes(self, output: torch.Tensor, input: torch.Tensor) -> None:
+        if input.dtype != output.dtype:
+            raise TypeError(f"input_tensor: expected {output.dtype} like output_tensor, got {input.dtype}")
+        if input.numel() != output.numel() * self._size:
+            raise ValueError(f"input_tensor: expected {output.numel() * self._size} elements (world size "
+                             f"{self._size} x output_tensor's {output.numel()}), got {input.numel()}")
+
+    def reduce_scatter_single_coalesced(self, outputs: List[torch.Tensor], inputs: List[torch.Tensor],
+                                        opts: Any = None) -> Any:
+        opts = opts if opts is not None else ReduceScatterOptions()
+        if len(outputs) != len(inputs):
+            raise ValueError(f"inputs: expected {len(outputs)} tensors like outputs, got {len(inputs)}")
+        if self._device(list(outputs) + list(inputs), "outputs, inputs") == "cuda":
+            nccl = self._nccl_group()
+            works = [nccl._reduce_scatter_base(o, i, opts) for o, i in zip(outputs, inputs)]
+            for w in works[:-1]:
+                w.wait()
+            return works[-1]
+        for o, i in zip(outputs, inputs):
+            self._check_scatter_sizes(o, i)
+            self._op(opts.reduceOp, o)
+        op = opts.reduceOp
+
+        def body(job: Job) -> None:
+            for o, i in zip(outputs, inputs):
+                self._cpu.reduce_scatter_single(job, o, i, op)
+
+        return self._submit("reduce_scatter_single_coalesced", opts, list(inputs), list(outputs), body)
+
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
+
+    def reduce_scatter(self, outputs: List[torch.Tensor], input_lists: List[List[torch.Tensor]], opts: Any = None) -> Any:
+        opts = opts if opts is not None else ReduceScatterOptions()
+        out = self._one(outputs, "output")
+        if len(input_lists) != 1:
+            raise ValueError("input_list: expected one list of tensors")
+        inputs = list(input_lists[0])
+        if len(inputs) != self._size:
+            raise ValueError(f"input_list: expected {self._size} tensors (one per rank), got {len(inputs)}")
+        if self._device([out] + inputs, "input_list") == "cuda":
+            return self._nccl_group().reduce_scatter(outputs, input_lists, opts)
+        if inputs[self._rank].numel() != out.numel() or any(x.dtype != out.dtype for x in inputs):
+            raise ValueError(f"input_list[{self._rank}]: expected {out.numel()} elements of {out.dtype} like output")
+        op = self._op(opts.reduceOp, out)
+        return self._submit("reduce_scatter", opts, inputs, outputs,
+                            lambda job: self._cpu.reduce_scatter(job, out, inputs, op))
+
+    # ------------------------------------------------------------------ data movement
+    def broadcast(self, tensors: List[torch.Tensor], opts: Any = None) -> Any:
+        opts = opts if opts is not None else BroadcastOptions()
+        t = self._one(tensors, "tensors")
+        if self._device([t], "tensors") == "cuda":
+            return self._nccl_group().broadcast(tensors, opts)
+        root = self._root(opts.rootRank, "src")
+        return self._submit("broadcast", opts, [t], tensors, lambda job: self._cpu.broadcast(job, t, root))
+
+    def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:
+        opts = opts if opts is not None else AllgatherOptions()
+        if self._device([output, input], "output_tensor, input_tensor") == "cuda":
+            return self._nccl_group()._allgather_base(output, input, opts)
+        self._check_gather_sizes(output, input)
+        return self._submit("all_gather_single", opts, [input], output,
+                            lambda job: self._cpu.all_gather_single(job, output, input))
+
+    _allgather_base = all_gather_single
+
+    def _check_gather_sizes(self, output: torch.Tensor, input: torch.Tensor) -> None:
+        if input.dtype != output.dtype:
+            raise TypeError(f"output_tensor: expected {input.dtype} like input_tensor, got {output.dtype}")
+        if output.numel() != input.numel() * self._size:
+            raise ValueError(f"output_tensor: expected {input.numel() * self._size} elements (world size "
+                             f"{self._size} x input_tensor's {input.numel()}), got {output.numel()}")
+
+    def all_gather_single_coalesced(self, outputs: List[torch.Tensor], inputs: List[torch.Tensor],
+                                    opts: Any = None) -> Any:
+        opts = opts if opts is not None else AllgatherOptions()
+        if len(outputs) != len(inputs):
+            raise ValueError(f"inputs: expected {len(outputs)} tensors like outputs, got {len(inputs)}")
+        if self._device(list(outputs) + list(inputs), "outputs, inputs") == "cuda":
+            nccl = self._nccl_group()
+            works = [nccl._allgather_base(o, i, opts) for o, i in zip(outputs, inputs)]
+            for w in works[:-1]:
+                w.wait()
+            return works[-1]
+        for o, i in zip(outputs, inputs):
+            self._check_gather_sizes(o, i)
+
+        def body(job: Job) -> None:
+            for o, i in zip(outputs, inputs):
+                self._cpu.all_gather_single(job, o, i)
+
+        return self._submit("all_gather_single_coalesced", opts, list(inputs), list(outputs), body)
+
+    allgather_into_tensor_coalesced = all_gather_single_coalesced
+
+    def allgather(self, output_lists: List[List[torch.Tensor]], inputs: List[torch.Tensor], opts: Any = None) -> Any:
+        opts = opts if opts is not None else AllgatherOptions()
+        inp = self._one(inputs, "tensor")
+        if len(output_lists) != 1 or len(output_lists[0]) != self._size:
+            raise ValueError(f"tensor_list: expected {self._size} tensors (one per rank)")
+        outs = list(output_lists[0])
+        if self._device([inp] + outs, "tensor_list") == "cuda":
+            return self._nccl_group().allgather(output_lists, inputs, opts)
+        if any(o.dtype != inp.dtype for o in outs):
+            raise TypeError(f"tensor_list: expected tensors of {inp.dtype} like tensor")
+        return self._submit("allgather", opts, [inp], outs, lambda job: self._cpu.allgather(job, outs, inp))
+
+    def allgather_coalesced(self, output_lists: List[List[torch.Tensor]], inputs: List[torch.Tensor],
+                            opts: Any = None) -> Any:
+        opts = opts if opts is not None else AllgatherOptions()
+        if len(output_lists) != self._size or any(len(o) != len(inputs) for o in output_lists):
+            raise ValueError(f"output_tensor_lists: expected {self._size} lists of {len(inputs)} tensors")
+        if self._device(list(inputs), "input_tensor_list") == "cuda":
+            return self._nccl_group().allgather_coalesced(output_lists, inputs, opts)
+
+        def body(job: Job) -> None:
+            for k, inp in enumerate(inputs):
+                self._cpu.allgather(job, [output_lists[r][k] for r in range(self._size)], inp)
+
+        return self._submit("allgather_coalesced", opts, list(inputs), output_lists, body)
+
+    def gather(self, output_lists: List[List[torch.Tensor]], inputs: List[torch.Tensor], opts: Any = None) -> Any:
+        opts = opts if opts is not None else GatherOptions()
+        inp = self._one(inputs, "tensor")
+        root = self._root(opts.rootRank, "dst")
+        outs = list(output_lists[0]) if output_lists else []
+        if self._rank == root and len(outs) != self._size:
+            raise ValueError(f"gather_list: expected {self._size} tensors on the destination rank, got {len(outs)}")
+        if self._device([inp] + outs, "gather_list") == "cuda":
+            return self._nccl_group().gather(output_lists, inputs, opts)
+        self._same_size(outs, inp, "gather_list")
+        return self._submit("gather", opts, [inp], outs, lambda job: self._cpu.gather(job, outs, inp, root))
+
+    def scatter(self, outputs: List[torch.Tensor], input_lists: List[List[torch.Tensor]], opts: Any = None) -> Any:
+        opts = opts if opts is not None else ScatterOptions()
+        out = self._one(outputs, "tensor")
+        root = self._root(opts.rootRank, "src")
+        inputs = list(input_lists[0]) if input_lists else []
+        if self._rank == root and len(inputs) != self._size:
+            raise ValueError(f"scatter_list: expected {self._size} tensors on the source rank, got {len(inputs)}")
+        if self._device([out] + inputs, "scatter_list") == "cuda":
+            return self._nccl_group().scatter(outputs, input_lists, opts)
+        self._same_size(inputs, out, "scatter_list")
+        return self._submit("scatter", opts, [out], outputs,
+                            lambda job: self._cpu.scatter(job, out, inputs if self._rank == root else None, root))
+
+    def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, output_splits: List[int],
+                          input_splits: List[int], opts: Any = None) -> Any:
+        opts = opts if opts is not None else AllToAllOptions()
+        if self._device([output, input], "output, input") == "cuda":
+            return self._nccl_group().alltoall_base(output, input, output_splits, input_splits, opts)
+        if input.dtype != output.dtype:
+            raise TypeError(f"output: expected {input.dtype} like input, got {output.dtype}")
+        return self._submit("all_to_all_single", opts, [input], output, lambda job: self._cpu.alltoall_single(
+            job, output, input, list(output_splits), list(input_splits)))
+
+    alltoall_base = all_to_all_single
+
+    def alltoall(self, outputs: List[torch.Tensor], inputs: List[torch.Tensor], opts: Any = None) -> Any:
+        opts = opts if opts is not None else AllToAllOptions()
+        if len(outputs) != self._size or len(inputs) != self._size:
+            raise ValueError(f"output_tensor_list, input_tensor_list: expected {self._size} tensors each")
+        if self._device(list(outputs) + list(inputs), "output_tensor_list, input_tensor_list") == "cuda":
+            return self._nccl_group().alltoall(outputs, inputs, opts)
+        return self._submit("alltoall", opts, list(inputs), list(outputs),
+                            lambda job: self._cpu.alltoall(job, list(outputs), list(inputs)))
+
+    def barrier(self, opts: Any = None) -> Any:
+        opts = opts if opts is not None else BarrierOptions()
+        return self._submit("barrier", opts, [], [], lambda job: self._cpu.barrier(job))
+
+    def monitored_barrier(self, timeout: Any = None, wait_all_ranks: bool = False) -> None:
+        self._lane.drain(self._timeout)
+        t = timeout if isinstance(timeout, datetime.timedelta) else datetime.timedelta(seconds=self._timeout)
+        self._gloo.monitored_barrier(t, wait_all_ranks)
+
+    # ------------------------------------------------------------------ point to point: straight to gloo
+    def send(self, tensors: List[torch.Tensor], dst: int, tag: int = 0) -> Any:
+        t = self._one(tensors, "tensor")
+        if self._device([t], "tensor") == "cuda":
+            return self._nccl_group().send(tensors, dst, tag)
+        return self._gloo.send(tensors, self._root(dst, "dst"), tag)
+
+    def recv(self, tensors: List[torch.Tensor], src: int, tag: int = 0) -> Any:
+        t = self._one(tensors, "tensor")
+        if self._device([t], "tensor") == "cuda":
+            return self._nccl_group().recv(tensors, src, tag)
+        return self._gloo.recv(tensors, self._root(src, "src"), tag)
+
+    def recv_anysource(self, tensors: List[torch.Tensor], tag: int = 0) -> Any:
+        t = self._one(tensors, "tensor")
+        if self._device([t], "tensor") == "cuda":
+            raise ValueError("tensor: receiving from any source is not supported for CUDA tensors")
+        return self._gloo.recv_anysource(tensors, tag)
+
+    # ------------------------------------------------------------------ coalescing, ending
+    def start_coalescing(self, device: Any = None) -> None:
+        pass   # every collective is queued in order anyway
+
+    def end_coalescing(self, device: Any = None) -> Any:
+        return self.barrier_free_marker()
+
+    _start_coalescing, _end_coalescing = start_coalescing, end_coalescing
+
+    def barrier_free_marker(self) -> BackendWork:
+        """A Work complete once every collective issued before it is (nothing is sent)."""
+        return self._submit("coalesced collectives", None, [], [], lambda job: None)
+
+    def shutdown(self) -> None:
+        """Lets the queued collectives finish (bounded), then stops this group's heartbeats; the lane and
+        its channel stop with the last group that uses them (at exit at the latest)."""
+        if self._shut:
+            return
+        self._shut = True
+        self._liveness.close()
+        backend_setup.release_lane(self._lane, min(self._timeout, 30.0))
+
+    def abort(self) -> None:
+        self._lane._fail(f"rank {self._rank}: the process group was aborted")
+        self.shutdown()
+
+
+def _create(dist_opts: Any, backend_options: Any) -> ProcessGroupNcclavg:
+    """The creator torch calls (extended API) for every group of the backend."""
+    return ProcessGroupNcclavg(dist_opts.store, dist_opts.group_rank, dist_opts.group_size, dist_opts.timeout,
+                               dist_opts.group_id, list(dist_opts.global_ranks_in_group), backend_options)
+
+
+def register() -> None:
+    """Registers the backend name with torch.distributed (idempotent)."""
+    if NAME.upper() in getattr(dist.Backend, "_plugins", {}):
+        return
+    dist.Backend.register_backend(NAME, _create, extended_api=True, devices=["cpu", "cuda"])
+
+
+def _end_of_process() -> None:
+    """At exit: let every lane finish what was queued (bounded) and stop the worker threads before the
+    interpreter stops, so that no thread of ours returns into Python while it shuts down (Note [Gloo
+    teardown] in dist.py)."""
+    for lane in backend_setup.live_lanes():
+        try:
+            lane.close(timeout=10.0)
+        except Exception:   # noqa: BLE001 (leaving anyway)
+            pass
+    backend_setup.BEATS.stop()
+
+
+atexit.register(_end_of_process)
