@@ -126,7 +126,7 @@ class CpuCollectives:
             t.mul_(premul_factor(op))
             kind = R.SUM
         if t.is_floating_point() and kind in (R.SUM, R.AVG):
-            if self.transport is not None and t.dtype in shm._TYPE_CODES:
+            if self.transport is not None and t.dtype in shm.TYPE_CODES:
                 self._channel_sum(job, t, kind == R.AVG)
                 return
             if self.transport is None:
@@ -196,7 +196,7 @@ class CpuCollectives:
         if kind == R.PREMUL_SUM:
             inp = inp * premul_factor(op)   # the caller's input stays as it is
             kind = R.SUM
-        if out.is_floating_point() and out.dtype in shm._TYPE_CODES and kind in (R.SUM, R.AVG):
+        if out.is_floating_point() and out.dtype in shm.TYPE_CODES and kind in (R.SUM, R.AVG):
             o, i = out.view(-1), inp.reshape(-1)
             if kind == R.AVG and out.dtype in _HALF:   # an fp32 sum, one rounding (see the Note)
                 acc = torch.empty(o.numel(), dtype=torch.float32)
