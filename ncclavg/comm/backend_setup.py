@@ -35,7 +35,8 @@ import weakref
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch.distributed as dist
-from torch._C._distributed_c10d import AllgatherOptions, AllreduceOptions, BroadcastOptions, PrefixStore
+from torch._C._distributed_c10d import (AllgatherOptions, AllreduceOptions, AllToAllOptions, BroadcastOptions,
+                                        PrefixStore)
 
 from . import shm
 from .backend_lane import BackendError, Lane
@@ -181,6 +182,12 @@ class _DistOverBackends:
         opts = BroadcastOptions()
         opts.rootRank, opts.rootTensor = group.ranks.index(src), 0
         return group.backend.broadcast([tensor], opts)
+
+    def all_to_all_single(self, output: Any, tensor: Any, output_split_sizes: Optional[List[int]] = None,
+                          input_split_sizes: Optional[List[int]] = None, group: Optional[_Group] = None,
+                          async_op: bool = True) -> Any:
+        return group.backend.alltoall_base(output, tensor, list(output_split_sizes or []),   # type: ignore[union-attr]
+                                           list(input_split_sizes or []), AllToAllOptions())
 
 
 class _SetupState:
