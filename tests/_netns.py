@@ -127,3 +127,23 @@ class TwoHosts:
     def env(self, k: int, base: dict) -> dict:
         """`base` plus what node k's processes need: gloo on the node's veth (Note above)."""
         return dict(base, GLOO_SOCKET_IFNAME=self.hosts[k].ifname)
+
+
+def two_hosts_fixture():
+    """The body of a pytest fixture: TwoHosts up for the test, down afterwards; the test is skipped
+    (with the reason) where network namespaces cannot be made."""
+    import pytest
+
+    pair = TwoHosts()
+    try:
+        pair.up()
+    except NetnsUnavailable as e:
+        pair.down()
+        pytest.skip(f"two hosts need network namespaces: {e}")
+    except BaseException:
+        pair.down()
+        raise
+    try:
+        yield pair
+    finally:
+        pair.down()

@@ -23,14 +23,13 @@ The channel names a peer that exited itself (it watches the pids). A frozen peer
 hosts, is named from heartbeats, as ncclavg/comm/liveness.py does for the communicators: every process
 adds 1 to `ncclavg/alive/<group rank>` in each of its groups' stores every PERIOD_S (one thread per
 process for all groups); a survivor whose collective failed marks itself failed, reads the counters
-twice 2.5 periods apart (at most DIAGNOSE_S, on a helper thread: the store may be gone with rank 0) and
+twice 2.5 periods apart (liveness.diagnose: bounded, on a helper thread: the store may be gone with rank 0) and
 names the ranks whose counter stopped.
 """
 from __future__ import annotations
 
 import datetime
 import threading
-import time
 import weakref
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -40,11 +39,11 @@ from torch._C._distributed_c10d import (AllgatherOptions, AllreduceOptions, AllT
 
 from . import shm
 from .backend_lane import BackendError, Lane
+from .liveness import diagnose
 from .shm import ShmTransport
 
 host_identity = shm.host_identity   # the tests replace it to pretend several hosts
 PERIOD_S = 0.5
-DIAGNOSE_S = 2.5
 CHANNEL_TIMEOUT_S = 7 * 24 * 3600.0   # the lane's watchdog enforces each group's own timeout
 
 
@@ -110,26 +109,7 @@ class GroupLiveness:
         that the store did not answer. See Note [Naming the lost rank from the backend]."""
         if not self.enabled:
             return ""
-        found: list = []
-        store, world = self._store, self._size
-
-        def look() -> None:
-            store.add(f"ncclavg/failed/{self._rank}", 1)
-            before = [int(store.add(self._key(r), 0)) for r in range(world)]
-            time.sleep(2.5 * PERIOD_S)
-            after = [int(store.add(self._key(r), 0)) for r in range(world)]
-            failed = [int(store.add(f"ncclavg/failed/{r}", 0)) for r in range(world)]
-            found.append([r for r in range(world) if r != self._rank and after[r] == before[r] and not failed[r]])
-
-        t = threading.Thread(target=look, name="ncclavg-diagnose", daemon=True)
-        t.start()
-        t.join(DIAGNOSE_S)
-        if not found:
-            return " (which rank was lost is unknown: the store did not answer)"
-        lost = found[0]
-        if not lost:
-            return ""
-        return f" (rank{'s' if len(lost) > 1 else ''} {', '.join(map(str, lost))} stopped responding: heartbeat stopped)"
+        return diagnose(self._store, self._rank, self._size, self._key, lambda r: f"ncclavg/failed/{r}")
 
     def close(self) -> None:
         if self.enabled:

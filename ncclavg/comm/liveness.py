@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 PERIOD_S = 0.5
 DIAGNOSE_S = 2.0
@@ -79,33 +79,36 @@ class Liveness:
             except Exception:   # the store is gone (its host died): nothing left to tell anyone
                 return
 
-    def _counts(self) -> list:
-        return [int(self._store.add(self._key(r), 0)) for r in range(self._world)]
-
     def diagnose(self) -> str:
-        """' (rank 2 stopped responding: its heartbeat stopped)' or '' when every rank still counts or it
+        """' (rank 2 stopped responding: heartbeat stopped)' or '' when every rank still counts or it
         cannot be told within DIAGNOSE_S. See Note [Naming the lost rank]."""
-        found: list = []
-
-        def look() -> None:
-            self._store.add(self._failed_key(self._rank), 1)
-            before = self._counts()
-            time.sleep(2.5 * PERIOD_S)
-            after = self._counts()
-            failed = [int(self._store.add(self._failed_key(r), 0)) for r in range(self._world)]
-            found.append([r for r in range(self._world)
-                          if r != self._rank and after[r] == before[r] and not failed[r]])
-
-        t = threading.Thread(target=look, name="ncclavg-diagnose", daemon=True)
-        t.start()
-        t.join(DIAGNOSE_S)
-        if not found:
-            return " (which rank was lost is unknown: the store did not answer)"
-        lost = found[0]
-        if not lost:
-            return ""
-        names = ", ".join(map(str, lost))
-        return f" (rank{'s' if len(lost) > 1 else ''} {names} stopped responding: heartbeat stopped)"
+        return diagnose(self._store, self._rank, self._world, self._key, self._failed_key)
 
     def stop(self) -> None:
         self._stop.set()
+
+
+def diagnose(store: Any, rank: int, world: int, key: Callable[[int], str], failed_key: Callable[[int], str]) -> str:
+    """Names the ranks whose heartbeat counter `key(r)` in `store` stopped: this rank marks itself failed
+    (`failed_key(rank)`), reads every counter twice, 2.5 periods apart, on a helper thread bounded by
+    DIAGNOSE_S. ' (rank 2 stopped responding: heartbeat stopped)', '' when every rank still beats, or a
+    note that the store did not answer. See Note [Naming the lost rank]."""
+    found: list = []
+
+    def look() -> None:
+        store.add(failed_key(rank), 1)
+        before = [int(store.add(key(r), 0)) for r in range(world)]
+        time.sleep(2.5 * PERIOD_S)
+        after = [int(store.add(key(r), 0)) for r in range(world)]
+        failed = [int(store.add(failed_key(r), 0)) for r in range(world)]
+        found.append([r for r in range(world) if r != rank and after[r] == before[r] and not failed[r]])
+
+    t = threading.Thread(target=look, name="ncclavg-diagnose", daemon=True)
+    t.start()
+    t.join(DIAGNOSE_S)
+    if not found:
+        return " (which rank was lost is unknown: the store did not answer)"
+    lost = found[0]
+    if not lost:
+        return ""
+    return f" (rank{'s' if len(lost) > 1 else ''} {', '.join(map(str, lost))} stopped responding: heartbeat stopped)"

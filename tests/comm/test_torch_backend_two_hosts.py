@@ -7,7 +7,7 @@ import re
 import subprocess
 
 import pytest
-from _netns import NetnsUnavailable, TwoHosts
+from _netns import two_hosts_fixture
 from _paths import ROOT
 
 pytestmark = pytest.mark.slow
@@ -15,19 +15,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture
 def hosts():
-    pair = TwoHosts()
-    try:
-        pair.up()
-    except NetnsUnavailable as e:
-        pair.down()
-        pytest.skip(f"two hosts need network namespaces: {e}")
-    except BaseException:
-        pair.down()
-        raise
-    try:
-        yield pair
-    finally:
-        pair.down()
+    yield from two_hosts_fixture()
 
 
 def test_stock_ddp_on_two_hosts_uses_a_channel_per_host(hosts):

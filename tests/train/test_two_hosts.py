@@ -11,7 +11,7 @@ import time
 
 import pytest
 import torch
-from _netns import NetnsUnavailable, TwoHosts
+from _netns import two_hosts_fixture
 from _paths import ROOT
 from _training_reference import rel_distance
 
@@ -26,19 +26,7 @@ RUN_TIMEOUT_S = 180   # a bound for a hang, far above the seconds a run takes
 
 @pytest.fixture
 def hosts():
-    pair = TwoHosts()
-    try:
-        pair.up()
-    except NetnsUnavailable as e:
-        pair.down()
-        pytest.skip(f"two hosts need network namespaces: {e}")
-    except BaseException:
-        pair.down()
-        raise
-    try:
-        yield pair
-    finally:
-        pair.down()
+    yield from two_hosts_fixture()
 
 
 def base_env(timeout_s):
