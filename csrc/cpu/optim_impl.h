@@ -316,41 +316,48 @@ void cast_range(const float* src, void* dst, DType dtype, int64_t begin, int64_t
 
 // ---- the inf/NaN scan (see Note [The inf/NaN check as a scan] in optim.cpp)
 
-// Largest magnitude bit pattern (sign cleared) of one tower's raw values over [begin, end): a plain
-// max-reduction that GCC vectorises for the TU's target (vpmaxuw / vpmaxud).
+// Nonzero iff one of x[begin, end) is an inf/NaN pattern (all exponent bits set, i.e. a sign-cleared
+// pattern >= that of +inf): the sign-cleared pattern plus (top bit - inf) carries into the top bit
+// exactly then. An OR-reduction of and/add, which GCC vectorises for any target, SSE2 included.
 template <class U>
-NCCLAVG_OPT_INLINE U max_magnitude(const U* x, int64_t begin, int64_t end) {
-  constexpr U kMag = static_cast<U>(~U{0} >> 1);
-  U m = 0;
-  for (int64_t i = begin; i < end; ++i) {
-    const U a = x[i] & kMag;
-    m = a > m ? a : m;
+NCCLAVG_OPT_INLINE U inf_nan_bits(const U* x, int64_t begin, int64_t end, U inf) {
+  constexpr U kMag = static_cast<U>(static_cast<U>(~U{0}) >> 1);  // (cast first: ~ promotes to int)
+  constexpr U kTop = static_cast<U>(kMag + 1);
+  const U bump = static_cast<U>(kTop - inf);
+  U acc = 0;
+  for (int64_t i = begin; i < end; ++i) acc |= static_cast<U>((x[i] & kMag) + bump);
+  return static_cast<U>(acc & kTop);
+}
+
+template <class U>
+bool all_finite_typed(const GradSlice& g, int64_t begin, int64_t end, U inf) {
+  // Runs of 2048 elements, all towers, each run's lines prefetched a run ahead: the hardware
+  // prefetchers alone leave this pure read stream at ~80% of what the other loops reach (see Note
+  // [Software prefetch in the optimizer loops]).
+  constexpr int64_t kRun = 2048;
+  constexpr int64_t kLine = 64 / sizeof(U);
+  U acc = 0;
+  for (int64_t b = begin; b < end; b += kRun) {
+    const int64_t e = b + kRun < end ? b + kRun : end;
+    for (int k = 0; k < g.n; ++k) {
+      const U* x = static_cast<const U*>(g.towers[k]);
+      if constexpr (kPrefetchElems > 0) {
+        for (int64_t q = e; q < e + kRun; q += kLine) __builtin_prefetch(x + q, 0);
+      }
+      acc |= inf_nan_bits(x, b, e, inf);
+    }
   }
-  return m;
+  return acc == 0;
 }
 
 template <class L>
 bool all_finite_range(const GradSlice& g, int64_t begin, int64_t end) {
-  // inf/NaN: all exponent bits set, i.e. a magnitude pattern >= that of +inf.
-  uint32_t worst = 0, inf = 0;
-  for (int k = 0; k < g.n; ++k) {
-    switch (g.dtype) {
-      case DType::kFloat32:
-        inf = 0x7f800000u;
-        worst = max_magnitude(static_cast<const uint32_t*>(g.towers[k]), begin, end);
-        break;
-      case DType::kBFloat16:
-        inf = 0x7f80u;
-        worst = max_magnitude(static_cast<const uint16_t*>(g.towers[k]), begin, end);
-        break;
-      case DType::kFloat16:
-        inf = 0x7c00u;
-        worst = max_magnitude(static_cast<const uint16_t*>(g.towers[k]), begin, end);
-        break;
-    }
-    if (worst >= inf) return false;
+  switch (g.dtype) {
+    case DType::kFloat32: return all_finite_typed<uint32_t>(g, begin, end, 0x7f800000u);
+    case DType::kBFloat16: return all_finite_typed<uint16_t>(g, begin, end, 0x7f80u);
+    case DType::kFloat16: return all_finite_typed<uint16_t>(g, begin, end, 0x7c00u);
   }
-  return true;
+  return false;
 }
 
 }  // namespace
