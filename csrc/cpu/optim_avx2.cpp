@@ -60,15 +60,19 @@ struct RawOps<Avx2Lane> {
 };
 
 // Two vectors of bfloat16 copy-out in one store: one pack and one permute per 16 elements instead of
-// per 8. The rounding is Avx2Lane::store_bf16's.
-NCCLAVG_OPT_INLINE __m256i bf16_bits_avx2(__m256 v) {
+// per 8, and one NaN test per 16 elements: NaN params are rare, and only they need the quiet-NaN
+// blend. The rounding is Avx2Lane::store_bf16's (ew::float_to_bf16_bits).
+NCCLAVG_OPT_INLINE __m256i bf16_round_avx2(__m256 v) {  // round to nearest even, NaN aside
   const __m256i u = _mm256_castps_si256(v);
-  const __m256i hi = _mm256_srli_epi32(u, 16);
-  const __m256i lsb = _mm256_and_si256(hi, _mm256_set1_epi32(1));
-  const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
-  const __m256i qnan = _mm256_or_si256(hi, _mm256_set1_epi32(0x40));
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  return _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
+}
+
+NCCLAVG_OPT_INLINE __m256i bf16_bits_avx2(__m256 v) {
+  const __m256i qnan = _mm256_or_si256(_mm256_srli_epi32(_mm256_castps_si256(v), 16), _mm256_set1_epi32(0x40));
   const __m256 isnan = _mm256_cmp_ps(v, v, _CMP_UNORD_Q);
-  return _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(r), _mm256_castsi256_ps(qnan), isnan));
+  return _mm256_castps_si256(
+      _mm256_blendv_ps(_mm256_castsi256_ps(bf16_round_avx2(v)), _mm256_castsi256_ps(qnan), isnan));
 }
 
 template <>
@@ -76,8 +80,17 @@ struct BlockStore<Avx2Lane> {
   template <class O>
   static NCCLAVG_OPT_INLINE void out(const OutSlice& o, int64_t i, const __m256 (&p)[2]) {
     if constexpr (std::is_same_v<O, BF16>) {
+      const __m256 any_nan = _mm256_cmp_ps(p[0], p[1], _CMP_UNORD_Q);
+      __m256i r0, r1;
+      if (__builtin_expect(_mm256_testz_ps(any_nan, any_nan), 1)) {
+        r0 = bf16_round_avx2(p[0]);
+        r1 = bf16_round_avx2(p[1]);
+      } else {
+        r0 = bf16_bits_avx2(p[0]);
+        r1 = bf16_bits_avx2(p[1]);
+      }
       // Values < 2^16: the saturating pack is exact; it interleaves 128-bit halves, the permute undoes it.
-      const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(bf16_bits_avx2(p[0]), bf16_bits_avx2(p[1])), 0xD8);
+      const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r0, r1), 0xD8);
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(o.out) + i), packed);
     } else {
       store_out<Avx2Lane, O>(o, i, p[0]);

@@ -175,15 +175,22 @@ double grad_sumsq_range(const GradSlice& g, const om::GradCoef& gc, int64_t begi
 
 // ---- Adam / AdamW
 
+// Note [Unit gradient scale in Adam]
+// Without a loss scale or clipping (bfloat16 training), both factors of om::scale_grad are 1 and the
+// Adam loop skips the two products (Unit). x * 1 is x for every float but a signalling NaN, which it
+// quiets; Adam's gradient only ever enters arithmetic (g - m, (c*g)*g, g + l2*p), which quiets it the
+// same way, so the stored bits cannot differ. SGD stores g itself as the first momentum buffer, so it
+// keeps the products.
+
 // One element vector: the mean `mean` becomes the update's gradient, then the update of lanes
 // [i, i + W). om::scale_grad in two steps: `t`, the unclipped gradient, is the norm's term (maximize's
 // sign squares out).
-template <class L>
+template <class L, bool Unit>
 NCCLAVG_OPT_INLINE typename L::V adam_lanes(const AdamSlice& s, typename L::V mean, const om::AdamCoef& c,
                                             const om::GradCoef& gc, int64_t i, typename L::V& t) {
   using V = typename L::V;
-  t = mean * gc.inv_scale;
-  const V gv = t * gc.clip;
+  t = Unit ? mean : mean * gc.inv_scale;
+  const V gv = Unit ? t : t * gc.clip;
   V p = L::load_f32(s.param + i);
   V m = L::load_f32(s.exp_avg + i);
   V v = L::load_f32(s.exp_avg_sq + i);
@@ -197,7 +204,7 @@ NCCLAVG_OPT_INLINE typename L::V adam_lanes(const AdamSlice& s, typename L::V me
 }
 
 // By-value parameters: see Note [Local copies of the kernel arguments].
-template <class L, class T, class O, bool Multi, bool Norm>
+template <class L, class T, class O, bool Multi, bool Norm, bool Unit>
 void adam_loop(const AdamSlice s, const GradSlice g, const OutSlice o, const om::AdamCoef c, const om::GradCoef gc,
                int64_t begin, int64_t end, double* sumsq) {
   constexpr int K = kBlock / L::W;
@@ -214,18 +221,30 @@ void adam_loop(const AdamSlice s, const GradSlice g, const OutSlice o, const om:
     block_mean<L, T, Multi>(g, mp, i, mean);
     for (int k = 0; k < K; ++k) {
       typename L::V t;
-      p[k] = adam_lanes<L>(s, mean[k], c, gc, i + k * L::W, t);
+      p[k] = adam_lanes<L, Unit>(s, mean[k], c, gc, i + k * L::W, t);
       na.add(k, t);
     }
     BlockStore<L>::template out<O>(o, i, p);
   }
   for (int j = 0; i < end; ++i, ++j) {
     float t;
-    const float p = adam_lanes<ScalarLane>(s, tower_mean<ScalarLane, T, Multi>(g, mp, i), c, gc, i, t);
+    const float p = adam_lanes<ScalarLane, Unit>(s, tower_mean<ScalarLane, T, Multi>(g, mp, i), c, gc, i, t);
     na.add_tail(j, t);
     store_out<ScalarLane, O>(o, i, p);
   }
   if constexpr (Norm) *sumsq = na.total();
+}
+
+// Calls f(norm, unit) with both as compile-time booleans.
+template <class Fn>
+NCCLAVG_OPT_INLINE void with_flags(bool norm, bool unit, Fn&& f) {
+  if (norm) {
+    if (unit) f(std::true_type{}, std::true_type{});
+    else f(std::true_type{}, std::false_type{});
+  } else {
+    if (unit) f(std::false_type{}, std::true_type{});
+    else f(std::false_type{}, std::false_type{});
+  }
 }
 
 template <class L>
@@ -236,8 +255,10 @@ void adam_range(const AdamSlice& s, const GradSlice& g, const OutSlice& o, const
       using T = decltype(tag);
       using O = decltype(otag);
       constexpr bool M = decltype(multi)::value;
-      if (sumsq) adam_loop<L, T, O, M, true>(s, g, o, c, gc, begin, end, sumsq);
-      else adam_loop<L, T, O, M, false>(s, g, o, c, gc, begin, end, nullptr);
+      // See Note [Unit gradient scale in Adam].
+      with_flags(sumsq != nullptr, gc.inv_scale == 1.0f && gc.clip == 1.0f, [&](auto norm, auto unit) {
+        adam_loop<L, T, O, M, decltype(norm)::value, decltype(unit)::value>(s, g, o, c, gc, begin, end, sumsq);
+      });
     });
   });
 }
