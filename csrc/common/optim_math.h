@@ -106,6 +106,23 @@ NCCLAVG_HD void adam_update(F& p, F& m, F& v, F& vmax, F g, const AdamCoef& c, S
   p = p + (c.neg_step_size * m) / denom;
 }
 
+// Note [Adam's common configuration]
+// AdamW (or Adam without weight decay) with beta1 >= 0.5 and no amsgrad is nearly every step. Its
+// flags decided at compile time (no per-vector tests of c.l2_on, c.w1_small, c.amsgrad) made the AVX2
+// loop ~8% faster with 4 bfloat16 towers. adam_is_plain(c) says whether it applies; then
+// adam_update_plain<Decoupled> runs exactly adam_update's operations for that configuration.
+NCCLAVG_HD bool adam_is_plain(const AdamCoef& c) { return !c.l2_on && c.w1_small && !c.amsgrad; }
+
+template <bool Decoupled, typename F, typename Sqrt>
+NCCLAVG_HD void adam_update_plain(F& p, F& m, F& v, F g, const AdamCoef& c, Sqrt sqrt_fn) {
+  if (Decoupled) p = p * c.decay;
+  m = m + c.w1 * (g - m);  // lerp_torch's |w| < 0.5 form
+  v = v * c.beta2;
+  v = v + (c.one_minus_beta2 * g) * g;
+  const F denom = sqrt_fn(v) / c.bc2_sqrt + c.eps;
+  p = p + (c.neg_step_size * m) / denom;
+}
+
 // One SGD element update; `b` (momentum buffer) is read/written only when c.momentum_on.
 template <typename F>
 NCCLAVG_HD void sgd_update(F& p, F& b, F g, const SgdCoef& c) {

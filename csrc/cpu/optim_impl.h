@@ -112,16 +112,9 @@ struct BlockStore {
 // ---- squared norm of the effective gradient. See Note [Norm reduction independent of the SIMD level].
 
 // The accumulators of grad_sumsq: 16 doubles by (i - begin) % 16 in the vector body (K wide lanes),
-// 16 more for the tail, added up in a fixed order. On = false: nothing (the loops without a norm).
-template <class L, bool On>
-struct NormAcc {
-  NCCLAVG_OPT_INLINE void add(int, typename L::V) {}
-  NCCLAVG_OPT_INLINE void add_tail(int, float) {}
-  NCCLAVG_OPT_INLINE double total() const { return 0.0; }
-};
-
+// 16 more for the tail, added up in a fixed order.
 template <class L>
-struct NormAcc<L, true> {
+struct NormAcc {
   static constexpr int K = kBlock / L::W;
   static_assert(K * L::W == kBlock, "lane width must divide 16");
   using WO = WideOps<L>;
@@ -152,7 +145,7 @@ template <class L, class T, bool Multi>
 double grad_sumsq_impl(const GradSlice g, const om::GradCoef gc, int64_t begin, int64_t end) {
   constexpr int K = kBlock / L::W;
   const MeanPlan mp(g.n, g.dtype, L::W > 1);
-  NormAcc<L, true> na;
+  NormAcc<L> na;
   int64_t i = begin;
   for (; i + kBlock <= end; i += kBlock) {
     prefetch_grads<T>(g, i);
@@ -182,10 +175,14 @@ double grad_sumsq_range(const GradSlice& g, const om::GradCoef& gc, int64_t begi
 // same way, so the stored bits cannot differ. SGD stores g itself as the first momentum buffer, so it
 // keeps the products.
 
+// Which adam update a loop runs: om::adam_update with the run-time flags, or om::adam_update_plain
+// (Note [Adam's common configuration]) with or without the decoupled decay.
+enum class AdamForm { kGeneral, kPlainDecay, kPlain };
+
 // One element vector: the mean `mean` becomes the update's gradient, then the update of lanes
 // [i, i + W). om::scale_grad in two steps: `t`, the unclipped gradient, is the norm's term (maximize's
 // sign squares out).
-template <class L, bool Unit>
+template <class L, bool Unit, AdamForm F>
 NCCLAVG_OPT_INLINE typename L::V adam_lanes(const AdamSlice& s, typename L::V mean, const om::AdamCoef& c,
                                             const om::GradCoef& gc, int64_t i, typename L::V& t) {
   using V = typename L::V;
@@ -194,57 +191,51 @@ NCCLAVG_OPT_INLINE typename L::V adam_lanes(const AdamSlice& s, typename L::V me
   V p = L::load_f32(s.param + i);
   V m = L::load_f32(s.exp_avg + i);
   V v = L::load_f32(s.exp_avg_sq + i);
-  V vmax = c.amsgrad ? L::load_f32(s.max_exp_avg_sq + i) : v;
-  om::adam_update(p, m, v, vmax, gv, c, LaneSqrt<L>{});
+  if constexpr (F == AdamForm::kGeneral) {
+    V vmax = c.amsgrad ? L::load_f32(s.max_exp_avg_sq + i) : v;
+    om::adam_update(p, m, v, vmax, gv, c, LaneSqrt<L>{});
+    if (c.amsgrad) L::store_f32(s.max_exp_avg_sq + i, vmax);
+  } else {
+    om::adam_update_plain<F == AdamForm::kPlainDecay>(p, m, v, gv, c, LaneSqrt<L>{});
+  }
   L::store_f32(s.param + i, p);
   L::store_f32(s.exp_avg + i, m);
   L::store_f32(s.exp_avg_sq + i, v);
-  if (c.amsgrad) L::store_f32(s.max_exp_avg_sq + i, vmax);
   return p;
 }
 
-// By-value parameters: see Note [Local copies of the kernel arguments].
-template <class L, class T, class O, bool Multi, bool Norm, bool Unit>
+// By-value parameters: see Note [Local copies of the kernel arguments]. The norm is a run-time choice
+// (a predicted branch per vector); the rest is compiled in.
+template <class L, class T, class O, bool Multi, bool Unit, AdamForm F>
 void adam_loop(const AdamSlice s, const GradSlice g, const OutSlice o, const om::AdamCoef c, const om::GradCoef gc,
                int64_t begin, int64_t end, double* sumsq) {
   constexpr int K = kBlock / L::W;
   const MeanPlan mp(g.n, g.dtype, L::W > 1);
-  NormAcc<L, Norm> na;
+  const bool norm = sumsq != nullptr;
+  NormAcc<L> na;
   int64_t i = begin;
   for (; i + kBlock <= end; i += kBlock) {  // See Note [Software prefetch in the optimizer loops].
     prefetch_grads<T>(g, i);
     prefetch_rw(s.param, i);
     prefetch_rw(s.exp_avg, i);
     prefetch_rw(s.exp_avg_sq, i);
-    if (c.amsgrad) prefetch_rw(s.max_exp_avg_sq, i);
+    if (F == AdamForm::kGeneral && c.amsgrad) prefetch_rw(s.max_exp_avg_sq, i);
     typename L::V mean[K], p[K];
     block_mean<L, T, Multi>(g, mp, i, mean);
     for (int k = 0; k < K; ++k) {
       typename L::V t;
-      p[k] = adam_lanes<L, Unit>(s, mean[k], c, gc, i + k * L::W, t);
-      na.add(k, t);
+      p[k] = adam_lanes<L, Unit, F>(s, mean[k], c, gc, i + k * L::W, t);
+      if (norm) na.add(k, t);
     }
     BlockStore<L>::template out<O>(o, i, p);
   }
   for (int j = 0; i < end; ++i, ++j) {
     float t;
-    const float p = adam_lanes<ScalarLane, Unit>(s, tower_mean<ScalarLane, T, Multi>(g, mp, i), c, gc, i, t);
+    const float p = adam_lanes<ScalarLane, Unit, F>(s, tower_mean<ScalarLane, T, Multi>(g, mp, i), c, gc, i, t);
     na.add_tail(j, t);
     store_out<ScalarLane, O>(o, i, p);
   }
-  if constexpr (Norm) *sumsq = na.total();
-}
-
-// Calls f(norm, unit) with both as compile-time booleans.
-template <class Fn>
-NCCLAVG_OPT_INLINE void with_flags(bool norm, bool unit, Fn&& f) {
-  if (norm) {
-    if (unit) f(std::true_type{}, std::true_type{});
-    else f(std::true_type{}, std::false_type{});
-  } else {
-    if (unit) f(std::false_type{}, std::true_type{});
-    else f(std::false_type{}, std::false_type{});
-  }
+  if (norm) *sumsq = na.total();
 }
 
 template <class L>
@@ -255,10 +246,19 @@ void adam_range(const AdamSlice& s, const GradSlice& g, const OutSlice& o, const
       using T = decltype(tag);
       using O = decltype(otag);
       constexpr bool M = decltype(multi)::value;
+      if (!om::adam_is_plain(c)) {
+        adam_loop<L, T, O, M, false, AdamForm::kGeneral>(s, g, o, c, gc, begin, end, sumsq);
+        return;
+      }
       // See Note [Unit gradient scale in Adam].
-      with_flags(sumsq != nullptr, gc.inv_scale == 1.0f && gc.clip == 1.0f, [&](auto norm, auto unit) {
-        adam_loop<L, T, O, M, decltype(norm)::value, decltype(unit)::value>(s, g, o, c, gc, begin, end, sumsq);
-      });
+      const bool unit = gc.inv_scale == 1.0f && gc.clip == 1.0f;
+      if (c.decoupled) {
+        if (unit) adam_loop<L, T, O, M, true, AdamForm::kPlainDecay>(s, g, o, c, gc, begin, end, sumsq);
+        else adam_loop<L, T, O, M, false, AdamForm::kPlainDecay>(s, g, o, c, gc, begin, end, sumsq);
+      } else {
+        if (unit) adam_loop<L, T, O, M, true, AdamForm::kPlain>(s, g, o, c, gc, begin, end, sumsq);
+        else adam_loop<L, T, O, M, false, AdamForm::kPlain>(s, g, o, c, gc, begin, end, sumsq);
+      }
     });
   });
 }
@@ -280,12 +280,13 @@ NCCLAVG_OPT_INLINE typename L::V sgd_lanes(const SgdSlice& s, typename L::V mean
 }
 
 // By-value parameters: see Note [Local copies of the kernel arguments].
-template <class L, class T, class O, bool Multi, bool Norm>
+template <class L, class T, class O, bool Multi>
 void sgd_loop(const SgdSlice s, const GradSlice g, const OutSlice o, const om::SgdCoef c, const om::GradCoef gc,
               int64_t begin, int64_t end, double* sumsq) {
   constexpr int K = kBlock / L::W;
   const MeanPlan mp(g.n, g.dtype, L::W > 1);
-  NormAcc<L, Norm> na;
+  const bool norm = sumsq != nullptr;  // as in adam_loop
+  NormAcc<L> na;
   int64_t i = begin;
   for (; i + kBlock <= end; i += kBlock) {  // See Note [Software prefetch in the optimizer loops].
     prefetch_grads<T>(g, i);
@@ -296,7 +297,7 @@ void sgd_loop(const SgdSlice s, const GradSlice g, const OutSlice o, const om::S
     for (int k = 0; k < K; ++k) {
       typename L::V t;
       p[k] = sgd_lanes<L>(s, mean[k], c, gc, i + k * L::W, t);
-      na.add(k, t);
+      if (norm) na.add(k, t);
     }
     BlockStore<L>::template out<O>(o, i, p);
   }
@@ -306,7 +307,7 @@ void sgd_loop(const SgdSlice s, const GradSlice g, const OutSlice o, const om::S
     na.add_tail(j, t);
     store_out<ScalarLane, O>(o, i, p);
   }
-  if constexpr (Norm) *sumsq = na.total();
+  if (norm) *sumsq = na.total();
 }
 
 template <class L>
@@ -316,9 +317,7 @@ void sgd_range(const SgdSlice& s, const GradSlice& g, const OutSlice& o, const o
     with_out(o, [&](auto otag) {
       using T = decltype(tag);
       using O = decltype(otag);
-      constexpr bool M = decltype(multi)::value;
-      if (sumsq) sgd_loop<L, T, O, M, true>(s, g, o, c, gc, begin, end, sumsq);
-      else sgd_loop<L, T, O, M, false>(s, g, o, c, gc, begin, end, nullptr);
+      sgd_loop<L, T, O, decltype(multi)::value>(s, g, o, c, gc, begin, end, sumsq);
     });
   });
 }
