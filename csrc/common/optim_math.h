@@ -25,7 +25,9 @@
 // float once. The sum of a few float/bf16/f16 values in double is exact unless their exponents span more
 // than about 27 binades (53 - 24 bits, less log2 N), so the result is the float64 mean rounded to float32:
 // the gradient a reference gets from `torch.stack(grads).double().mean(0).float()`. With one tower this
-// is the identity, and the kernels skip the widening.
+// is the identity, and the kernels skip the widening. For 16-bit gradients the CPU SIMD levels get the
+// same bits from a float32 sum where that sum is provably exact (Note [Float32 tower mean when it is
+// exact] in csrc/cpu/optim_mean.h).
 #pragma once
 #include <cstdint>
 
