@@ -16,8 +16,9 @@ Cases, per size:
       the share of the checked step's time that the check adds.
   (c) every ncclavg row relates its achieved bandwidth (bytes read + written, each stream counted once)
       to a plain copy moving as many bytes (the fastest of torch copy_, numpy copyto and ncclavg's cast_copy,
-      same threads), to a plain read of as many bytes (torch.sum, ncclavg grad_stats) and to a STREAM
-      triad (torch.add(b, c, alpha, out=a)), all measured in the same run.
+      same threads, timed in the same interleaved rounds as the steps), to a plain read of as many bytes
+      (torch.sum, ncclavg grad_stats) and to a STREAM triad (torch.add(b, c, alpha, out=a)), the last two
+      measured right after.
   --simd all runs ncclavg's contenders once per SIMD level the CPU has (scalar, avx2, avx512), switched
   call by call inside the same interleaved rounds, so each level's ratios come from the same run; every
   row names its level.
@@ -145,19 +146,24 @@ def interleaved(contenders: dict, reps: int, warmup: int) -> dict:
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
-def copy_seconds(nbytes_moved: int, reps: int) -> float:
-    """Time of the fastest plain copy moving `nbytes_moved` bytes (half read, half written): the best median
-    of torch copy_, numpy copyto and ncclavg's own fp32 cast_copy, so the reference is this machine's copy
-    speed and not one library's."""
+def copy_contenders(nbytes_moved: int) -> dict:
+    """Plain copies moving `nbytes_moved` bytes (half read, half written): torch copy_, numpy copyto and
+    ncclavg's own fp32 cast_copy (at the best level), so the reference is this machine's copy speed and
+    not one library's. They run in the same interleaved rounds as the step they are the reference of
+    (a load that comes and goes hits both); the fastest median is the copy time."""
     import numpy as np
 
     n = max(1, nbytes_moved // 8)
     src = torch.ones(n, dtype=torch.float32)
     dst = torch.empty_like(src)
     bs, bd = as_buffer(src), as_buffer(dst)
-    med = interleaved({"torch": lambda: dst.copy_(src), "numpy": lambda: np.copyto(dst.numpy(), src.numpy()),
-                       "ncclavg": lambda: ncclavg._C.cast_copy([bs], [bd])}, reps, 2)
-    return min(med.values())
+    best = ncclavg._C.simd_levels_supported()[-1]
+    return {"copy:torch": lambda: dst.copy_(src), "copy:numpy": lambda: np.copyto(dst.numpy(), src.numpy()),
+            "copy:ncclavg": at_level(best, lambda: ncclavg._C.cast_copy([bs], [bd]))}
+
+
+def copy_seconds(med: dict) -> float:
+    return min(v for k, v in med.items() if k.startswith("copy:"))
 
 
 def read_seconds(nbytes_read: int, reps: int) -> float:
@@ -200,11 +206,11 @@ def deepspeed_adam():
         return None, f"not available: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
 
 
-def bandwidth_refs(nbytes: int) -> dict:
-    """The same-run references of (c) for a step moving `nbytes` (its bytes without an inf/NaN check), with
-    ncclavg's own contenders (cast_copy, grad_stats) at the best level this CPU has."""
-    ncclavg._C.set_simd_level("auto")
-    copy_s = copy_seconds(nbytes, args.reps)
+def bandwidth_refs(nbytes: int, copy_s: float) -> dict:
+    """The references of (c) for a step moving `nbytes` (its bytes without an inf/NaN check): the copy
+    timed with the step (copy_s), the read and the triad right after, with ncclavg's own contenders
+    (grad_stats) at the best level this CPU has."""
+    ncclavg._C.set_simd_level(ncclavg._C.simd_levels_supported()[-1])
     read_s = read_seconds(nbytes, args.reps)
     triad_s = triad_seconds(nbytes, args.reps)
     return {"bytes_ref": nbytes, "copy_gbps": nbytes / copy_s / 1e9, "read_gbps": nbytes / read_s / 1e9,
@@ -240,10 +246,10 @@ def case_adamw(size: int, ds_cls) -> list:
     if ds_cls is not None:
         theirs["deepspeed"] = ds_cls(params(), adamw_mode=True, **hp)
     contenders.update({k: o.step for k, o in theirs.items()})
-    med = timed(contenders, isolated=("torch_foreach",))
     bytes_nocheck = size * 28  # param r/w, exp_avg r/w, exp_avg_sq r/w, grad r (fp32)
     bytes_check = size * 32    # + the first pass reading the grads again
-    refs = bandwidth_refs(bytes_nocheck)
+    med = timed({**contenders, **copy_contenders(bytes_nocheck)}, isolated=("torch_foreach",))
+    refs = bandwidth_refs(bytes_nocheck, copy_seconds(med))
     best_torch = min(med["torch_fused"], med["torch_foreach"])
     rows = []
     for lv in LEVELS:
@@ -314,12 +320,12 @@ def case_avg_step_cast(size: int, n: int, dname: str) -> list:
     if n > 1:  # one tower: nothing to stack
         contenders["torch_stack_sum"] = torch_stack_sum
         isolated = ("torch_stack_sum",)
-    med = timed(contenders, isolated=isolated)
-    best_name = min((k for k in ("torch_add_chain", "torch_stack_sum") if k in med), key=med.get)
-    best = med[best_name]
     bytes_nocheck = size * (24 + 2 * n + 2)  # p, m, v r/w (fp32), n 16-bit grads read, 16-bit copy-out written
     bytes_check = bytes_nocheck + size * 2 * n  # + the inf/NaN scan reading the grads once more
-    refs = bandwidth_refs(bytes_nocheck)
+    med = timed({**contenders, **copy_contenders(bytes_nocheck)}, isolated=isolated)
+    best_name = min((k for k in ("torch_add_chain", "torch_stack_sum") if k in med), key=med.get)
+    best = med[best_name]
+    refs = bandwidth_refs(bytes_nocheck, copy_seconds(med))
     rows = []
     for lv in LEVELS:
         for name, nbytes in (("ncclavg", bytes_check), ("ncclavg_nocheck", bytes_nocheck)):
@@ -359,7 +365,8 @@ def main() -> int:
         "bytes_convention": "bytes read + bytes written per step, each stream once (an inf/NaN check reads the "
                             "gradients once more and counts them again); copy_gbps: the fastest of "
                             "torch copy_, numpy copyto and ncclavg cast_copy on fp32 moving the same bytes (half "
-                            "read, half written), same threads, same run. A copy's stores cost a read for "
+                            "read, half written), same threads, timed in the steps' interleaved rounds; read "
+                            "and triad references right after. A copy's stores cost a read for "
                             "ownership on x86 while the optimizer rewrites lines it has just read, so a step can "
                             "exceed 100% of copy",
         "timing": "medians of --reps rounds after --warmup; contenders interleaved round by round (each SIMD "
