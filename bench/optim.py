@@ -3,19 +3,25 @@ is importable), all with the same thread count, timed in interleaved rounds (med
 
     python bench/optim.py                      # 8M and 64M params -> bench/results/optim-<machine>-<date>.json
     python bench/optim.py --sizes 1M --reps 3  # quick
-    python bench/optim.py --json out.json --threads 2
+    python bench/optim.py --simd all --towers 1,4,8 --grad-dtypes bf16,fp16   # every SIMD level side by side
 
 Cases, per size:
   (a) "adamw": CPUAdamW.step on fp32 params with fp32 grads vs torch.optim.AdamW(fused=True) and
       (foreach=True) [and DeepSpeedCPUAdam]. ncclavg runs twice: with its default (no inf/NaN check,
       the same work as torch's) and with skip_nonfinite=True (a read-only first pass over the grads).
-  (b) "avg4+adamw+bf16": average N=4 bfloat16 tower gradients + AdamW + bfloat16 copy-out of the params,
-      MasterWeights.step(towers, out=bf16) vs the best of several torch sequences doing the same work
-      (sum the towers into an fp32 grad, fused AdamW, cast the params to bf16).
+  (b) "avgN": average N tower gradients (--towers, bfloat16 or float16: --grad-dtypes) + AdamW + a copy-out
+      of the params in the towers' dtype, MasterWeights.step(towers, out=...) vs the best of several torch
+      sequences doing the same work (sum the towers into an fp32 grad, fused AdamW, cast the params).
+      ncclavg runs with its default inf/NaN check and without (skip_nonfinite=False); "check cost" is
+      the share of the checked step's time that the check adds.
   (c) every ncclavg row relates its achieved bandwidth (bytes read + written, each stream counted once)
       to a plain copy moving as many bytes (the fastest of torch copy_, numpy copyto and ncclavg's cast_copy,
-      same threads), to a plain read of as many bytes (torch.sum, ncclavg grad_stats) and to a STREAM
-      triad (torch.add(b, c, alpha, out=a)), all measured in the same run.
+      same threads, timed in the same interleaved rounds as the steps), to a plain read of as many bytes
+      (torch.sum, ncclavg grad_stats) and to a STREAM triad (torch.add(b, c, alpha, out=a)), the last two
+      measured right after.
+  --simd all runs ncclavg's contenders once per SIMD level the CPU has (scalar, avx2, avx512), switched
+  call by call inside the same interleaved rounds, so each level's ratios come from the same run; every
+  row names its level.
 """
 from __future__ import annotations
 
@@ -46,12 +52,24 @@ def parse_args(argv=None):
     ap.add_argument("--threads", type=int, default=os.cpu_count(), help="threads for every contender")
     ap.add_argument("--reps", type=int, default=7, help="timed rounds (median reported)")
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--towers", type=int, default=4, help="tower gradients averaged in case (b)")
+    ap.add_argument("--towers", default="4", help="comma-separated tower counts for case (b) (default 4)")
+    ap.add_argument("--grad-dtypes", default="bf16", help="tower gradient dtypes for case (b): bf16, fp16 "
+                    "(comma-separated; default bf16)")
+    ap.add_argument("--simd", default="auto", help="SIMD levels of ncclavg's kernels: auto (the default "
+                    "choice), all (every level this CPU has), or a comma-separated list")
+    ap.add_argument("--no-adamw", action="store_true", help="skip case (a)")
     ap.add_argument("--json", default=None, help="output path (default bench/results/optim-<machine>-<date>.json)")
     ap.add_argument("--no-deepspeed", action="store_true", help="skip DeepSpeedCPUAdam even if importable")
     args = ap.parse_args(argv)
     args.size_list = [parse_size(s) for s in args.sizes.split(",") if s.strip()]
-    if args.threads < 1 or args.reps < 1 or args.warmup < 0 or args.towers < 1:
+    try:
+        args.tower_list = [int(t) for t in args.towers.split(",") if t.strip()]
+    except ValueError:
+        ap.error(f"--towers: {args.towers!r} is not a comma-separated list of integers")
+    args.dtype_list = [d.strip() for d in args.grad_dtypes.split(",") if d.strip()]
+    if any(d not in ("bf16", "fp16") for d in args.dtype_list) or not args.dtype_list:
+        ap.error("--grad-dtypes: use bf16 and/or fp16")
+    if args.threads < 1 or args.reps < 1 or args.warmup < 0 or not args.tower_list or min(args.tower_list) < 1:
         ap.error("--threads, --reps, --towers must be >= 1 and --warmup >= 0")
     return args
 
@@ -72,6 +90,31 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import cpu_model  # noqa: E402
 
 torch.set_num_threads(args.threads)
+
+
+def simd_levels() -> list:
+    """The SIMD levels asked for (--simd), each checked against this CPU."""
+    have = list(ncclavg._C.simd_levels_supported())
+    if args.simd == "auto":
+        return [ncclavg._C.simd_level()]
+    if args.simd == "all":
+        return have
+    levels = [lv.strip() for lv in args.simd.split(",") if lv.strip()]
+    missing = [lv for lv in levels if lv not in have]
+    if missing:
+        sys.exit(f"--simd: this CPU does not support {', '.join(missing)} (it has {', '.join(have)})")
+    return levels
+
+
+LEVELS = simd_levels()
+
+
+def at_level(level: str, fn):
+    """fn run with ncclavg's kernels at `level` (one cheap call into the core before each step)."""
+    def run():
+        ncclavg._C.set_simd_level(level)
+        return fn()
+    return run
 
 
 def machine_slug() -> str:
@@ -103,19 +146,24 @@ def interleaved(contenders: dict, reps: int, warmup: int) -> dict:
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
-def copy_seconds(nbytes_moved: int, reps: int) -> float:
-    """Time of the fastest plain copy moving `nbytes_moved` bytes (half read, half written): the best median
-    of torch copy_, numpy copyto and ncclavg's own fp32 cast_copy, so the reference is this machine's copy
-    speed and not one library's."""
+def copy_contenders(nbytes_moved: int) -> dict:
+    """Plain copies moving `nbytes_moved` bytes (half read, half written): torch copy_, numpy copyto and
+    ncclavg's own fp32 cast_copy (at the best level), so the reference is this machine's copy speed and
+    not one library's. They run in the same interleaved rounds as the step they are the reference of
+    (a load that comes and goes hits both); the fastest median is the copy time."""
     import numpy as np
 
     n = max(1, nbytes_moved // 8)
     src = torch.ones(n, dtype=torch.float32)
     dst = torch.empty_like(src)
     bs, bd = as_buffer(src), as_buffer(dst)
-    med = interleaved({"torch": lambda: dst.copy_(src), "numpy": lambda: np.copyto(dst.numpy(), src.numpy()),
-                       "ncclavg": lambda: ncclavg._C.cast_copy([bs], [bd])}, reps, 2)
-    return min(med.values())
+    best = ncclavg._C.simd_levels_supported()[-1]
+    return {"copy:torch": lambda: dst.copy_(src), "copy:numpy": lambda: np.copyto(dst.numpy(), src.numpy()),
+            "copy:ncclavg": at_level(best, lambda: ncclavg._C.cast_copy([bs], [bd]))}
+
+
+def copy_seconds(med: dict) -> float:
+    return min(v for k, v in med.items() if k.startswith("copy:"))
 
 
 def read_seconds(nbytes_read: int, reps: int) -> float:
@@ -158,7 +206,26 @@ def deepspeed_adam():
         return None, f"not available: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
 
 
-def case_adamw(size: int, ds_cls) -> dict:
+def bandwidth_refs(nbytes: int, copy_s: float) -> dict:
+    """The references of (c) for a step moving `nbytes` (its bytes without an inf/NaN check): the copy
+    timed with the step (copy_s), the read and the triad right after, with ncclavg's own contenders
+    (grad_stats) at the best level this CPU has."""
+    ncclavg._C.set_simd_level(ncclavg._C.simd_levels_supported()[-1])
+    read_s = read_seconds(nbytes, args.reps)
+    triad_s = triad_seconds(nbytes, args.reps)
+    return {"bytes_ref": nbytes, "copy_gbps": nbytes / copy_s / 1e9, "read_gbps": nbytes / read_s / 1e9,
+            "triad_gbps": nbytes / triad_s / 1e9}
+
+
+def bandwidth_fields(t: float, nbytes: int, refs: dict) -> dict:
+    gbps = nbytes / t / 1e9
+    return {"bytes": nbytes, "gbps": gbps, "copy_gbps": refs["copy_gbps"],
+            "copy_time_us": nbytes / refs["copy_gbps"] / 1e3, "fraction_of_copy_bw": gbps / refs["copy_gbps"],
+            "read_gbps": refs["read_gbps"], "fraction_of_read_bw": gbps / refs["read_gbps"],
+            "triad_gbps": refs["triad_gbps"], "fraction_of_triad_bw": gbps / refs["triad_gbps"]}
+
+
+def case_adamw(size: int, ds_cls) -> list:
     gen = torch.Generator().manual_seed(0)
     shapes = shapes_for(size)
     init = [torch.randn(s, generator=gen) for s in shapes]
@@ -171,58 +238,55 @@ def case_adamw(size: int, ds_cls) -> dict:
         return ps
 
     hp = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2)
-    opts = {
-        "ncclavg": CPUAdamW(params(), **hp),
-        "ncclavg_check": CPUAdamW(params(), skip_nonfinite=True, **hp),
-        "torch_fused": torch.optim.AdamW(params(), fused=True, **hp),
-        "torch_foreach": torch.optim.AdamW(params(), foreach=True, **hp),
-    }
+    # One optimizer per variant, stepped at every level in turn: the levels compute the same bits.
+    ours = {"ncclavg": CPUAdamW(params(), **hp), "ncclavg_check": CPUAdamW(params(), skip_nonfinite=True, **hp)}
+    contenders = {f"{name}@{lv}": at_level(lv, opt.step) for lv in LEVELS for name, opt in ours.items()}
+    theirs = {"torch_fused": torch.optim.AdamW(params(), fused=True, **hp),
+              "torch_foreach": torch.optim.AdamW(params(), foreach=True, **hp)}
     if ds_cls is not None:
-        opts["deepspeed"] = ds_cls(params(), adamw_mode=True, **hp)
-    med = timed({k: o.step for k, o in opts.items()}, isolated=("torch_foreach",))
+        theirs["deepspeed"] = ds_cls(params(), adamw_mode=True, **hp)
+    contenders.update({k: o.step for k, o in theirs.items()})
     bytes_nocheck = size * 28  # param r/w, exp_avg r/w, exp_avg_sq r/w, grad r (fp32)
     bytes_check = size * 32    # + the first pass reading the grads again
-    copy_s = copy_seconds(bytes_nocheck, args.reps)
-    read_s = read_seconds(bytes_nocheck, args.reps)
-    triad_s = triad_seconds(bytes_nocheck, args.reps)
+    med = timed({**contenders, **copy_contenders(bytes_nocheck)}, isolated=("torch_foreach",))
+    refs = bandwidth_refs(bytes_nocheck, copy_seconds(med))
     best_torch = min(med["torch_fused"], med["torch_foreach"])
     rows = []
-    for name, nbytes in (("ncclavg", bytes_nocheck), ("ncclavg_check", bytes_check)):
-        t = med[name]
-        row = {
-            "case": f"adamw {size_label(size)} params: CPUAdamW.step"
-                    + (" (default, no inf/NaN check: torch's work)" if name == "ncclavg"
-                       else " (skip_nonfinite=True)"),
-            "size": size, "tensors": len(shapes), "time_us": t * 1e6, "torch_time_us": best_torch * 1e6,
-            "torch_fused_us": med["torch_fused"] * 1e6, "torch_foreach_us": med["torch_foreach"] * 1e6,
-            "speedup_vs_torch": best_torch / t, "speedup_vs_torch_fused": med["torch_fused"] / t,
-            "speedup_vs_torch_foreach": med["torch_foreach"] / t,
-            "bytes": nbytes, "gbps": nbytes / t / 1e9,
-            "copy_time_us": copy_s * nbytes / bytes_nocheck * 1e6,
-            "copy_gbps": bytes_nocheck / copy_s / 1e9,
-            "fraction_of_copy_bw": (nbytes / t) / (bytes_nocheck / copy_s),
-            "read_gbps": bytes_nocheck / read_s / 1e9,
-            "fraction_of_read_bw": (nbytes / t) / (bytes_nocheck / read_s),
-            "triad_gbps": bytes_nocheck / triad_s / 1e9,
-            "fraction_of_triad_bw": (nbytes / t) / (bytes_nocheck / triad_s),
-        }
-        if "deepspeed" in med:
-            row["deepspeed_us"] = med["deepspeed"] * 1e6
-            row["speedup_vs_deepspeed"] = med["deepspeed"] / t
-        rows.append(row)
+    for lv in LEVELS:
+        for name, nbytes in (("ncclavg", bytes_nocheck), ("ncclavg_check", bytes_check)):
+            t = med[f"{name}@{lv}"]
+            row = {
+                "case": f"adamw {size_label(size)} params: CPUAdamW.step"
+                        + (" (default, no inf/NaN check: torch's work)" if name == "ncclavg"
+                           else " (skip_nonfinite=True)"),
+                "simd": lv, "size": size, "tensors": len(shapes), "time_us": t * 1e6,
+                "torch_time_us": best_torch * 1e6,
+                "torch_fused_us": med["torch_fused"] * 1e6, "torch_foreach_us": med["torch_foreach"] * 1e6,
+                "speedup_vs_torch": best_torch / t, "speedup_vs_torch_fused": med["torch_fused"] / t,
+                "speedup_vs_torch_foreach": med["torch_foreach"] / t, **bandwidth_fields(t, nbytes, refs),
+            }
+            if name == "ncclavg_check":
+                row["check_cost"] = 1.0 - med[f"ncclavg@{lv}"] / t
+            if "deepspeed" in med:
+                row["deepspeed_us"] = med["deepspeed"] * 1e6
+                row["speedup_vs_deepspeed"] = med["deepspeed"] / t
+            rows.append(row)
     return rows
 
 
-def case_avg_step_cast(size: int) -> list:
-    n = args.towers
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def case_avg_step_cast(size: int, n: int, dname: str) -> list:
+    dtype = DTYPES[dname]
     gen = torch.Generator().manual_seed(1)
     init = torch.randn(size, generator=gen)
-    towers = [(torch.randn(size, generator=gen) * 1e-2).to(torch.bfloat16) for _ in range(n)]
+    towers = [(torch.randn(size, generator=gen) * 1e-2).to(dtype) for _ in range(n)]
     hp = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2)
 
     mw = MasterWeights([init], optimizer="adamw", pin=False, **hp)
     mw_nocheck = MasterWeights([init], optimizer="adamw", pin=False, skip_nonfinite=False, **hp)
-    out = torch.empty(mw.flat[0].numel(), dtype=torch.bfloat16)
+    out = torch.empty(mw.flat[0].numel(), dtype=dtype)
     out2 = torch.empty_like(out)
     tower_lists = [[t] for t in towers]
 
@@ -230,13 +294,14 @@ def case_avg_step_cast(size: int) -> list:
     g = torch.empty(size)
     p.grad = g
     opt = torch.optim.AdamW([p], fused=True, **hp)
-    tout = torch.empty(size, dtype=torch.bfloat16)
+    tout = torch.empty(size, dtype=dtype)
 
     def torch_add_chain():
         g.copy_(towers[0])
         for t in towers[1:]:
             g.add_(t)
-        g.mul_(1.0 / n)
+        if n > 1:
+            g.mul_(1.0 / n)
         opt.step()
         tout.copy_(p.detach())
 
@@ -246,34 +311,37 @@ def case_avg_step_cast(size: int) -> list:
         opt.step()
         tout.copy_(p.detach())
 
-    med = timed({
-        "ncclavg": lambda: mw.step(tower_lists, out=out),
-        "ncclavg_nocheck": lambda: mw_nocheck.step(tower_lists, out=out2),
-        "torch_add_chain": torch_add_chain,
-        "torch_stack_sum": torch_stack_sum,
-    }, isolated=("torch_stack_sum",))
-    best_name = min(("torch_add_chain", "torch_stack_sum"), key=med.get)
+    contenders = {}
+    for lv in LEVELS:
+        contenders[f"ncclavg@{lv}"] = at_level(lv, lambda: mw.step(tower_lists, out=out))
+        contenders[f"ncclavg_nocheck@{lv}"] = at_level(lv, lambda: mw_nocheck.step(tower_lists, out=out2))
+    contenders["torch_add_chain"] = torch_add_chain
+    isolated = ()
+    if n > 1:  # one tower: nothing to stack
+        contenders["torch_stack_sum"] = torch_stack_sum
+        isolated = ("torch_stack_sum",)
+    bytes_nocheck = size * (24 + 2 * n + 2)  # p, m, v r/w (fp32), n 16-bit grads read, 16-bit copy-out written
+    bytes_check = bytes_nocheck + size * 2 * n  # + the inf/NaN scan reading the grads once more
+    med = timed({**contenders, **copy_contenders(bytes_nocheck)}, isolated=isolated)
+    best_name = min((k for k in ("torch_add_chain", "torch_stack_sum") if k in med), key=med.get)
     best = med[best_name]
-    bytes_nocheck = size * (24 + 2 * n + 2)  # p, m, v r/w (fp32), n bf16 grads read, bf16 copy-out written
-    bytes_check = bytes_nocheck + size * 2 * n
-    copy_s = copy_seconds(bytes_nocheck, args.reps)
-    read_s = read_seconds(bytes_nocheck, args.reps)
-    triad_s = triad_seconds(bytes_nocheck, args.reps)
+    refs = bandwidth_refs(bytes_nocheck, copy_seconds(med))
     rows = []
-    for name, nbytes in (("ncclavg", bytes_check), ("ncclavg_nocheck", bytes_nocheck)):
-        t = med[name]
-        rows.append({
-            "case": f"avg{n}xbf16+adamw+bf16-out {size_label(size)}: MasterWeights.step"
-                    + (" (inf/NaN check on, default)" if name == "ncclavg" else " (skip_nonfinite=False)"),
-            "size": size, "towers": n, "time_us": t * 1e6, "torch_time_us": best * 1e6,
-            "torch_best": best_name, "torch_add_chain_us": med["torch_add_chain"] * 1e6,
-            "torch_stack_sum_us": med["torch_stack_sum"] * 1e6, "speedup_vs_torch": best / t,
-            "bytes": nbytes, "gbps": nbytes / t / 1e9, "copy_time_us": copy_s * nbytes / bytes_nocheck * 1e6,
-            "copy_gbps": bytes_nocheck / copy_s / 1e9, "fraction_of_copy_bw": (nbytes / t) / (bytes_nocheck / copy_s),
-            "read_gbps": bytes_nocheck / read_s / 1e9, "fraction_of_read_bw": (nbytes / t) / (bytes_nocheck / read_s),
-            "triad_gbps": bytes_nocheck / triad_s / 1e9,
-            "fraction_of_triad_bw": (nbytes / t) / (bytes_nocheck / triad_s),
-        })
+    for lv in LEVELS:
+        for name, nbytes in (("ncclavg", bytes_check), ("ncclavg_nocheck", bytes_nocheck)):
+            t = med[f"{name}@{lv}"]
+            row = {
+                "case": f"avg{n}x{dname}+adamw+{dname}-out {size_label(size)}: MasterWeights.step"
+                        + (" (inf/NaN check on, default)" if name == "ncclavg" else " (skip_nonfinite=False)"),
+                "simd": lv, "size": size, "towers": n, "grad_dtype": dname, "time_us": t * 1e6,
+                "torch_time_us": best * 1e6, "torch_best": best_name,
+                "torch_add_chain_us": med["torch_add_chain"] * 1e6,
+                "torch_stack_sum_us": med["torch_stack_sum"] * 1e6 if "torch_stack_sum" in med else None,
+                "speedup_vs_torch": best / t, **bandwidth_fields(t, nbytes, refs),
+            }
+            if name == "ncclavg":
+                row["check_cost"] = 1.0 - med[f"ncclavg_nocheck@{lv}"] / t
+            rows.append(row)
     return rows
 
 
@@ -291,29 +359,41 @@ def main() -> int:
         "threads": args.threads, "omp_threads_core": ncclavg._C.core_info()["openmp_threads"],
         "python": platform.python_version(), "torch": torch.__version__, "ncclavg": ncclavg.__version__,
         "simd_level": info.get("simd_level") if isinstance(info, dict) else None,
+        "simd_levels": LEVELS, "simd_levels_supported": list(ncclavg._C.simd_levels_supported()),
         "deepspeed": ds_note, "reps": args.reps, "warmup": args.warmup, "sizes": args.size_list,
-        "bytes_convention": "bytes read + bytes written per step, each stream once; copy_gbps: the fastest of "
+        "towers": args.tower_list, "grad_dtypes": args.dtype_list,
+        "bytes_convention": "bytes read + bytes written per step, each stream once (an inf/NaN check reads the "
+                            "gradients once more and counts them again); copy_gbps: the fastest of "
                             "torch copy_, numpy copyto and ncclavg cast_copy on fp32 moving the same bytes (half "
-                            "read, half written), same threads, same run. A copy's stores cost a read for "
+                            "read, half written), same threads, timed in the steps' interleaved rounds; read "
+                            "and triad references right after. A copy's stores cost a read for "
                             "ownership on x86 while the optimizer rewrites lines it has just read, so a step can "
                             "exceed 100% of copy",
-        "timing": "medians of --reps rounds after --warmup; contenders interleaved round by round, except "
-                  "torch foreach AdamW and torch.stack (they allocate and free large temporaries each step, "
-                  "which slows whatever runs next), timed alone after",
+        "timing": "medians of --reps rounds after --warmup; contenders interleaved round by round (each SIMD "
+                  "level a contender of its own), except torch foreach AdamW and torch.stack (they allocate "
+                  "and free large temporaries each step, which slows whatever runs next), timed alone after",
         "argv": sys.argv[1:],
         "loadavg_start": list(os.getloadavg()),
     }
+    before = ncclavg._C.simd_level()
     rows = []
     t_start = time.time()
-    for size in args.size_list:
-        rows += case_adamw(size, ds_cls)
-        rows += case_avg_step_cast(size)
+    try:
+        for size in args.size_list:
+            if not args.no_adamw:
+                rows += case_adamw(size, ds_cls)
+            for dname in args.dtype_list:
+                for n in args.tower_list:
+                    rows += case_avg_step_cast(size, n, dname)
+    finally:
+        ncclavg._C.set_simd_level(before)
     header["wall_s"] = round(time.time() - t_start, 1)
     header["loadavg_end"] = list(os.getloadavg())
 
     print(f"# ncclavg bench/optim.py  {header['cpu']}  threads={args.threads}  torch {torch.__version__}  "
-          f"simd={header['simd_level']}  {ds_note}  load {header['loadavg_start'][0]:.1f}")
-    print(f"{'case':<78} {'ncclavg ms':>10} {'torch ms':>9} {'x torch':>8} {'GB/s':>7} {'of copy':>8} {'of read':>8} {'of triad':>8}")
+          f"simd={','.join(LEVELS)}  {ds_note}  load {header['loadavg_start'][0]:.1f}")
+    print(f"{'case':<78} {'simd':>6} {'ncclavg ms':>10} {'torch ms':>9} {'x torch':>8} {'GB/s':>7} {'of copy':>8} "
+          f"{'of read':>8} {'of triad':>8} {'check':>6}")
     for r in rows:
         extra = ""
         if "torch_fused_us" in r:
@@ -321,9 +401,11 @@ def main() -> int:
                      f"{r['torch_foreach_us'] / 1e3:.2f} ms ({r['speedup_vs_torch_foreach']:.2f}x)")
             if "deepspeed_us" in r:
                 extra += f"  deepspeed {r['deepspeed_us'] / 1e3:.2f} ms ({r['speedup_vs_deepspeed']:.2f}x)"
-        print(f"{r['case']:<78} {r['time_us'] / 1e3:>10.2f} {r['torch_time_us'] / 1e3:>9.2f} "
+        check = f"{r['check_cost']:>6.0%}" if "check_cost" in r else f"{'':>6}"
+        print(f"{r['case']:<78} {r['simd']:>6} {r['time_us'] / 1e3:>10.2f} {r['torch_time_us'] / 1e3:>9.2f} "
               f"{r['speedup_vs_torch']:>7.2f}x {r['gbps']:>7.1f} {r['fraction_of_copy_bw']:>7.0%} "
-              f"{r['fraction_of_read_bw']:>7.0%} {r['fraction_of_triad_bw']:>7.0%}{extra}")
+              f"{r['fraction_of_read_bw']:>7.0%} {r['fraction_of_triad_bw']:>7.0%} {check}{extra}")
+    print("check: the share of the checked step's time that the inf/NaN check adds (1 - unchecked / checked)")
     path = Path(args.json) if args.json else (
         ROOT / "bench" / "results" / f"optim-{header['machine']}-{_dt.date.today().isoformat()}.json")
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -241,16 +241,18 @@ PYBIND11_MODULE(_C, m) {
     d["skipped"] = r.skipped;
     d["stats_computed"] = r.stats_computed;
     d["grad_norm"] = r.stats_computed ? r.grad_norm : std::numeric_limits<double>::quiet_NaN();
+    d["sumsq"] = r.stats_computed ? r.sumsq : std::numeric_limits<double>::quiet_NaN();
     d["clip_coef"] = r.clip_coef;
     return d;
   };
   auto grad_options = [](double grad_scale, bool check_finite, std::optional<double> max_grad_norm,
-                         double clip_coef) {
+                         double clip_coef, std::optional<double> sumsq_start) {
     cpu::GradOptions go;
     go.grad_scale = grad_scale;
     go.check_finite = check_finite;
     go.max_grad_norm = max_grad_norm;
     go.clip_coef = clip_coef;
+    go.sumsq_start = sumsq_start;
     return go;
   };
   m.def("adam_step",
@@ -260,9 +262,9 @@ PYBIND11_MODULE(_C, m) {
             const std::vector<Buffer>& out, double lr, double beta1, double beta2, double eps,
             double weight_decay, bool decoupled, bool amsgrad, bool maximize, double grad_scale,
             bool check_finite, std::optional<double> max_grad_norm, double clip_coef,
-            const std::vector<Buffer>& step_tensors) {
+            const std::vector<Buffer>& step_tensors, std::optional<double> sumsq_start) {
           cpu::AdamHyper hp{lr, beta1, beta2, eps, weight_decay, decoupled, amsgrad, maximize};
-          const cpu::GradOptions go = grad_options(grad_scale, check_finite, max_grad_norm, clip_coef);
+          const cpu::GradOptions go = grad_options(grad_scale, check_finite, max_grad_norm, clip_coef, sumsq_start);
           cpu::StepResult r;
           {
             py::gil_scoped_release nogil;
@@ -276,18 +278,19 @@ PYBIND11_MODULE(_C, m) {
         py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"), py::arg("decoupled") = true,
         py::arg("amsgrad") = false, py::arg("maximize") = false, py::arg("grad_scale") = 1.0,
         py::arg("check_finite") = false, py::arg("max_grad_norm") = py::none(), py::arg("clip_coef") = 1.0,
-        py::arg("step_tensors") = std::vector<Buffer>{},
+        py::arg("step_tensors") = std::vector<Buffer>{}, py::arg("sumsq_start") = py::none(),
         "Fused AdamW (decoupled=True) / Adam step over fp32 segments; grads[tower][segment] averaged on "
-        "the fly; steps (step numbers) or step_tensors (float32 counters, incremented unless skipped). "
-        "Returns {skipped, stats_computed, grad_norm, clip_coef}.");
+        "the fly; steps (step numbers) or step_tensors (float32 counters, incremented unless skipped); "
+        "sumsq_start: also sum the gradients' squares during the update, from this value. "
+        "Returns {skipped, stats_computed, grad_norm, sumsq, clip_coef}.");
   m.def("sgd_step",
         [=](const std::vector<Buffer>& params, const std::vector<std::vector<Buffer>>& grads,
             const std::vector<Buffer>& momentum_buffers, const std::vector<bool>& first,
             const std::vector<Buffer>& out, double lr, double momentum, double dampening,
             double weight_decay, bool nesterov, bool maximize, double grad_scale, bool check_finite,
-            std::optional<double> max_grad_norm, double clip_coef) {
+            std::optional<double> max_grad_norm, double clip_coef, std::optional<double> sumsq_start) {
           cpu::SgdHyper hp{lr, momentum, dampening, weight_decay, nesterov, maximize};
-          const cpu::GradOptions go = grad_options(grad_scale, check_finite, max_grad_norm, clip_coef);
+          const cpu::GradOptions go = grad_options(grad_scale, check_finite, max_grad_norm, clip_coef, sumsq_start);
           cpu::StepResult r;
           {
             py::gil_scoped_release nogil;
@@ -299,6 +302,7 @@ PYBIND11_MODULE(_C, m) {
         py::arg("lr"), py::arg("momentum") = 0.0, py::arg("dampening") = 0.0, py::arg("weight_decay") = 0.0,
         py::arg("nesterov") = false, py::arg("maximize") = false, py::arg("grad_scale") = 1.0,
         py::arg("check_finite") = false, py::arg("max_grad_norm") = py::none(), py::arg("clip_coef") = 1.0,
+        py::arg("sumsq_start") = py::none(),
         "Fused SGD (momentum, dampening, Nesterov) step over fp32 segments.");
   m.def("grad_stats",
         [](const std::vector<std::vector<Buffer>>& grads, double grad_scale, std::optional<double> max_grad_norm) {
@@ -316,6 +320,9 @@ PYBIND11_MODULE(_C, m) {
         },
         py::arg("grads"), py::arg("grad_scale") = 1.0, py::arg("max_grad_norm") = py::none(),
         "Global L2 norm (float64 accumulation) and finiteness of the averaged, unscaled grads[tower][segment].");
+  m.def("grads_finite", &cpu::grads_finite, py::arg("grads"), py::arg("grad_scale") = 1.0,
+        py::call_guard<py::gil_scoped_release>(),
+        "grad_stats(grads, grad_scale)['finite'], from a scan of the raw bits when 1/grad_scale <= 1.");
   m.def("cast_copy", &cpu::cast_copy, py::arg("srcs"), py::arg("dsts"),
         py::call_guard<py::gil_scoped_release>(),
         "dsts[i] = srcs[i] (float32) rounded to dsts[i]'s dtype (nearest even).");

@@ -243,22 +243,35 @@ class _FusedOptimizer(torch.optim.Optimizer):
         all_grads = [b for w in work for b in w[3]]
         if not all_grads:
             return info
-        clip = 1.0
-        if self.skip_nonfinite or max_grad_norm is not None:
+        clip, sumsq = 1.0, None
+        if max_grad_norm is not None:
             st = _C.grad_stats([all_grads], grad_scale, max_grad_norm)
             info["grad_norm"] = st["grad_norm"]
             if not st["finite"]:
                 info["skipped"] = True
                 return info
-            clip = st["clip_coef"] if max_grad_norm is not None else 1.0
+            clip = st["clip_coef"]
+        elif self.skip_nonfinite:
+            # A scan of the raw bits decides, and the groups' updates sum the norm's squares one after
+            # another: the same norm as grad_stats (Note [The inf/NaN check as a scan] in csrc/cpu/optim.cpp).
+            if not _C.grads_finite([all_grads], grad_scale):
+                info["grad_norm"] = _C.grad_stats([all_grads], grad_scale, None)["grad_norm"]
+                info["skipped"] = True
+                return info
+            sumsq = 0.0
         info["clip_coef"] = clip
         for group, ps, pbufs, gbufs in work:
             if ps:
-                self._group_step(group, ps, pbufs, gbufs, grad_scale, clip)
+                r = self._group_step(group, ps, pbufs, gbufs, grad_scale, clip, sumsq)
+                if sumsq is not None:
+                    sumsq = r["sumsq"]
+        if sumsq is not None:
+            info["grad_norm"] = math.sqrt(sumsq)
         del keep
         return info
 
-    def _group_step(self, group, params, pbufs, gbufs, grad_scale, clip) -> None:  # pragma: no cover
+    def _group_step(self, group, params, pbufs, gbufs, grad_scale, clip, sumsq_start) -> dict:  # pragma: no cover
+        """Steps one group; sumsq_start: see _C.adam_step. Returns the core's result dict."""
         raise NotImplementedError
 
     def __setstate__(self, state: dict) -> None:
@@ -339,7 +352,7 @@ class CPUAdamW(_FusedOptimizer):
         check_eps(group["eps"], self._name(prefix, "eps"))
         check_nonneg(group["weight_decay"], self._name(prefix, "weight_decay"))
 
-    def _group_step(self, group, params, pbufs, gbufs, grad_scale, clip) -> None:
+    def _group_step(self, group, params, pbufs, gbufs, grad_scale, clip, sumsq_start) -> dict:
         amsgrad = bool(group.get("amsgrad", False))
         beta1, beta2 = check_betas(group["betas"])
         keys = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "step") if amsgrad else ("exp_avg", "exp_avg_sq", "step")
@@ -361,13 +374,14 @@ class CPUAdamW(_FusedOptimizer):
                 max_sq.append(bufs[2])
             steps.append(bufs[-1])
         # The core increments the float32 step counters itself (see Note [Step counters as tensors]).
-        _C.adam_step(pbufs, [gbufs], exp_avg, exp_avg_sq, max_sq, [], [], lr=check_lr(group["lr"]),
-                     beta1=beta1, beta2=beta2, eps=float(group["eps"]), weight_decay=float(group["weight_decay"]),
-                     decoupled=self._decoupled, amsgrad=amsgrad, maximize=bool(group.get("maximize", False)),
-                     grad_scale=grad_scale, check_finite=False, max_grad_norm=None, clip_coef=clip,
-                     step_tensors=steps)
+        r = _C.adam_step(pbufs, [gbufs], exp_avg, exp_avg_sq, max_sq, [], [], lr=check_lr(group["lr"]),
+                         beta1=beta1, beta2=beta2, eps=float(group["eps"]),
+                         weight_decay=float(group["weight_decay"]), decoupled=self._decoupled, amsgrad=amsgrad,
+                         maximize=bool(group.get("maximize", False)), grad_scale=grad_scale, check_finite=False,
+                         max_grad_norm=None, clip_coef=clip, step_tensors=steps, sumsq_start=sumsq_start)
         for p, st in new_states.items():
             self.state[p] = st
+        return r
 
 
 class CPUAdam(CPUAdamW):
@@ -409,7 +423,7 @@ class CPUSGD(_FusedOptimizer):
             raise ValueError(f"{self._name(prefix, 'nesterov')}: Nesterov momentum needs momentum > 0 and "
                              "dampening == 0")
 
-    def _group_step(self, group, params, pbufs, gbufs, grad_scale, clip) -> None:
+    def _group_step(self, group, params, pbufs, gbufs, grad_scale, clip, sumsq_start) -> dict:
         momentum = float(group["momentum"])
         bufs, first, new_bufs = [], [], {}
         if momentum != 0:
@@ -423,9 +437,11 @@ class CPUSGD(_FusedOptimizer):
                 else:
                     first.append(False)
                     bufs.append(self._state_buffers(p, state, ("momentum_buffer",), f"params[{i}]")[0])
-        _C.sgd_step(pbufs, [gbufs], bufs, first, [], lr=check_lr(group["lr"]), momentum=momentum,
-                    dampening=float(group["dampening"]), weight_decay=float(group["weight_decay"]),
-                    nesterov=bool(group.get("nesterov", False)), maximize=bool(group.get("maximize", False)),
-                    grad_scale=grad_scale, check_finite=False, max_grad_norm=None, clip_coef=clip)
+        r = _C.sgd_step(pbufs, [gbufs], bufs, first, [], lr=check_lr(group["lr"]), momentum=momentum,
+                        dampening=float(group["dampening"]), weight_decay=float(group["weight_decay"]),
+                        nesterov=bool(group.get("nesterov", False)), maximize=bool(group.get("maximize", False)),
+                        grad_scale=grad_scale, check_finite=False, max_grad_norm=None, clip_coef=clip,
+                        sumsq_start=sumsq_start)
         for p, buf in new_bufs.items():
             self.state[p]["momentum_buffer"] = buf
+        return r

@@ -5,10 +5,11 @@
 //
 // Note [Two passes, no partial updates]
 // Whether a step is skipped (a non-finite gradient) and the clip factor both depend on every gradient
-// of the step, so they are decided by a first, read-only pass (grad_sumsq) over all segments before
-// any parameter or state is written. When neither is asked for, the step is a single pass. A skipped
-// step writes nothing: params, moments, momentum buffers and step counts stay as they were (the
-// copy-out, when given, still receives the current params so that it always mirrors them).
+// of the step, so they are decided by a first, read-only pass over all segments before any parameter
+// or state is written: grad_sumsq for the clip factor, or only a scan of the raw bits for inf/NaN (see
+// Note [The inf/NaN check as a scan] in optim.cpp). When neither is asked for, the step is a single
+// pass. A skipped step writes nothing: params, moments, momentum buffers and step counts stay as they
+// were (the copy-out, when given, still receives the current params so that it always mirrors them).
 #pragma once
 #include <cstdint>
 #include <optional>
@@ -45,6 +46,10 @@ struct GradOptions {
   bool check_finite = false;             // skip the whole step when any gradient is inf/NaN
   std::optional<double> max_grad_norm;   // clip the global L2 norm (torch.nn.utils.clip_grad_norm_)
   double clip_coef = 1.0;                // a factor decided by the caller (steps split over calls)
+  // Also sum the squares of the (unclipped) gradients during the update, continuing from this value:
+  // the sums of calls made one after another in grad_stats' segment order equal grad_stats' sumsq bit
+  // for bit. Not with max_grad_norm (that norm is known before the update).
+  std::optional<double> sumsq_start;
 };
 
 struct GradStats {
@@ -56,7 +61,8 @@ struct GradStats {
 
 struct StepResult {
   bool skipped = false;
-  bool stats_computed = false;  // a first pass ran: grad_norm is valid
+  bool stats_computed = false;  // grad_norm (and sumsq) are valid: computed before or during the update
+  double sumsq = 0.0;
   double grad_norm = 0.0;
   double clip_coef = 1.0;
 };
@@ -65,6 +71,10 @@ struct StepResult {
 // (grads[tower][segment]); clip_coef for max_grad_norm when given.
 GradStats grad_stats(const std::vector<std::vector<Buffer>>& grads, double grad_scale,
                      std::optional<double> max_grad_norm);
+
+// Whether the averaged, unscaled gradients are all finite: grad_stats(...).finite, most often from a
+// scan of the raw bits alone (see Note [The inf/NaN check as a scan] in optim.cpp).
+bool grads_finite(const std::vector<std::vector<Buffer>>& grads, double grad_scale);
 
 // Note [Step counters as tensors]
 // torch keeps Adam's step count per tensor as a float32 scalar tensor and increments it before the

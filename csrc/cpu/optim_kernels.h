@@ -48,12 +48,16 @@ struct OptimKernelTable {
   SimdLevel level;
   // Sum over [begin, end) of g*g in double, g = scale_grad(mean of towers, gc) in float.
   double (*grad_sumsq)(const GradSlice& g, const om::GradCoef& gc, int64_t begin, int64_t end);
+  // The updates. sumsq != nullptr: also the slice's grad_sumsq with gc.clip taken as 1, in the same
+  // accumulation order (bit-identical; see Note [The inf/NaN check as a scan] in optim.cpp).
   void (*adam)(const AdamSlice& s, const GradSlice& g, const OutSlice& o, const om::AdamCoef& c,
-               const om::GradCoef& gc, int64_t begin, int64_t end);
+               const om::GradCoef& gc, int64_t begin, int64_t end, double* sumsq);
   void (*sgd)(const SgdSlice& s, const GradSlice& g, const OutSlice& o, const om::SgdCoef& c,
-              const om::GradCoef& gc, int64_t begin, int64_t end);
+              const om::GradCoef& gc, int64_t begin, int64_t end, double* sumsq);
   // dst[i] = src[i] rounded to dtype (round to nearest even; the rule of the fused copy-out).
   void (*cast)(const float* src, void* dst, DType dtype, int64_t begin, int64_t end);
+  // Whether every tower's raw gradient over [begin, end) is finite (no inf/NaN bit pattern).
+  bool (*all_finite)(const GradSlice& g, int64_t begin, int64_t end);
 };
 
 extern const OptimKernelTable kScalarOptimKernels;
