@@ -9,9 +9,12 @@ Contenders, per process count P and element type:
                      Python layer's cost.
   MPICH              MPI_Allreduce(MPI_IN_PLACE, SUM) on the same buffer (no average: MPI has none).
   torch gloo         torch.distributed.all_reduce(x) (SUM) over gloo, loopback TCP.
-Timing rule (the same for all): for each size, rounds in which every contender runs once, in turn;
-before each contender's timed batch every rank passes MPI_Barrier; a batch is enough back-to-back calls
-to last about 1 ms (one call for large sizes), its time divided by the calls; the slowest rank's value
+Timing rule (the same for all): for each size, rounds in which every contender runs once, in turn,
+the order rotating from round to round (so none always follows the same neighbour and its caches);
+before each contender's timed batch every rank passes MPI_Barrier and then the channel's barrier (see
+sync() in the worker for why both); a batch is enough back-to-back calls
+to last about 5 ms (one call for large sizes; with more ranks than cores the first calls after a
+barrier may wait a millisecond or more for a core, which a batch spreads thin), its time divided by the calls; the slowest rank's value
 is the sample; the median over rounds is reported. Bandwidth as nccl-tests: algbw = bytes / time,
 busbw = algbw x 2(P-1)/P, beside the copy bandwidth (memcpy, read + write) measured in the same run.
 A last test, per P: rank 1 waits 2 s for rank 0 inside each contender; the CPU time it burns meanwhile
@@ -39,7 +42,7 @@ import _common  # noqa: E402  (puts an in-place built checkout first on sys.path
 
 SIZES = [8, 64, 512, 4 << 10, 32 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
 CONTENDERS = ("ncclavg", "ncclavg channel", "MPICH", "torch gloo")
-BATCH_S = 1e-3
+BATCH_S = 5e-3
 ROUNDS = 15
 
 
@@ -76,6 +79,14 @@ def worker(args: argparse.Namespace) -> None:
     assert comm.transport == "shm", comm.transport
     channel = comm._shm.channel
     np_dtypes = {torch.float32: np.float32, torch.float16: np.float16, torch.float64: np.float64}
+
+    def sync() -> None:
+        """MPI_Barrier, then the channel's barrier: MPICH's ranks spin while they wait, and with more
+        ranks than cores one still spinning in MPI_Barrier would hold a core through the first timed
+        calls of the next contender (8 B calls read 1 ms for every contender that way); the channel's
+        barrier completes only when every rank has left MPI, with microseconds of skew."""
+        world.Barrier()
+        channel.barrier(120.0)
     rows = []
     for dtype_name in args.dtypes.split(","):
         dtype = getattr(torch, dtype_name)
@@ -100,18 +111,20 @@ def worker(args: argparse.Namespace) -> None:
             for c in names:   # warm-up, and an estimate of one call's time for the batch size
                 calls[c]()
             est = {}
-            for c in names:
-                world.Barrier()
-                t0 = time.perf_counter()
-                calls[c]()
-                calls[c]()
-                est[c] = world.allreduce((time.perf_counter() - t0) / 2, op=MPI.MAX)
+            for c in names:   # the median of single calls: the first after a barrier may wait for a core
+                one = []
+                sync()
+                for _ in range(9 if n * item <= (1 << 20) else 3):
+                    t0 = time.perf_counter()
+                    calls[c]()
+                    one.append(time.perf_counter() - t0)
+                est[c] = world.allreduce(statistics.median(one), op=MPI.MAX)
             batch = {c: max(1, min(2000, int(BATCH_S / max(est[c], 1e-7)))) for c in names}
             rounds = max(3, min(ROUNDS, int(args.budget / max(sum(est[c] * batch[c] for c in names), 1e-6))))
             samples = {c: [] for c in names}
-            for _ in range(rounds):
-                for c in names:
-                    world.Barrier()
+            for i in range(rounds):
+                for c in names[i % len(names):] + names[:i % len(names)]:   # each takes every place in turn
+                    sync()
                     t0 = time.perf_counter()
                     for _ in range(batch[c]):
                         calls[c]()
@@ -142,6 +155,7 @@ def worker(args: argparse.Namespace) -> None:
             cpu = (r1.ru_utime + r1.ru_stime) - (r0.ru_utime + r0.ru_stime)
             if rank == 1:
                 waiting[c] = {"wait_s": wall, "cpu_s": cpu, "core_percent": 100 * cpu / wall}
+    waiting = world.bcast(waiting, root=1)   # rank 1 measured; rank 0 reports
     world.Barrier()
     if rank == 0:
         print("RESULT " + json.dumps({"rows": rows, "waiting": waiting, "mpi": MPI.Get_library_version().splitlines()[0]}),
@@ -229,7 +243,8 @@ def main() -> None:
         lines.append(f"- P={p}: " + ", ".join(f"{c} {v['core_percent']:.1f}%" for c, v in w.items()))
     print("\n".join(lines))
     payload = {"machine": _common.machine(), "mpi": mpi, "rule": "median over rounds of the slowest rank's per-call "
-               "time in a ~1 ms batch after MPI_Barrier; contenders interleaved per round", "rows": rows,
+               "time in a ~5 ms batch after MPI_Barrier + the channel's barrier; contenders interleaved, "
+               "the order rotating per round", "rows": rows,
                "waiting": waiting}
     _common.write_json(args.json, payload)
     if args.md:

@@ -39,7 +39,7 @@ if [ "$#" -eq 0 ]; then
     tests/test_average.py tests/test_pack.py tests/test_bad_input.py tests/test_bad_input_battery.py \
     tests/comm/test_comm_local.py tests/comm/test_comm_gloo.py tests/comm/test_shm_channel.py tests/comm/test_shm_misuse.py \
     tests/test_averager.py tests/test_bucketing.py \
-    tests/test_optim_kernels.py tests/test_optim.py tests/test_master.py tests/train/test_trainer.py \
+    tests/test_optim_kernels.py tests/test_optim.py tests/test_optim_fast_paths.py tests/test_master.py tests/train/test_trainer.py \
     tests/test_fuzz.py tests/train/test_faults_nonfinite.py tests/comm/test_faults_comm.py tests/train/test_faults_checkpoint.py
 fi
 "$PY" -c 'import ncclavg._C as c, sys; print("testing", c.__file__); sys.exit(0 if c.__file__.startswith(sys.argv[1]) else 1)' "$SCRATCH"

@@ -30,11 +30,17 @@
 // one rounding instead of P - 1. For two ranks an fp32 sum is the same a + b as gloo's.
 //
 // Note [Waiting in the channel]
-// A wait spins for 50 us (a peer on another core is usually microseconds away; no spinning at all when
-// the channel has more ranks than this process may use CPUs), yields the core until 1 ms (with more
-// processes than cores, a spinning waiter would delay the very peer it waits for), then
+// A wait spins for 2 us (a ready peer on another core answers in under a microsecond), then yields the
+// core until 1 ms, then
 // sleeps on a futex in the segment, which a publishing rank wakes when someone sleeps: a rank waiting
-// for a late peer costs no CPU. While waiting it checks (a) the call's deadline (timeout_s from the
+// for a late peer costs no CPU. The spin is short because on a busy machine every microsecond of it is
+// taken from a process that may be the peer: 2 ranks on 2 cores with a third process busy took 40 us
+// per 8-byte all-reduce with a 50 us spin, 3-9 us with 0-2 us, and 0.8 us when quiet (1.25 us with
+// 50 us: a yield costs little when nobody else wants the core). With more ranks than CPUs this process
+// may use, a wait does not spin at all. Yielding, not sleeping, for the first millisecond: with 4 ranks
+// on 2 cores an 8-byte all-reduce took 4-5 us yielding, 9-12 us when the waiters went to the futex
+// after 10-50 us (each sleep and wake-up costs tens of microseconds), and up to 250 us per call where
+// other work kept the cores busy. While waiting it checks (a) the call's deadline (timeout_s from the
 // call's start), (b) an abort word in the header that any rank sets when it fails, with its reason, so
 // every survivor fails within a moment of the first, and (c) every 100 ms, whether the peer it waits
 // for still runs: its pid with its start time, so that a reused pid is not taken for the peer. The
@@ -77,6 +83,9 @@ using namespace shm_detail;
 namespace {
 constexpr uint64_t kMagic = 0x6e63636c61767332ull;    // "ncclavs2"
 constexpr size_t kLinesOffset = 1024;
+// See Note [Waiting in the channel] for these two.
+constexpr std::chrono::microseconds kSpin{2};
+constexpr std::chrono::microseconds kYieldUntil{1000};
 
 static_assert(std::atomic<uint64_t>::is_always_lock_free, "shared counters must be lock-free");
 static_assert(std::atomic<int32_t>::is_always_lock_free, "shared counters must be lock-free");
@@ -220,7 +229,7 @@ ShmChannel::ShmChannel(const std::string& name, int rank, int nranks, int64_t sl
   // More ranks than CPUs to run them: a spinning waiter holds the CPU its peer needs, so yield at once.
   cpu_set_t cpus;
   const int usable = sched_getaffinity(0, sizeof(cpus), &cpus) == 0 ? CPU_COUNT(&cpus) : 0;
-  spin_ = usable > 0 && nranks > usable ? Clock::duration::zero() : std::chrono::microseconds(50);
+  spin_ = usable > 0 && nranks > usable ? Clock::duration::zero() : kSpin;
   if (rank == 0) {
     try {
       door_ = std::make_unique<ShmDoor>(name, fd, request);   // owns fd from here
@@ -318,7 +327,7 @@ void ShmChannel::wait_for(Counter c, uint64_t target, int only_rank, const Call&
     if (counter.load(std::memory_order_acquire) >= target) continue;
     const Clock::time_point start = Clock::now();
     Clock::time_point next_check = start + std::chrono::milliseconds(100);
-    enum { kSpin, kYield, kSleep } phase = spin_ > Clock::duration::zero() ? kSpin : kYield;
+    enum { kSpinning, kYielding, kSleeping } phase = spin_ > Clock::duration::zero() ? kSpinning : kYielding;
     for (uint64_t i = 1; counter.load(std::memory_order_acquire) < target; ++i) {
       if (local_abort_.load(std::memory_order_acquire) || header_->aborted_by.load(std::memory_order_acquire)) {
         failed_ = true;
@@ -328,13 +337,13 @@ void ShmChannel::wait_for(Counter c, uint64_t target, int only_rank, const Call&
                                    : std::string("shared-memory ") + call.op + ": the channel was aborted by rank " +
                                          std::to_string(who) + ": " + header_->abort_reason);
       }
-      if (phase != kSpin) before_blocking();
-      if (phase == kSpin) {
+      if (phase != kSpinning) before_blocking();
+      if (phase == kSpinning) {
         cpu_relax();
-      } else if (phase == kYield) {
+      } else if (phase == kYielding) {
         sched_yield();
       }
-      if (phase != kSleep && i % 64 != 0) continue;
+      if (phase != kSleeping && i % 64 != 0) continue;
       const Clock::time_point now = Clock::now();
       const int pid = line(r).pid.load(std::memory_order_acquire);
       // the same words as the gloo path's diagnosis (ncclavg/comm/liveness.py): "rank N stopped responding"
@@ -355,8 +364,8 @@ void ShmChannel::wait_for(Counter c, uint64_t target, int only_rank, const Call&
         }
       }
       const auto waited = now - start;
-      phase = waited < spin_ ? kSpin : waited < std::chrono::milliseconds(1) ? kYield : kSleep;
-      if (phase != kSleep) continue;
+      phase = waited < spin_ ? kSpinning : waited < kYieldUntil ? kYielding : kSleeping;
+      if (phase != kSleeping) continue;
       before_blocking();
       // Sleep until a publish (or an abort) bumps the futex word, the next liveness check, or the deadline.
       header_->sleepers.fetch_add(1, std::memory_order_seq_cst);
