@@ -18,8 +18,12 @@ Note [Bench timing]
 - Multi-process: all ranks must run the same number of collectives, so the iteration counts are
   agreed (max of each rank's estimate). Before each contender's timed batch every rank passes a
   barrier, so no rank times a contender while another still finishes the previous one (on 2 cores an
-  8-byte copy read 41-69 us instead of 1.5 us that way); the ranks leave a barrier some microseconds
-  apart, so small sizes run in batches of BATCH_SECONDS that spread that skew thin. Each sample is the
+  8-byte copy read 41-69 us instead of 1.5 us that way). The ranks leave torch.distributed's gloo
+  barrier up to hundreds of microseconds apart, which a batch of a few hundred 2-us calls cannot
+  spread thin (an 8-byte average read 6-26 us that way instead of 1.3-2.3), so when the processes
+  share the shared-memory channel its barrier is used (microseconds apart), and every contender's
+  batch lasts about BATCH_SECONDS on its own (not cut to a share of the iterations by a slow
+  neighbour: batches of 12-20 calls still read 3-7 us for a 1.3 us average). Each sample is the
   slowest rank's (a collective is done when the last rank is done).
 """
 from __future__ import annotations
@@ -37,6 +41,7 @@ from .inputs import ExactPattern
 
 MIN_ITERS = 3
 BATCH_SECONDS = 1e-3   # small sizes: runs per timed batch (GPU, and CPU with several processes)
+MAX_CPU_BATCH = 1000
 
 
 class Ranks:
@@ -44,6 +49,7 @@ class Ranks:
 
     def __init__(self, group=None):
         self.group = group
+        self.tight = None   # a barrier whose ranks leave within microseconds, when there is one
         if group is None:
             self.rank, self.world_size = 0, 1
         else:
@@ -80,6 +86,13 @@ class Ranks:
     def barrier(self) -> None:
         if self.group is not None:
             self.dist.barrier(group=self.group)
+
+    def start_together(self) -> None:
+        """A barrier before a timed batch: the tight one when the setup has one (see Note [Bench timing])."""
+        if self.tight is not None:
+            self.tight()
+        else:
+            self.barrier()
 
 
 @dataclass
@@ -138,6 +151,8 @@ def setup_gloo(compare: bool, timeout: float) -> Setup:
              "shm+gloo": "a shared-memory channel per host, torch.distributed between the hosts",
              "gloo": "torch.distributed"}
     notes = [f"ncclavg's transport between the processes: {comm.transport} ({about[comm.transport]})"]
+    if comm.transport == "shm":   # the channel's barrier releases every rank within microseconds
+        ranks.tight = lambda: comm._shm.channel.barrier(timeout)
     return Setup("gloo", [torch.device("cpu")], ranks.world_size, ranks.rank, contenders, ranks, _no_sync, notes)
 
 
@@ -245,14 +260,23 @@ def measure_size(contenders: list[Contender], w: Workload, s: Setup, iters: int,
             round_s = sum(est)
         rounds = max(min(iters, MIN_ITERS), min(iters, int(budget * len(contenders) / round_s)))
         batch = [1] * len(contenders)
-        if s.on_gpu or ranks.group is not None:
+        if s.on_gpu:
             batch = [max(1, min(rounds // MIN_ITERS, int(BATCH_SECONDS / e))) for e in est]
             rounds = max(1, -(-rounds // max(batch)))  # about `iters` runs of the cheapest contender
+        elif ranks.group is not None:   # each contender's batch lasts BATCH_SECONDS, whatever the others cost
+            # single runs after another contender's overstate a fast one (8 B: 40 us for a 2 us call):
+            # re-estimate the small ones from 10 runs started together
+            again = []
+            for c, e in zip(contenders, est):
+                ranks.start_together()
+                again.append(_timed(c, sync, 10) if e < 1e-3 else e)
+            est = [max(t, 1e-9) for t in ranks.max(again)]
+            batch = [max(1, min(MAX_CPU_BATCH, int(BATCH_SECONDS / e))) for e in est]
         samples = []
         for _ in range(rounds):
             row = []
             for c, k in zip(contenders, batch):
-                ranks.barrier()   # every rank starts this contender's batch together
+                ranks.start_together()   # every rank starts this contender's batch together
                 row.append(_timed(c, sync, k))
             samples.append(row)
         samples = [ranks.max(list(col)) for col in zip(*samples)]   # per contender, slowest rank

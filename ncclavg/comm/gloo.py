@@ -32,7 +32,7 @@ from .base import Communicator, Work, check_count, check_timeout
 from .dist import _DistWork, _allgather_object_bounded, _debug_allgather_dist, _issue_dist, _wait_dist
 from .liveness import Liveness
 from .shm import ShmTransport, host_identity, supports as shm_supports
-from .shm_fast import FastAverage
+from .shm_fast import fast_average
 
 
 # Note [Reduce-scatter as all_to_all]
@@ -110,7 +110,7 @@ class GlooCommunicator(Communicator):
         # so this depends only on what every rank shares: the transport, and the dtype and the call.
         self._fuses_division = self._shm is not None and self._shm.channel is not None
         # one tower here and one host's channel over every process: Note [Small-message fast path]
-        self._fast = FastAverage(self, self._shm) if self._fuses_division and towers == 1 else None
+        self._fast = fast_average(self, self._shm) if self._fuses_division and towers == 1 else None
 
     # ------------------------------------------------------------------ the collectives between processes
     # Each starts one SUM / gather / broadcast over the processes and returns a Work for _wait_dist:
