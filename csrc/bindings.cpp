@@ -14,6 +14,7 @@
 #include "cpu/reduce.h"
 #include "cpu/shm_channel.h"
 #include "cpu/simd.h"
+#include "python/shm_fast_average.h"
 #include "cuda/nccl_api.h"
 #ifdef NCCLAVG_WITH_CUDA
 #include "cuda/comm.h"
@@ -85,27 +86,6 @@ py::dict core_info() {
 #endif
   return d;
 }
-
-// An all_reduce_sum of fixed arguments, called with a time limit: the small-message fast path.
-struct ShmPreparedAllReduce {
-  cpu::ShmChannel* channel;
-  uintptr_t data;
-  int64_t count;
-  int type;
-  double mul, div;
-};
-
-// Holds the GIL through a channel call and gives it up only if the call starts to wait (see
-// ShmBlockingHook): an 8-byte all-reduce whose peers are ready costs no GIL hand-over.
-struct ReleaseGilWhenBlocking : cpu::ShmBlockingHook {
-  PyThreadState* saved = nullptr;
-  ReleaseGilWhenBlocking() { cpu::set_blocking_hook(this); }
-  ~ReleaseGilWhenBlocking() {
-    cpu::set_blocking_hook(nullptr);
-    if (saved != nullptr) PyEval_RestoreThread(saved);
-  }
-  void before_blocking() override { saved = PyEval_SaveThread(); }
-};
 
 }  // namespace
 
@@ -331,12 +311,22 @@ PYBIND11_MODULE(_C, m) {
   {
     using cpu::ShmChannel;
     using Release = py::call_guard<py::gil_scoped_release>;
-    // The small-message fast path (ncclavg/comm/gloo.py): the GIL is held unless the call has to wait.
-    py::class_<ShmPreparedAllReduce>(m, "ShmPreparedAllReduce")
-        .def("__call__", [](const ShmPreparedAllReduce& c, double timeout_s) {
-          ReleaseGilWhenBlocking gil;
-          c.channel->all_reduce_sum(c.data, c.count, c.type, timeout_s, c.mul, c.div);
-        }, py::arg("timeout_s"));
+    // The small-message fast path (ncclavg/comm/shm_fast.py): the GIL is held unless the call has to wait.
+    py::class_<py_glue::ShmExec>(m, "ShmExec")
+        .def(py::init<>())
+        .def("acquire", &py_glue::ShmExec::acquire, py::arg("blocking") = true)
+        .def("release", &py_glue::ShmExec::release)
+        .def("__enter__", [](py_glue::ShmExec& e) { e.acquire(true); })
+        .def("__exit__", [](py_glue::ShmExec& e, py::args) { e.release(); })
+        .def("add_outstanding", &py_glue::ShmExec::add_outstanding, py::arg("delta"))
+        .def_property_readonly("outstanding", &py_glue::ShmExec::outstanding);
+    py::class_<py_glue::ShmFastAverage>(m, "ShmFastAverage")
+        .def(py::init<ShmChannel*, py_glue::ShmExec*, py::object>(), py::arg("channel"), py::arg("exec"),
+             py::arg("prepare"), py::keep_alive<1, 2>(), py::keep_alive<1, 3>())
+        .def("run", &py_glue::ShmFastAverage::run, py::arg("tensors"), py::arg("timeout_s"),
+             "all_reduce_avg of tensors[0] through the channel: True when done, False for the general path")
+        .def("disable", &py_glue::ShmFastAverage::disable)
+        .def_property_readonly("cached", &py_glue::ShmFastAverage::cached);
     py::class_<ShmChannel>(m, "ShmChannel")
         .def(py::init<const std::string&, int, int, int64_t, uint64_t, std::vector<int>>(), py::arg("name"),
              py::arg("rank"), py::arg("nranks"), py::arg("slot_bytes"), py::arg("nonce"),
@@ -354,15 +344,6 @@ PYBIND11_MODULE(_C, m) {
         .def("broadcast", &ShmChannel::broadcast, py::arg("data"), py::arg("count"), py::arg("type"),
              py::arg("root"), py::arg("timeout_s"), Release())
         .def("barrier", &ShmChannel::barrier, py::arg("timeout_s"), Release())
-        .def("prepare_all_reduce",
-             [](ShmChannel& ch, uintptr_t data, int64_t count, int type, double mul, double div) {
-               NCCLAVG_CHECK_TYPE(type >= 0 && type <= 3, "type", "unknown element type code ", type);
-               NCCLAVG_CHECK_ARG(count >= 0 && (count == 0 || data != 0), "count", "must be >= 0 with data, got ",
-                                 count);
-               return ShmPreparedAllReduce{&ch, data, count, type, mul, div};
-             },
-             py::arg("data"), py::arg("count"), py::arg("type"), py::arg("mul") = 1.0, py::arg("div") = 1.0,
-             py::keep_alive<0, 1>(), "all_reduce_sum with these arguments, to call many times: (timeout_s) -> None")
         .def("abort", &ShmChannel::abort, py::arg("why"))
         .def("resident_slot_bytes", &ShmChannel::resident_slot_bytes, py::arg("r"))
         .def_property_readonly("rank", &ShmChannel::rank)

@@ -32,7 +32,7 @@ from .base import Communicator, Work, check_count, check_timeout
 from .dist import _DistWork, _allgather_object_bounded, _debug_allgather_dist, _issue_dist, _wait_dist
 from .liveness import Liveness
 from .shm import ShmTransport, host_identity, supports as shm_supports
-from .shm_fast import fast_average
+from .shm_fast import CHANNEL_ERRORS, channel_failed, fast_average
 
 
 # Note [Reduce-scatter as all_to_all]
@@ -111,6 +111,7 @@ class GlooCommunicator(Communicator):
         self._fuses_division = self._shm is not None and self._shm.channel is not None
         # one tower here and one host's channel over every process: Note [Small-message fast path]
         self._fast = fast_average(self, self._shm) if self._fuses_division and towers == 1 else None
+        self._fast_run = self._fast.run if self._fast is not None else None
 
     # ------------------------------------------------------------------ the collectives between processes
     # Each starts one SUM / gather / broadcast over the processes and returns a Work for _wait_dist:
@@ -162,8 +163,13 @@ class GlooCommunicator(Communicator):
     def all_reduce_avg(self, tensors: Sequence[torch.Tensor], *, tag: Optional[str] = None,
                        debug_key: Optional[Sequence[int]] = None, timeout: Optional[float] = None) -> None:
         limit = self.timeout if timeout is None else check_timeout(timeout)   # before anything starts
-        if self._fast is not None and self._fast(tensors, limit, tag):   # Note [Small-message fast path]
-            return
+        fast = self._fast_run
+        if fast is not None:   # Note [Small-message fast path]
+            try:
+                if fast(tensors, limit):
+                    return
+            except CHANNEL_ERRORS as e:
+                channel_failed(self, e, tensors, tag, limit)
         self._average(tensors, False, tag, debug_key, sync=True, timeout=limit).wait(limit)
 
     def all_reduce_avg_async(self, tensors: Sequence[torch.Tensor], defer_scale: bool = False, *,
@@ -343,7 +349,14 @@ class GlooCommunicator(Communicator):
                     t.copy_(flat[pos:pos + t.numel()].view_as(t))
                     pos += t.numel()
 
+    def _fail(self, reason: str) -> None:
+        super()._fail(reason)
+        if getattr(self, "_fast", None) is not None:
+            self._fast.disable()   # the general path says why the communicator refuses
+
     def close(self) -> None:
+        if getattr(self, "_fast", None) is not None:
+            self._fast.disable()
         if getattr(self, "_liveness", None) is not None:
             self._liveness.stop()
         if getattr(self, "_shm", None) is not None:

@@ -23,8 +23,9 @@ segment is about 2 x processes x slot; at most MAX_SLOT_KB).
 Tensors of other dtypes than float32, float16, bfloat16 and float64 still go through gloo; every rank
 makes the same choice, since the dtype is the same on every rank.
 Asynchronous collectives (the averager's buckets during backward, the trainer's per-step sums) run in
-order on one worker thread; a synchronous one runs on the caller's thread when nothing is queued
-(`run_inline`, the small-message fast path of gloo.py). Every collective carries its own time limit:
+order on one worker thread; a synchronous one runs on the caller's thread when nothing is queued (and
+gloo.py's all_reduce_avg of one small tensor runs its own fast path: shm_fast.py). Every collective
+carries its own time limit:
 the caller's timeout when it gave one, else the communicator's.
 """
 from __future__ import annotations
@@ -175,9 +176,10 @@ class ShmTransport:
             self._mine = next(h for h in hosts if rank in h)
         self.kind = "shm" if hosts is None else "shm+gloo"
         self.names_peers = hosts is None     # between hosts, torch.distributed's errors name nobody
-        self._lock = threading.Lock()        # guards _outstanding and the worker's start
-        self._exec = threading.Lock()        # held while a collective runs: one at a time, in order
-        self._outstanding = 0
+        self._lock = threading.Lock()        # guards the outstanding count and the worker's start
+        # held while a collective runs (one at a time, in order), and the count of those submitted and
+        # not done: native, so that the small-message fast path reads both (shm_fast.py)
+        self._exec = _C.ShmExec()
         self._queue: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
         self._worker: Optional[threading.Thread] = None
         self._closed = False
@@ -248,7 +250,7 @@ class ShmTransport:
     # (seconds) bounds this call (default: the communicator's).
     @property
     def channel(self) -> Any:
-        """The core channel when it alone connects every process (one host), for run_inline; else None."""
+        """The core channel when it alone connects every process (one host), for the fast path; else None."""
         return self._channel if self._hosts is None else None
 
     def all_reduce_sum(self, t: torch.Tensor, sync: bool = False, timeout: Optional[float] = None,
@@ -395,32 +397,16 @@ class ShmTransport:
         self._local("broadcast", t.data_ptr(), t.numel(), TYPE_CODES[t.dtype], 0, timeout)
 
     # ------------------------------------------------------------------ execution
-    def run_inline(self, fn: Callable, args: tuple) -> bool:
-        """Runs fn(*args) on this thread now, when no collective is queued or running, and returns True;
-        else runs nothing and returns False (the caller then submits it). Exceptions are the channel's
-        own: the fast path of a synchronous call, with no work object (gloo.py)."""
-        with self._lock:
-            if self._outstanding or self._closed:
-                return False
-            self._outstanding = 1
-            self._exec.acquire()
-        try:
-            fn(*args)
-        finally:
-            self._exec.release()
-            self._done()
-        return True
-
     def _submit(self, fn: Callable, args: tuple, keep: tuple, sync: bool, timeout: Optional[float],
                 after: tuple = ()) -> _ShmWork:
-        """Runs fn(*args, timeout, *after), inline or on the worker; see `run_inline` for the fast path."""
+        """Runs fn(*args, timeout, *after), inline or on the worker (shm_fast.py runs the fast path)."""
         work = _ShmWork(self, keep)
         call = (fn, args + (self._timeout if timeout is None else float(timeout),) + after)
         with self._lock:
             if self._closed:
                 raise RuntimeError("the shared-memory channel is closed")
-            inline = sync and self._outstanding == 0
-            self._outstanding += 1
+            inline = sync and self._exec.outstanding == 0
+            self._exec.add_outstanding(1)
             if inline:
                 self._exec.acquire()
             else:
@@ -438,7 +424,7 @@ class ShmTransport:
 
     def _done(self) -> None:
         with self._lock:
-            self._outstanding -= 1
+            self._exec.add_outstanding(-1)
 
     def _serve(self) -> None:
         while True:

@@ -17,64 +17,37 @@ collective, so ranks may mix the two freely.
 """
 from __future__ import annotations
 
-import weakref
-from typing import Any, Callable, Optional
+from typing import Any, NoReturn, Optional
 
+from .._ext import _C
 from .dist import _is_timeout, _raise_failure
 from .shm import TYPE_CODES, supports
 
-CACHE_SIZE = 64   # tensors whose prepared call is kept (weakly: a cached tensor may still die)
+
+CHANNEL_ERRORS = (_C.ShmPeerError, _C.CommTimeoutError)   # what the channel raises for a failed round
 
 
-def fast_average(comm: Any, transport: Any) -> Callable[[Any, float, Optional[str]], bool]:
-    """comm.all_reduce_avg's fast path: a function (tensors, limit, tag) -> bool that runs the call and
-    returns True, or returns False when the general path must run it. A closure over what it reads, so
-    that the hot path looks up no attributes but the communicator's failure state (it costs about half
-    a microsecond of Python around the channel's call)."""
-    cache: dict = {}
-    exec_lock = transport._exec   # held by every channel collective while it runs
-    acquire, release = exec_lock.acquire, exec_lock.release
+def fast_average(comm: Any, transport: Any) -> Any:
+    """comm.all_reduce_avg's fast path: `.run(tensors, limit)` runs the call and returns True, or
+    returns False when the general path must run it; it raises CHANNEL_ERRORS (see channel_failed)
+    and the general path's argument errors. The communicator calls `.disable()` when it fails or
+    closes. The checks of every call are the core's (_C.ShmFastAverage): the same in Python cost about
+    twice the channel's own round."""
 
     def prepare(t: Any) -> Optional[tuple]:
+        """(data_ptr, numel, type code, divisor) of a tensor the fast path may take, else None."""
         if comm.debug or comm._failure is not None or comm._closed:
             return None   # the general path checks the sequence (NCCLAVG_DEBUG) or says why it refuses
         comm._checked_buffers([t], "tensors")   # the general path's checks and errors
         scale, pre_div, post_div = comm._sum_factors()
         if scale != 1.0 or pre_div != 1.0 or not supports(t):
             return None
-        call = transport.channel.prepare_all_reduce(t.data_ptr(), t.numel(), TYPE_CODES[t.dtype], 1.0,
-                                                    float(post_div))
-        try:
-            version = t._version
-        except RuntimeError:   # an inference tensor keeps no version: run it, but never from the cache
-            return (lambda: None, -1, -1, call)
-        entry = (weakref.ref(t), version, t.data_ptr(), call)
-        if len(cache) >= CACHE_SIZE:
-            cache.pop(next(iter(cache)))   # the oldest
-        cache[id(t)] = entry
-        return entry
+        return (t.data_ptr(), t.numel(), TYPE_CODES[t.dtype], float(post_div))
 
-    def run(tensors: Any, limit: float, tag: Optional[str]) -> bool:
-        if type(tensors) is not list or len(tensors) != 1:
-            return False
-        t = tensors[0]
-        hit = cache.get(id(t))
-        if hit is None or hit[0]() is not t or hit[1] != t._version or hit[2] != t.data_ptr():
-            hit = prepare(t)
-            if hit is None:
-                return False
-        if comm._failure is not None or comm._closed or not acquire(False):
-            return False
-        try:
-            if transport._outstanding:
-                return False
-            hit[3](limit)
-        except (RuntimeError, TimeoutError) as e:   # the channel's errors name the peer themselves
-            _raise_failure(comm, e, str(comm._what("all_reduce_avg", tensors, tag)), limit,
-                           limit if _is_timeout(e) else 0.0, "shared-memory channel", True)
-        finally:
-            release()
-        return True
+    return _C.ShmFastAverage(transport.channel, transport._exec, prepare)
 
-    run.cache = cache   # for the tests
-    return run
+
+def channel_failed(comm: Any, e: BaseException, tensors: Any, tag: Optional[str], limit: float) -> NoReturn:
+    """The communicator's failure for a fast-path call that failed with `e` (its text names the peer)."""
+    _raise_failure(comm, e, str(comm._what("all_reduce_avg", tensors, tag)), limit,
+                   limit if _is_timeout(e) else 0.0, "shared-memory channel", True)

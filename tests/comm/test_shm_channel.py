@@ -181,3 +181,57 @@ def test_processes_on_different_hosts_keep_gloo(monkeypatch):
         ShmTransport.connect(Comm(), None, None, ["host-a", "host-b"], 5.0)
     monkeypatch.setenv("NCCLAVG_SHM", "0")
     assert ShmTransport.connect(Comm(), None, None, ["host-a", "host-a"], 5.0) is None
+
+
+def test_exec_lock_orders_calls_across_threads():
+    # The transport's execution lock (native, read by the fast path): a second thread blocks in
+    # acquire() without the GIL until the holder releases, from whichever thread.
+    import threading
+
+    ex = _C.ShmExec()
+    assert ex.acquire(False) and not ex.acquire(False)
+    got = []
+    t = threading.Thread(target=lambda: got.append(ex.acquire()))
+    t.start()
+    t.join(0.2)
+    assert t.is_alive() and not got   # still waiting (and this thread still runs: no GIL held)
+    ex.release()
+    t.join(10)
+    assert got == [True]
+    ex.release()
+    with ex:
+        assert not ex.acquire(False)
+    assert ex.acquire(False)
+    ex.release()
+    ex.add_outstanding(2)
+    ex.add_outstanding(-1)
+    assert ex.outstanding == 1
+
+
+def test_fast_average_refuses_when_busy_or_disabled():
+    import torch
+
+    ch = _C.ShmChannel(_name(), 0, 1, 4096, 1)
+    ex = _C.ShmExec()
+    seen = []
+
+    def prepare(t):
+        seen.append(t)
+        return (t.data_ptr(), t.numel(), 0, 2.0) if t.dtype == torch.float32 else None
+
+    fast = _C.ShmFastAverage(ch, ex, prepare)
+    x = torch.full((5,), 3.0)
+    assert fast.run([x], 5.0) and torch.equal(x, torch.full((5,), 1.5))   # one rank: the sum, halved
+    assert fast.run([x], 5.0) and len(seen) == 1 and fast.cached == 1     # the second call from the cache
+    x.add_(1.0)                                                             # in place: the version moves
+    assert fast.run([x], 5.0) and len(seen) == 2
+    assert not fast.run([torch.ones(2, dtype=torch.float16)], 5.0)          # prepare said no
+    assert not fast.run((x,), 5.0) and not fast.run([x, x], 5.0)            # one tensor, in a list
+    ex.add_outstanding(1)                                                   # something queued: not now
+    assert not fast.run([x], 5.0)
+    ex.add_outstanding(-1)
+    ex.acquire()                                                            # something running: not now
+    assert not fast.run([x], 5.0)
+    ex.release()
+    fast.disable()
+    assert not fast.run([x], 5.0)

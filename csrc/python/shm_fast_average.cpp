@@ -1,0 +1,122 @@
+// See Note [Small-message fast path] in ncclavg/comm/shm_fast.py. Written against the Python C API
+// because this is the only part of a call that Python would otherwise spend most of its time in: the
+// same checks as a Python closure cost about 0.7 us around a 0.36 us channel round; here about 0.2.
+#include "shm_fast_average.h"
+
+#include <exception>
+
+namespace ncclavg {
+namespace py_glue {
+
+namespace {
+// The object a weak reference points to (borrowed), or nullptr when it died.
+PyObject* referent(PyObject* weak) {
+#if PY_VERSION_HEX >= 0x030D0000
+  PyObject* obj = nullptr;
+  if (PyWeakref_GetRef(weak, &obj) <= 0) return nullptr;
+  Py_DECREF(obj);   // the cache's caller holds the tensor itself: borrowed is enough for a comparison
+  return obj;
+#else
+  PyObject* obj = PyWeakref_GetObject(weak);
+  return obj == Py_None ? nullptr : obj;
+#endif
+}
+
+// An integer attribute or method result of `obj`; false (and no Python error left) when there is none.
+bool int_of(PyObject* value, int64_t* out) {
+  if (value == nullptr) {
+    PyErr_Clear();
+    return false;
+  }
+  *out = PyLong_AsLongLong(value);
+  Py_DECREF(value);
+  if (*out == -1 && PyErr_Occurred()) {
+    PyErr_Clear();
+    return false;
+  }
+  return true;
+}
+}  // namespace
+
+bool ShmExec::acquire(bool blocking) {
+  if (try_lock()) return true;
+  if (!blocking) return false;
+  py::gil_scoped_release nogil;   // the holder may need the GIL to finish
+  std::unique_lock<std::mutex> guard(m_);
+  waiters_.fetch_add(1, std::memory_order_seq_cst);
+  cv_.wait(guard, [this] { return try_lock(); });
+  waiters_.fetch_sub(1, std::memory_order_seq_cst);
+  return true;
+}
+
+// seq_cst store, then the waiters' count: a waiter counts itself before it tests the lock, so one side
+// always sees the other and no wake-up is lost.
+void ShmExec::release() {
+  locked_.store(false, std::memory_order_seq_cst);
+  if (waiters_.load(std::memory_order_seq_cst) > 0) {
+    std::lock_guard<std::mutex> guard(m_);
+    cv_.notify_one();
+  }
+}
+
+ShmFastAverage::ShmFastAverage(cpu::ShmChannel* channel, ShmExec* exec, py::object prepare)
+    : channel_(channel), exec_(exec), prepare_(std::move(prepare)), name_version_(py::str("_version")),
+      name_data_ptr_(py::str("data_ptr")) {}
+
+const ShmFastAverage::Entry* ShmFastAverage::lookup(PyObject* t) {
+  for (auto it = entries_.rbegin(); it != entries_.rend(); ++it) {
+    if (referent(it->weak.ptr()) != t) continue;
+    int64_t version = 0, data = 0;
+    if (int_of(PyObject_GetAttr(t, name_version_.ptr()), &version) && version == it->version &&
+        int_of(PyObject_CallMethodNoArgs(t, name_data_ptr_.ptr()), &data) &&
+        static_cast<uintptr_t>(data) == it->data) {
+      return &*it;
+    }
+    entries_.erase(std::next(it).base());   // stale: resized, set_ to other memory, changed in place
+    return nullptr;
+  }
+  return nullptr;
+}
+
+bool ShmFastAverage::run(py::handle tensors, double timeout_s) {
+  if (!enabled_ || !PyList_CheckExact(tensors.ptr()) || PyList_GET_SIZE(tensors.ptr()) != 1) return false;
+  PyObject* t = PyList_GET_ITEM(tensors.ptr(), 0);
+  Entry scratch;
+  const Entry* e = lookup(t);
+  if (e == nullptr) {
+    py::object got = prepare_(py::handle(t));   // the general path's checks: they raise for bad input
+    if (got.is_none()) return false;
+    auto fields = got.cast<py::tuple>();
+    scratch = Entry{py::none(), 0, fields[0].cast<uintptr_t>(), fields[1].cast<int64_t>(), fields[2].cast<int>(),
+                    fields[3].cast<double>()};
+    PyObject* weak = PyWeakref_NewRef(t, nullptr);
+    if (weak != nullptr && int_of(PyObject_GetAttr(t, name_version_.ptr()), &scratch.version)) {
+      scratch.weak = py::reinterpret_steal<py::object>(weak);
+      if (entries_.size() >= 64) entries_.erase(entries_.begin());   // the oldest
+      entries_.push_back(scratch);
+      e = &entries_.back();
+    } else {   // not weakly referable, or an inference tensor (no version): run it, never cache it
+      Py_XDECREF(weak);
+      PyErr_Clear();
+      e = &scratch;
+    }
+  }
+  // Nothing may be queued on the channel or running: the general path then runs this call in order.
+  if (!exec_->try_lock()) return false;
+  if (exec_->outstanding() != 0) {
+    exec_->release();
+    return false;
+  }
+  try {
+    ReleaseGilWhenBlocking gil;
+    channel_->all_reduce_sum(e->data, e->count, e->type, timeout_s, 1.0, e->div);
+  } catch (...) {
+    exec_->release();
+    throw;
+  }
+  exec_->release();
+  return true;
+}
+
+}  // namespace py_glue
+}  // namespace ncclavg

@@ -1,0 +1,87 @@
+// The small-message fast path of the gloo backend's all_reduce_avg (Note [Small-message fast path] in
+// ncclavg/comm/shm_fast.py), in terms of Python objects: the part of the library that has to look at
+// a torch tensor without linking libtorch (its Python attributes only).
+#pragma once
+#include <pybind11/pybind11.h>
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <mutex>
+#include <vector>
+
+#include "../cpu/shm_channel.h"
+
+namespace ncclavg {
+namespace py_glue {
+
+namespace py = pybind11;
+
+// Holds the GIL through a channel call and gives it up only if the call starts to wait (see
+// cpu::ShmBlockingHook): an 8-byte all-reduce whose peers are ready costs no GIL hand-over.
+struct ReleaseGilWhenBlocking : cpu::ShmBlockingHook {
+  PyThreadState* saved = nullptr;
+  ReleaseGilWhenBlocking() { cpu::set_blocking_hook(this); }
+  ~ReleaseGilWhenBlocking() {
+    cpu::set_blocking_hook(nullptr);
+    if (saved != nullptr) PyEval_RestoreThread(saved);
+  }
+  void before_blocking() override { saved = PyEval_SaveThread(); }
+};
+
+// The order of one transport's collectives (ncclavg/comm/shm.py): a lock held while one runs, and the
+// count of those submitted and not yet done. Native, so that the fast path checks both in nanoseconds;
+// Python uses it like a threading.Lock (acquire, release, `with`), blocking without the GIL.
+class ShmExec {
+ public:
+  bool try_lock() {
+    bool expected = false;
+    return locked_.compare_exchange_strong(expected, true, std::memory_order_acquire);
+  }
+  bool acquire(bool blocking);
+  void release();
+  int outstanding() const { return outstanding_.load(std::memory_order_acquire); }
+  void add_outstanding(int delta) { outstanding_.fetch_add(delta, std::memory_order_acq_rel); }
+
+ private:
+  std::atomic<bool> locked_{false};
+  std::atomic<int> outstanding_{0};
+  std::atomic<int> waiters_{0};
+  std::mutex m_;
+  std::condition_variable cv_;
+};
+
+// comm.all_reduce_avg([t]) through `channel`, for tensors it has seen before. `prepare(t)` (Python:
+// the general path's checks) returns (data_ptr, numel, type code, divisor) or None for a tensor the
+// fast path must not take. Nothing may be outstanding on `exec` and its lock must be free, and the
+// communicator must not have disabled it (a failure or close()), else the call returns False and the
+// general path runs it in order (or says why it refuses).
+class ShmFastAverage {
+ public:
+  ShmFastAverage(cpu::ShmChannel* channel, ShmExec* exec, py::object prepare);
+  // True: done. False: the general path must run it. Raises what the channel raises.
+  bool run(py::handle tensors, double timeout_s);
+  void disable() { enabled_ = false; }
+  size_t cached() const { return entries_.size(); }
+
+ private:
+  struct Entry {
+    py::object weak;   // a weak reference to the tensor: alive and the same object, or stale
+    int64_t version;   // the tensor's version counter when it was prepared (in-place changes move it)
+    uintptr_t data;
+    int64_t count;
+    int type;
+    double div;
+  };
+  const Entry* lookup(PyObject* t);
+
+  cpu::ShmChannel* channel_;
+  ShmExec* exec_;
+  py::object prepare_;
+  py::object name_version_, name_data_ptr_;
+  bool enabled_ = true;
+  std::vector<Entry> entries_;   // the most recent tensors, newest last
+};
+
+}  // namespace py_glue
+}  // namespace ncclavg
