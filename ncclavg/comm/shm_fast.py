@@ -4,16 +4,20 @@ channel (gloo.py builds it; shm.py holds the channel).
 Note [Small-message fast path]
 An 8-byte all-reduce through the channel takes well under a microsecond; the general path around it
 (argument checks, a work object with an event, the transport's queue, the description of the call for
-errors) cost about 57 us. So a synchronous all_reduce_avg of one tower's tensor, on a communicator
-whose processes all share one channel, is one call into the core: a call prepared once per tensor
-(arguments checked by the same code as the general path, the division by the number of towers fused:
-Note [Division in the channel] in gloo.py) and cached under the tensor's identity, its version counter
-and its data pointer (an in-place resize or set_ bumps the version; a storage resized under it changes
-the pointer), run on the caller's thread with the call's timeout and the GIL held unless it has to wait
-(ShmBlockingHook). Nothing else is built; the call's description is written only for an error. It
-applies only when nothing is queued on the channel (the transport's lock is free and no work is
-outstanding); otherwise the general path runs it, in order. Either way the channel sees the same
-collective, so ranks may mix the two freely.
+errors) cost about 57 us, and the same checks written as a Python closure still 0.7 us. So a
+synchronous all_reduce_avg of one tower's tensor, on a communicator whose processes all share one
+channel, is one call into the core (_C.ShmFastAverage, csrc/python/shm_fast_average.cpp):
+- the first time it sees a tensor it asks `prepare` (below: the general path's own checks and errors,
+  the division by the number of towers fused: Note [Division in the channel] in gloo.py) and keeps the
+  answer under the tensor's identity (a weak reference), its version counter and its data pointer (an
+  in-place resize or set_ moves the version; a storage resized under it moves the pointer);
+- every call checks those three through the C API, takes the transport's native execution lock only if
+  it is free and nothing is outstanding (otherwise the general path runs the call, in order behind the
+  queued ones), and runs the channel's round with the GIL held unless it has to wait (ShmBlockingHook);
+- the communicator disables it when it fails or closes, so that the general path says why it refuses.
+Nothing else is built; the call's description is written only for an error. Either way the channel
+sees the same collective, so ranks may mix the two freely. Measured with 2 processes on 2 cores
+(bench/mpi_peer.py): 0.7-1.1 us per 8-byte call, MPICH's MPI_Allreduce 0.7-1.1 us in the same run.
 """
 from __future__ import annotations
 
