@@ -12,7 +12,19 @@ from .metrics import JsonlWriter, ProgressBar, plot_history
 
 
 class Callback:
-    """Override any of these; `record` is the dict that also goes to the metrics file."""
+    """Override any of these; `record` is the dict that also goes to the metrics file. `fit` ends with
+    exactly one of on_fit_end (it returned: the epochs ran out, max_steps, or stop_training) and
+    on_fit_error (it is raising).
+
+    Note [Callbacks when fit fails]
+    When a step, a loader or a callback raises, the trainer's state is whatever the failure left: a step
+    may have stopped between the gradient average and the master update, and a communicator that lost a
+    peer can run no collective. So a failing fit calls on_fit_error, never on_fit_end: the checkpoint
+    callback saves nothing then (saving is a collective, and a state of unknown consistency must not
+    become the newest checkpoint that an elastic restart resumes from: the last periodic one stands),
+    while the metrics file records the error and closes, and the bar closes. An exception that
+    on_fit_error raises is added to the training error as a note; the training error propagates.
+    """
 
     def on_fit_start(self, trainer: Any) -> None: ...
 
@@ -24,10 +36,13 @@ class Callback:
 
     def on_fit_end(self, trainer: Any, history: Sequence[dict]) -> None: ...
 
+    def on_fit_error(self, trainer: Any, error: BaseException) -> None: ...
+
 
 class MetricsLogger(Callback):
     """One JSON object per line: {"event": "step", ...} every `every` steps, {"event": "epoch", ...}
-    after each epoch (with the evaluation, when fit has an eval loader), {"event": "fit_end", ...}."""
+    after each epoch (with the evaluation, when fit has an eval loader), {"event": "fit_end", ...}, or
+    {"event": "fit_error", "error": ...} when fit raises."""
 
     def __init__(self, path: str | os.PathLike, every: int = 1, append: bool = False):
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
@@ -50,6 +65,13 @@ class MetricsLogger(Callback):
         self.writer.write({"event": "fit_end", "step": trainer.step, "epochs": len(history)})
         self.writer.close()
 
+    def on_fit_error(self, trainer: Any, error: BaseException) -> None:
+        try:
+            self.writer.write({"event": "fit_error", "step": trainer.step, "epochs": len(trainer.history),
+                               "error": f"{type(error).__name__}: {error}"})
+        finally:
+            self.writer.close()
+
 
 class ProgressCallback(Callback):
     def __init__(self, enabled: bool = True, stream: Any = None):
@@ -68,10 +90,14 @@ class ProgressCallback(Callback):
     def on_fit_end(self, trainer: Any, history: Sequence[dict]) -> None:
         self.bar.close()
 
+    def on_fit_error(self, trainer: Any, error: BaseException) -> None:
+        self.bar.close()
+
 
 class CheckpointCallback(Callback):
     """Saves `trainer.save(...)` into `directory` every `every_epochs` epochs and/or `every_steps`
-    steps, keeping the newest `keep` complete files, and once more at the end of fit."""
+    steps, keeping the newest `keep` complete files, and once more at the end of a fit that returns
+    (not of one that raises: Note [Callbacks when fit fails])."""
 
     def __init__(self, directory: str | os.PathLike, every_epochs: int | None = 1,
                  every_steps: int | None = None, keep: int = 2, prefix: str = "ckpt"):
@@ -103,7 +129,8 @@ class CheckpointCallback(Callback):
 
 class PlotCallback(Callback):
     """Writes the PNG of loss and accuracy per epoch at the end of fit (and after each epoch when
-    `every_epoch`, so an interrupted run still leaves a plot)."""
+    `every_epoch`, so an interrupted run still leaves a plot; a fit that raises also plots the epochs it
+    completed: the file is local and the history is final)."""
 
     def __init__(self, path: str | os.PathLike, title: str | None = None, every_epoch: bool = False):
         self.path = os.fspath(path)
@@ -117,6 +144,9 @@ class PlotCallback(Callback):
     def on_fit_end(self, trainer: Any, history: Sequence[dict]) -> None:
         if history:
             plot_history(history, self.path, self.title)
+
+    def on_fit_error(self, trainer: Any, error: BaseException) -> None:
+        self.on_fit_end(trainer, trainer.history)
 
 
 class EpochPrinter(Callback):

@@ -620,13 +620,24 @@ class TowerTrainer:
                 self.history.append(record)
                 for cb in callbacks:
                     cb.on_epoch_end(self, record)
-        finally:
-            self.last_fit = {"samples": fit_samples, "train_s": fit_train_s,
-                             "samples_per_s": fit_samples / fit_train_s if fit_train_s > 0 else 0.0,
-                             "wall_s": time.perf_counter() - t_fit}
+        except BaseException as error:   # See Note [Callbacks when fit fails] in callbacks.py
+            self._note_fit(fit_samples, fit_train_s, t_fit)
             for cb in callbacks:
-                cb.on_fit_end(self, self.history)
+                try:
+                    cb.on_fit_error(self, error)
+                except Exception as cb_error:   # the training error is the one to see; this one rides along
+                    error.add_note(f"while handling it, {type(cb).__name__}.on_fit_error raised "
+                                   f"{type(cb_error).__name__}: {cb_error}")
+            raise
+        self._note_fit(fit_samples, fit_train_s, t_fit)
+        for cb in callbacks:
+            cb.on_fit_end(self, self.history)
         return self.history
+
+    def _note_fit(self, samples: int, train_s: float, t_fit: float) -> None:
+        self.last_fit = {"samples": samples, "train_s": train_s,
+                         "samples_per_s": samples / train_s if train_s > 0 else 0.0,
+                         "wall_s": time.perf_counter() - t_fit}
 
     def _epoch_batches(self, loader: Iterable, nominal: Any) -> Iterable[tuple[Any, bool]]:
         """(batch, may it leave towers idle). Only the trailing remainder of an epoch may be smaller than

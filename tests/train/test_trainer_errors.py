@@ -1,11 +1,12 @@
 """Bad input to TowerTrainer: clear errors naming the argument, nothing written, the model untouched."""
+import json
 import os
 
 import pytest
 import torch
 from torch import nn
 
-from ncclavg.train.callbacks import CheckpointCallback, MetricsLogger, PlotCallback
+from ncclavg.train.callbacks import Callback, CheckpointCallback, MetricsLogger, PlotCallback
 from ncclavg.train.data import TensorLoader
 from ncclavg.train.models import build_model
 from ncclavg.train.trainer import TowerTrainer
@@ -147,3 +148,61 @@ def test_plain_iterable_with_small_batches_fails_before_any_step():
         # A short trailing remainder after full batches is fine (towers without a sample contribute 0).
         tr.fit([(x[:5], y[:5]), (x[5:10], y[5:10]), (x[10:], y[10:])], epochs=1)
         assert tr.step == 3
+
+
+class _Boom(Exception):
+    pass
+
+
+class _FailAt(Callback):
+    """Raises at one step; its on_fit_error raises too, which must not hide the first error."""
+
+    def __init__(self, step):
+        self.step, self.errors = step, []
+
+    def on_step_end(self, trainer, record):
+        if trainer.step == self.step:
+            raise _Boom(f"injected at step {self.step}")
+
+    def on_fit_error(self, trainer, error):
+        self.errors.append(error)
+        raise OSError("cleanup failed too")
+
+    def on_fit_end(self, trainer, history):
+        raise AssertionError("on_fit_end after a failed fit")
+
+
+def test_failing_fit_saves_no_checkpoint_and_records_the_error(tmp_path):
+    """Note [Callbacks when fit fails]: a fit that raises mid-epoch calls on_fit_error, not on_fit_end;
+    the checkpoint directory keeps only the periodic checkpoints (none at the failing step), the metrics
+    file ends with the error, and the training error propagates with a cleanup failure as a note."""
+    x, y = torch.randn(64, 1, 8, 8), torch.randint(0, 10, (64,))
+    loader = TensorLoader(x, y, batch_size=16, seed=0)   # 4 steps per epoch: the failure is at step 6
+    failer = _FailAt(6)
+    metrics = MetricsLogger(tmp_path / "m.jsonl")
+    with TowerTrainer(build_model("mlp", seed=0), devices=["cpu"] * 2) as tr:
+        with pytest.raises(_Boom, match="injected at step 6") as info:
+            tr.fit(loader, epochs=3, callbacks=[failer, metrics, CheckpointCallback(tmp_path / "ck", keep=5),
+                                                PlotCallback(tmp_path / "p.png")])
+        assert tr.step == 6 and tr.last_fit["samples"] == 6 * 16
+    assert failer.errors == [info.value]
+    assert any("_FailAt.on_fit_error raised OSError: cleanup failed too" in n for n in info.value.__notes__)
+    assert sorted(os.listdir(tmp_path / "ck")) == ["ckpt-000000004.ckpt"]   # epoch 1's; nothing at step 6
+    records = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
+    assert records[-1] == {"event": "fit_error", "step": 6, "epochs": 1, "error": "_Boom: injected at step 6"}
+    assert (tmp_path / "p.png").stat().st_size > 0   # the completed epoch is plotted
+
+
+def test_keyboard_interrupt_is_a_failed_fit(tmp_path):
+    """Ctrl-C inside fit is handled like any failure (BaseException): no end-of-fit checkpoint."""
+    class Interrupt(Callback):
+        def on_step_end(self, trainer, record):
+            if trainer.step == 2:
+                raise KeyboardInterrupt
+
+    x, y = torch.randn(32, 1, 8, 8), torch.randint(0, 10, (32,))
+    with TowerTrainer(build_model("mlp", seed=0), devices=["cpu"] * 2) as tr:
+        with pytest.raises(KeyboardInterrupt):
+            tr.fit(TensorLoader(x, y, batch_size=8, seed=0), epochs=2,
+                   callbacks=[Interrupt(), CheckpointCallback(tmp_path / "ck")])
+    assert not (tmp_path / "ck").exists()   # the directory is made by the first save
