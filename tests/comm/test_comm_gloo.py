@@ -8,7 +8,7 @@ from _dist_util import run_ranks
 
 
 @pytest.mark.parametrize("shm", ["auto", "0"])
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_gloo_collectives_and_averager_match_ddp(world, shm, monkeypatch):
     monkeypatch.setenv("NCCLAVG_SHM", shm)   # the spawned ranks inherit it
     run_ranks(_gloo_workers.collectives_and_ddp, world, timeout_s=180)
@@ -18,7 +18,8 @@ def test_gloo_collectives_and_averager_match_ddp(world, shm, monkeypatch):
 # between the hosts' leaders (Note [Several hosts] in ncclavg/comm/shm.py). Interleaved ranks check that
 # gathers come back in rank order; a host of one process has no channel; a 4 KiB slot makes every
 # bucket take several rounds per host.
-@pytest.mark.parametrize("layout,slot_kb", [((0, 0, 1, 1), "1024"), ((0, 1, 0, 1), "4"), ((0, 1, 1, 1), "1024")])
+@pytest.mark.parametrize("layout,slot_kb", [pytest.param((0, 0, 1, 1), "1024", marks=pytest.mark.slow), ((0, 1, 0, 1), "4"),
+                                            pytest.param((0, 1, 1, 1), "1024", marks=pytest.mark.slow)])
 def test_gloo_collectives_across_pretend_hosts(layout, slot_kb, monkeypatch):
     monkeypatch.setenv("NCCLAVG_SHM", "auto")
     monkeypatch.setenv("NCCLAVG_SHM_SLOT_KB", slot_kb)
@@ -32,7 +33,9 @@ def test_gloo_wait_times_out(shm, monkeypatch):
 
 
 @pytest.mark.parametrize("shm", ["auto", "0"])
-@pytest.mark.parametrize("op", ["all_reduce_avg", "reduce_scatter_avg", "all_gather", "broadcast_tensors"])
+# ~7 s each (a peer held back for seconds): all_reduce_avg in the quick suite, the other ops in the slow run
+@pytest.mark.parametrize("op", ["all_reduce_avg"] + [pytest.param(op, marks=pytest.mark.slow) for op in
+                                                    ("reduce_scatter_avg", "all_gather", "broadcast_tensors")])
 def test_a_calls_own_timeout_bounds_it(op, shm, monkeypatch):
     monkeypatch.setenv("NCCLAVG_SHM", shm)
     run_ranks(_gloo_workers.per_call_timeout_job, 2, args=(op,), timeout_s=60)

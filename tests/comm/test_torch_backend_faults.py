@@ -17,7 +17,7 @@ SLOW = pytest.mark.slow
 @pytest.mark.parametrize("world,victim,how,shm,mode", [
     (2, 1, "kill", "auto", "allreduce"),
     pytest.param(3, 0, "kill", "auto", "allreduce", marks=SLOW),   # rank 0 hosts the store: the channel names it
-    (2, 1, "stop", "auto", "allreduce"),
+    pytest.param(2, 1, "stop", "auto", "allreduce", marks=SLOW),
     pytest.param(3, 2, "kill", "0", "allreduce", marks=SLOW),
     pytest.param(2, 1, "stop", "0", "allreduce", marks=SLOW),
     (2, 1, "kill", "auto", "ddp"),
@@ -44,6 +44,7 @@ def test_lost_peer_is_named_within_the_timeout(tmp_path, monkeypatch, world, vic
         assert "BackendError" in rep["later"] and "earlier collective failed" in rep["later"], rep
 
 
+@SLOW
 def test_each_group_keeps_its_own_timeout_on_a_shared_channel(tmp_path):
     from _dist_util import run_ranks
 

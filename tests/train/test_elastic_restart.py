@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 from _paths import ROOT, TESTS
 
@@ -27,6 +28,7 @@ def _torchrun(cwd, *launcher, env):
     return subprocess.run(cmd, capture_output=True, text=True, cwd=cwd, env=env, timeout=400)
 
 
+@pytest.mark.slow
 def test_killed_worker_restarts_from_checkpoint_bit_for_bit(tmp_path):
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()

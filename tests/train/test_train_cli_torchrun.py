@@ -57,6 +57,7 @@ def test_two_processes_of_two_towers_print_once_and_learn(tmp_path):
     assert (tmp_path / "m.jsonl").exists()
 
 
+@pytest.mark.slow
 def test_resume_onto_other_shapes_and_back(tmp_path):
     """1 x 4 for two epochs, then 2 x 2 and 4 x 1 from that checkpoint, and 1 x 4 again from the 2 x 2
     one: every run continues at the step reached. The same shape resumed is bit for bit the uninterrupted
@@ -103,6 +104,7 @@ def test_batch_smaller_than_all_towers_is_refused(tmp_path):
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not available")
 
 
+@pytest.mark.slow
 def test_shard_master_run_matches_unsharded_and_resumes(tmp_path):
     """--shard-master (Note [Sharded CPU master]) says so in the header and takes the unsharded run's steps:
     its weights are as far from the unsharded 2 x 2 run as that is from 1 x 4 (another equally valid

@@ -34,8 +34,10 @@ CASES = ([((2, 2), opt, master, False) for opt in OPTIMIZERS for master in ("cpu
          [((2, 2), opt, "cpu", True) for opt in OPTIMIZERS] + [((1, 3), "adamw", "cpu", True)])
 
 
-@pytest.mark.parametrize("counts,opt_name,master,shard", CASES,
-                         ids=["x".join(map(str, c)) + f"-{o}-{m}" + ("-sharded" if sh else "") for c, o, m, sh in CASES])
+# 4 processes on 2 cores (the 1x1x1x1 shapes) run in the slow suite.
+@pytest.mark.parametrize("counts,opt_name,master,shard", [
+    pytest.param(*case, id="x".join(map(str, case[0])) + f"-{case[1]}-{case[2]}" + ("-sharded" if case[3] else ""),
+                 marks=[pytest.mark.slow] if len(case[0]) == 4 else []) for case in CASES])
 def test_processes_x_towers_equal_one_process(tmp_path, counts, opt_name, master, shard):
     """Master weights within two fp32 noise floors of plain full-batch training (Note [Tolerance of
     training equivalence tests]); replicas and the processes' master copies identical bit for bit (checked

@@ -97,7 +97,7 @@ def stop(procs):
 # 2 hosts x 1 process x 2 towers: torch.distributed between the processes ("gloo"); 2 hosts x 2
 # processes x 1 tower: a shared-memory channel within each host, torch.distributed between the hosts'
 # leaders ("shm+gloo", Note [Several hosts] in ncclavg/comm/shm.py). Either way 4 towers in all.
-@pytest.mark.parametrize("nproc,towers,transport", [(1, "2", "gloo"), (2, "1", "shm+gloo")])
+@pytest.mark.parametrize("nproc,towers,transport", [pytest.param(1, "2", "gloo", marks=pytest.mark.slow), (2, "1", "shm+gloo")])
 def test_two_hosts_take_the_steps_of_one_process_of_four(hosts, tmp_path, nproc, towers, transport):
     # Each host runs in a folder of its own (its disk): rank 0 alone writes the checkpoints.
     cwds = [tmp_path / f"host{k}" for k in (0, 1)]
@@ -137,6 +137,7 @@ def test_two_hosts_take_the_steps_of_one_process_of_four(hosts, tmp_path, nproc,
     assert dist <= 2 * floor, f"relative distance {dist:.3e} > 2 x the noise floor {floor:.3e}"
 
 
+@pytest.mark.slow
 def test_losing_the_second_host_ends_the_first_with_an_error_within_the_timeout(hosts, tmp_path):
     timeout_s = 10   # NCCLAVG_TIMEOUT: the communicators' bound on any collective
     # Host 0's worker learns of the loss at its next collective: at once when the kernel resets the dead
@@ -174,6 +175,7 @@ def test_losing_the_second_host_ends_the_first_with_an_error_within_the_timeout(
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not available")
 
 
+@pytest.mark.slow
 def test_hosts_that_find_different_checkpoints_refuse_to_start(hosts, tmp_path):
     """No shared file system: each host's `ck` holds another run's checkpoint (host 0 one after epoch 2,
     host 1 one after epoch 1). Resuming from them would train on with two optimizer states; every
