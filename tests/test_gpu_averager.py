@@ -264,7 +264,7 @@ def assert_local_mean(out, xs, dtype, what):
                               f"{float(out.flatten()[bad[0]])} vs {float(ref.flatten()[bad[0]])}")
 
 
-@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("n", [2, 3, 4])   # 3: a divisor whose reciprocal is inexact
 @pytest.mark.parametrize("dtype", TORCH_DTYPES)
 def test_local_backend_on_one_gpu_collectives(n, dtype):
     import torch
@@ -305,6 +305,12 @@ def test_local_backend_on_one_gpu_collectives(n, dtype):
     full = [torch.empty(shard * n, dtype=dt, device="cuda:0") for _ in range(n)]
     comm.all_gather(outs, full)
     assert all(torch.equal(f.cpu(), mean) for f in full)
+    # random inputs: the reduce-scatter divides (not multiplies by 1/n) on the GPU too, so it equals the CPU path
+    xs = [(torch.randn(shard * n, generator=gen) * 10).to(dt) for _ in range(n)]
+    cpu_outs = [torch.empty(shard, dtype=dt) for _ in range(n)]
+    cpu.reduce_scatter_avg(xs, cpu_outs)
+    comm.reduce_scatter_avg([x.to("cuda:0") for x in xs], outs)
+    assert all(torch.equal(o.cpu(), c) for o, c in zip(outs, cpu_outs)), dtype
     comm.close()
     cpu.close()
 

@@ -238,7 +238,9 @@ class LocalCommunicator(Communicator):
             acc = inputs[0].reshape(-1)[t * shard:(t + 1) * shard].to(torch.float32, copy=True)
             for k in range(1, self.size):
                 acc += inputs[k].reshape(-1)[t * shard:(t + 1) * shard]
-            out.view(-1).copy_(acc.div_(self.size))
+            # A 0-dim tensor on acc's device: with a Python number, CUDA's true-divide kernel multiplies
+            # by the reciprocal (up to 1 ulp from _C.average_ for n = 3, 5, 6, 7); a tensor divides.
+            out.view(-1).copy_(acc.div_(torch.full((), float(self.size), dtype=torch.float32, device=acc.device)))
 
     def all_gather(self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], *,
                    tag: Optional[str] = None, debug_key: Optional[Sequence[int]] = None,

@@ -114,6 +114,7 @@ class GpuOffloadEngine:
         self.copy_streams = [torch.cuda.Stream(device=d) for d in self.devices]
         self._todo: queue.Queue = queue.Queue()
         self._staged: queue.Queue = queue.Queue()
+        self._broken: str | None = None   # See Note [A failed CPU master step]
         self._worker = threading.Thread(target=self._worker_loop, name="ncclavg-cpu-master", daemon=True)
         self._worker.start()
 
@@ -164,6 +165,16 @@ class GpuOffloadEngine:
 
     def step(self, lr: float, loss_scale: float | None, max_grad_norm: float | None,
              times: StepTimes) -> dict:
+        """Note [A failed CPU master step]
+        The worker steps the buckets one after another while the main thread all-gathers the finished
+        ones. When one bucket fails (a timeout, an error in the update), the buckets before it are
+        updated and the ones after it are not, and the worker still holds queued work that it would
+        hand to the NEXT step's loop as if it were that step's. Nothing can be repaired from there, so
+        the engine is broken for good: the worker discards what is left, and every later step raises
+        naming the first failure (load a checkpoint into a new trainer to go on)."""
+        if self._broken is not None:
+            raise RuntimeError(f"the CPU master pipeline failed in an earlier step ({self._broken}); its "
+                               "master weights are partly updated: build a new trainer from the last checkpoint")
         nb = len(self.plan.buckets)
         with times.phase("reduce"):
             for b in range(nb):
@@ -202,9 +213,11 @@ class GpuOffloadEngine:
                     msg = (f"CPU master step: bucket {len(done)} of {nb} ({self.plan.buckets[len(done)].nbytes} "
                            f"bytes) was not staged within {self.comm.timeout:g} s (reduce-scatter, device-to-host "
                            "copy or the CPU update did not complete)")
+                    self._broken = msg
                     self.comm.abort(msg)
                     raise CommTimeoutError(msg + "; the communicator was aborted") from None
                 if isinstance(item, BaseException):
+                    self._broken = f"bucket {len(done)} of {nb}: {type(item).__name__}: {item}"
                     raise item
                 b, h2d_events, opt_s = item
                 done.append(b)
@@ -217,10 +230,13 @@ class GpuOffloadEngine:
     def _worker_loop(self) -> None:
         import time
 
+        failed = False
         while True:
             item = self._todo.get()
             if item is None:
                 return
+            if failed or self._broken is not None:   # See Note [A failed CPU master step]
+                continue
             try:
                 b, events, loss_scale, max_grad_norm, norm = item
                 for ev in events:
@@ -244,6 +260,7 @@ class GpuOffloadEngine:
                     h2d.append(ev)
                 self._staged.put((b, h2d, opt_s))
             except BaseException as e:  # hand the error to the main thread, which re-raises it
+                failed = True
                 self._staged.put(e)
 
     # ------------------------------------------------------------------ state

@@ -232,3 +232,32 @@ def test_train_cli_two_towers_on_one_gpu(capsys):
     # the default digits demo, as test_gpu_train_cli_defaults_to_all_gpus: >= 0.95 on the held-out fifth
     assert float(m.group(1)) >= 0.95
     assert int(m.group(2)) == 2 and m.group(3) == f"{gpu},{gpu}"
+
+
+def test_a_failed_cpu_master_step_breaks_the_pipeline_for_good():
+    """Note [A failed CPU master step]: a bucket's update that raises ends the step with that error, and
+    the next step raises naming it instead of consuming the failed step's leftover work."""
+    import torch
+
+    from ncclavg.train.models import build_model
+    from ncclavg.train.trainer import TowerTrainer
+
+    gpu = one_gpu()
+    x, y = torch.randn(16, 1, 8, 8), torch.randint(0, 10, (16,))
+    with TowerTrainer(build_model("mlp", seed=0), devices=[gpu] * 2, master="cpu", bucket_cap_mb=0.01) as tr:
+        tr.train_step((x, y))
+        engine = tr.engine   # the GpuOffloadEngine (master="cpu" on CUDA towers)
+        assert len(engine.plan.buckets) >= 3, "the MLP must span several buckets"
+        real = engine.master.step
+
+        def fail_second_bucket(*args, bucket, **kwargs):
+            if bucket == 1:
+                raise OSError("injected in bucket 1")
+            return real(*args, bucket=bucket, **kwargs)
+
+        engine.master.step = fail_second_bucket
+        with pytest.raises(OSError, match="injected in bucket 1"):
+            tr.train_step((x, y))
+        engine.master.step = real
+        with pytest.raises(RuntimeError, match=r"failed in an earlier step \(bucket 1 of \d+: OSError: injected"):
+            tr.train_step((x, y))
