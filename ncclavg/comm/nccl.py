@@ -200,20 +200,38 @@ class _NcclWork(Work):
     """A collective enqueued on the core's comm streams. wait() blocks the host until it completed
     (bounded; the core aborts the communicator on timeout) and orders the callers' streams after it.
     Nothing waits at issue time, so compute (e.g. the rest of backward) overlaps the collective.
-    See Note [A Work keeps its tensors alive]."""
+    See Note [A Work keeps its tensors alive] and Note [Which streams a Work orders].
+
+    Note [Which streams a Work orders]
+    The core numbers the collectives it enqueues from 1; an empty one enqueues nothing and returns 0,
+    which the core's wait/stream_wait read as "everything so far" / "the last enqueued". So a Work
+    of seq 0 is complete at once and orders nothing (it must not wait for other threads' buckets).
+    wait() and wait_stream() order the streams that are current when they are called (like
+    torch.distributed's Work.wait: the consumer may be another thread or stream than the one that
+    issued, e.g. the averager unpacks on the caller's stream what a hook thread issued), and also the
+    streams current at issue when those differ: the tensors were allocated there, and the caching
+    allocator may hand their memory to new work on those streams once the Work lets them go."""
 
     def __init__(self, comm: "NcclCommunicator", seq: Any, streams: list, default_timeout: float,
                  tensors: Sequence[Any] = ()):
         self._comm = comm
-        self._seq = int(seq) if isinstance(seq, int) else 0   # 0: "everything enqueued so far"
+        self._seq = int(seq) if isinstance(seq, int) else 0   # 0: nothing was enqueued
         self._streams = streams
         self._timeout = default_timeout
-        self._tensors: Optional[tuple] = tuple(tensors)   # released once the collective is safe to forget
+        self._tensors: Optional[tuple] = tuple(tensors) if self._seq else None   # kept until safe to forget
+
+    def _order_streams(self) -> None:
+        current = self._comm._streams()
+        self._comm._call(self._comm._handle.stream_wait, current, self._seq)
+        if list(current) != list(self._streams):
+            self._comm._call(self._comm._handle.stream_wait, self._streams, self._seq)
 
     def wait(self, timeout: Optional[float] = None) -> None:
         t = check_timeout(timeout) if timeout is not None else self._timeout
+        if not self._seq:
+            return
         self._comm._call(self._comm._handle.wait, t, self._seq)
-        self._comm._call(self._comm._handle.stream_wait, self._streams, self._seq)
+        self._order_streams()
         self._tensors = None   # the callers' streams now run after the collective
 
     def wait_stream(self) -> None:
@@ -221,10 +239,12 @@ class _NcclWork(Work):
         the host: See Note [Stream-ordered average] in ncclavg/averager.py. Failures of the collective
         surface at the next host wait (wait(), done(), or a later collective's)."""
         if self._seq:
-            self._comm._call(self._comm._handle.stream_wait, self._streams, self._seq)
+            self._order_streams()
         self._tensors = None   # later work on those streams, new allocations included, runs after it
 
     def done(self) -> bool:
+        if not self._seq:
+            return True
         finished = bool(self._comm._call(self._comm._handle.done, self._seq))
         if finished:
             self._tensors = None   # NCCL no longer touches them
@@ -327,6 +347,12 @@ class NcclCommunicator(Communicator):
     def _streams(self) -> list:
         return [int(torch.cuda.current_stream(d).cuda_stream) for d in self._device_ids]
 
+    def _order_after(self, streams: list, seq: Any) -> None:
+        """Orders `streams` after collective `seq` only (never "the last enqueued", which may be another
+        thread's later bucket); seq 0: nothing was enqueued. See Note [Which streams a Work orders]."""
+        if isinstance(seq, int) and seq:
+            self._call(self._handle.stream_wait, streams, seq)
+
     def _enqueue_all_reduce(self, tensors: Any, tag: Optional[str], debug_key: Any) -> tuple:
         tensors, bufs = self._checked_buffers(tensors, "tensors")
         self._debug_check("all_reduce_avg", tensors[0], debug_key, self.timeout)
@@ -345,8 +371,8 @@ class NcclCommunicator(Communicator):
         # Stream-ordered like torch's collectives: the callers' streams wait for the result on the device.
         # The host does not wait here; a later Work.wait / close() bounds the time to completion.
         self._timeout_arg(timeout)
-        _, streams, _ = self._enqueue_all_reduce(tensors, tag, debug_key)
-        self._call(self._handle.stream_wait, streams)   # See Note [A Work keeps its tensors alive]
+        seq, streams, _ = self._enqueue_all_reduce(tensors, tag, debug_key)
+        self._order_after(streams, seq)   # See Note [A Work keeps its tensors alive]
 
     def reduce_scatter_avg(self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], *,
                            tag: Optional[str] = None, debug_key: Optional[Sequence[int]] = None,
@@ -355,9 +381,9 @@ class NcclCommunicator(Communicator):
         limit = self._timeout_arg(timeout)
         self._debug_check("reduce_scatter_avg", inputs[0], debug_key, limit)
         streams = self._streams()
-        self._call(self._handle.reduce_scatter_avg, as_buffers(inputs, "inputs"), as_buffers(outputs, "outputs"),
-                   streams, self.predivide, limit, tag or "")
-        self._call(self._handle.stream_wait, streams)
+        seq = self._call(self._handle.reduce_scatter_avg, as_buffers(inputs, "inputs"), as_buffers(outputs, "outputs"),
+                         streams, self.predivide, limit, tag or "")
+        self._order_after(streams, seq)
 
     def all_gather(self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], *,
                    tag: Optional[str] = None, debug_key: Optional[Sequence[int]] = None,
@@ -366,9 +392,9 @@ class NcclCommunicator(Communicator):
         limit = self._timeout_arg(timeout)
         self._debug_check("all_gather", inputs[0], debug_key, limit)
         streams = self._streams()
-        self._call(self._handle.all_gather, as_buffers(inputs, "inputs"), as_buffers(outputs, "outputs"), streams,
-                   limit, tag or "")
-        self._call(self._handle.stream_wait, streams)
+        seq = self._call(self._handle.all_gather, as_buffers(inputs, "inputs"), as_buffers(outputs, "outputs"),
+                         streams, limit, tag or "")
+        self._order_after(streams, seq)
 
     def wait(self, timeout: Optional[float] = None) -> None:
         """Host waits (bounded) for every collective enqueued so far."""
@@ -401,7 +427,7 @@ class NcclCommunicator(Communicator):
         seq = self._call(self._handle.all_gather, as_buffers(mine, "record"), as_buffers(rows, "rows"), streams,
                          timeout, "NCCLAVG_DEBUG sequence check")
         self._call(self._handle.wait, timeout, seq)
-        self._call(self._handle.stream_wait, streams)
+        self._order_after(streams, seq)
         firsts = [sum(self.tower_counts[:p]) for p in range(self.world_size)]
         return rows[0].cpu().view(self.size, record.numel())[firsts]
 

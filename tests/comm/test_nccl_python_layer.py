@@ -35,14 +35,31 @@ class FakeHandle:
 
     def reduce_scatter_avg(self, inputs, outputs, streams, predivide, timeout, tag):
         self.calls.append(("reduce_scatter_avg", predivide, timeout, tag))
+        return self.seq
+
+    def all_gather(self, inputs, outputs, streams, timeout, tag):
+        self.calls.append(("all_gather", timeout, tag))
+        return self.seq
+
+    def all_reduce_avg(self, bufs, streams, predivide, timeout, tag):
+        self.calls.append(("all_reduce_avg", predivide, timeout, tag))
+        return self.seq
+
+    seq = 7   # what the enqueueing calls return (0: an empty collective, nothing enqueued)
 
 
 class FakeComm:
-    def __init__(self):
+    """`current` is what torch.cuda.current_stream would say now, per device."""
+
+    def __init__(self, current=(123,)):
         self._handle = FakeHandle()
+        self.current = list(current)
 
     def _call(self, fn, *args):
         return fn(*args)
+
+    def _streams(self):
+        return list(self.current)
 
 
 def work_with_a_dropped_tensor(comm):
@@ -160,3 +177,46 @@ def test_repeated_device_error_names_the_entry_and_the_rule(monkeypatch):
     nccl_backend._check_repeated_devices([0, 0], {VAR: "1"})      # allowed: one rank per tower
     with pytest.raises(ValueError, match=VAR):
         nccl_backend._check_repeated_devices([0, 0], {})
+
+
+def test_wait_orders_the_streams_current_at_wait_and_at_issue():
+    """Note [Which streams a Work orders]: issued from one stream (a hook thread's), waited on another."""
+    comm = FakeComm(current=[555])
+    work, ref = work_with_a_dropped_tensor(comm)   # issued with streams [123]
+    work.wait()
+    assert comm._handle.calls == [("wait", 30.0, 7), ("stream_wait", [555], 7), ("stream_wait", [123], 7)]
+    comm2 = FakeComm(current=[555])
+    work2, _ = work_with_a_dropped_tensor(comm2)
+    work2.wait_stream()
+    assert comm2._handle.calls == [("stream_wait", [555], 7), ("stream_wait", [123], 7)]
+
+
+def test_an_empty_collectives_work_is_complete_and_waits_for_nothing():
+    """seq 0 (nothing enqueued) must not mean "every collective so far" to the core's wait."""
+    comm = FakeComm()
+    work = _NcclWork(comm, 0, [123], 30.0, [torch.ones(0)])
+    assert work.done() is True
+    work.wait()
+    work.wait_stream()
+    del work
+    gc.collect()
+    assert comm._handle.calls == []
+
+
+@pytest.mark.parametrize("seq", [0, 9])
+def test_synchronous_collectives_order_after_their_own_collective(monkeypatch, seq):
+    """Not after "the last enqueued" (seq 0 to the core), which may be another thread's later bucket."""
+    monkeypatch.setattr(NcclCommunicator, "_check_scatter_args", lambda self, i, o: (list(i), list(o)))
+    monkeypatch.setattr(NcclCommunicator, "_check_gather_args", lambda self, i, o: (list(i), list(o)))
+    monkeypatch.setattr(NcclCommunicator, "_checked_buffers", lambda self, t, name: (list(t), list(t)))
+    monkeypatch.setattr(NcclCommunicator, "_streams", lambda self: [42])
+    monkeypatch.setattr(nccl_backend, "as_buffers", lambda tensors, name: list(tensors))
+    handle = FakeHandle()
+    handle.seq = seq
+    comm = NcclCommunicator(handle, [0], rank=0, world_size=1, size=2, timeout=9.0, predivide=False)
+    comm.debug = False
+    comm.reduce_scatter_avg([torch.zeros(4)], [torch.zeros(2)])
+    comm.all_gather([torch.zeros(2)], [torch.zeros(4)])
+    comm.all_reduce_avg([torch.zeros(4)])
+    waits = [c for c in handle.calls if c[0] == "stream_wait"]
+    assert waits == ([("stream_wait", [42], seq)] * 3 if seq else []), handle.calls
