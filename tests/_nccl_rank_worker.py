@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 import sys
 import time
 import traceback
@@ -50,7 +52,8 @@ def _check_mean(failures, n, got, want, absmax, dtype, what, exact):
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--mode", required=True,
-                   choices=["collectives", "hang", "never_joins", "towers", "no_context", "process_towers"])
+                   choices=["collectives", "hang", "never_joins", "dies_before_first", "towers", "no_context",
+                            "process_towers"])
     p.add_argument("--uid", default="", help="hex of the 128-byte unique id")
     p.add_argument("--nranks", type=int, default=1)
     p.add_argument("--rank", type=int, default=0)
@@ -133,6 +136,23 @@ def run(a, out):
             out["failures"].append("a call after the abort did not raise")
         except ncclavg.NcclError as e:
             out["after_abort"] = str(e)
+        return
+
+    if a.mode == "dies_before_first":   # See Note [Connections inside the bounded init] in comm_init.cpp
+        out["mode_reason"] = comm.collective_mode_reason
+        if a.rank != 0:
+            print(json.dumps({"rank": a.rank, "ok": True, "failures": []}), flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)   # lost after init, before any collective
+        time.sleep(2.0)
+        t = torch.ones(1 << 20, device=dev)
+        t0 = time.monotonic()
+        try:
+            comm.all_reduce_avg(as_buffers([t]), stream, timeout_s=5.0, tag="first bucket")
+            comm.wait(5.0)
+            out["failures"].append("the first collective of a rank whose peer died completed")
+        except (ncclavg.CommTimeoutError, ncclavg.NcclError) as e:
+            out["message"] = str(e)
+        out["elapsed"] = time.monotonic() - t0
         return
 
     sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))

@@ -69,6 +69,7 @@ constexpr int kPreMulSum = version_code(2, 11, 0);       // ncclRedOpCreatePreMu
 constexpr int kLastError = version_code(2, 13, 0);       // ncclGetLastError
 constexpr int kNonBlocking = version_code(2, 14, 0);     // ncclCommInitRankConfig, config.blocking = 0
 constexpr int kCommSplit = version_code(2, 18, 0);       // ncclCommSplit (a blocking child of a non-blocking comm)
+constexpr int kRuntimeConnect = version_code(2, 22, 0);  // lazy connections (NCCL_RUNTIME_CONNECT, default 1)
 constexpr int kMultiRankPerGpu = version_code(2, 30, 0); // several ranks on one GPU (NCCL_MULTI_RANK_GPU_ENABLE)
 }  // namespace since
 

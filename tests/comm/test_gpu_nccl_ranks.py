@@ -143,6 +143,32 @@ def test_collective_that_a_peer_never_joins_times_out():
     assert res["aborted"] and "communicator was aborted after" in res["after_abort"]
 
 
+def test_peer_lost_before_the_first_collective_is_an_error_not_a_hang():
+    """Note [Connections inside the bounded init] (comm_init.cpp): with connections made during init, the
+    first collective after a peer died is enqueued and then times out, instead of hanging in a blocking
+    ncclGroupEnd that connects to a dead peer."""
+    require_nccl_comm()
+    import torch
+
+    if torch.cuda.device_count() >= 2:
+        devices, shared = [0, 1], False
+    else:
+        require_multi_rank_gpu()
+        devices, shared = [0, 0], True
+    uid = _ext.nccl_unique_id()
+    procs = [spawn("dies_before_first", 2, r, d, uid, timeout=60.0, shared_gpu=shared) for r, d in enumerate(devices)]
+    try:
+        res = result(procs[0], 120)
+    finally:
+        procs[1].kill()
+        procs[1].communicate()
+    assert res["ok"], res["failures"]
+    assert res["elapsed"] < 5.0 + 10.0, res
+    assert "first bucket" in res["message"], res["message"]
+    if "blocking" in res["mode_reason"] or "ncclCommSplit" in res["mode_reason"]:
+        assert "NCCL_RUNTIME_CONNECT" in res["mode_reason"] or nccl_version() < (2, 22, 0), res["mode_reason"]
+
+
 @pytest.mark.parametrize("counts", [(1, 1), (2, 2), (1, 2)], ids=["1+1", "2+2", "1+2"])
 def test_towers_of_several_processes(counts):
     # Communicator.from_torch_distributed(devices=[...]) in 2 processes: ONE NCCL communicator over every
