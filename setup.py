@@ -113,6 +113,14 @@ def find_pypi_cuda():
         "without isolation install it first: pip install " + " ".join(f"'{r}'" for r in pypi_toolkit_requirements(major)))
 
 
+def pypi_nvcc_version():
+    try:
+        from importlib.metadata import version
+        return version("nvidia-cuda-nvcc")
+    except Exception:  # not installed as a distribution (a bare tree on sys.path)
+        return "?"
+
+
 def cuda_lib_dir(home):
     for sub in ("lib64", "lib", "targets/x86_64-linux/lib", "targets/sbsa-linux/lib"):
         if (Path(home) / sub / "libcudart_static.a").exists():
@@ -231,7 +239,10 @@ class BuildExt(build_ext):
         cuda, why_not = decide_cuda()
         mode = os.environ.get("NCCLAVG_CUDA", "auto").strip().lower()
         if cuda:
-            decision = (f"ncclavg build: CUDA=yes (nvcc {nvcc_version(cuda['nvcc'])} at {cuda['home']}, "
+            where = f"at {cuda['home']}"
+            if mode == "pypi":  # a temporary build environment: name the wheel, not the path
+                where = f"from PyPI (nvidia-cuda-nvcc {pypi_nvcc_version()} in the build environment)"
+            decision = (f"ncclavg build: CUDA=yes (nvcc {nvcc_version(cuda['nvcc'])} {where}, "
                         f"archs {';'.join(cuda['archs'])} + PTX {cuda['archs'][-1]}, cudart static)")
             print(decision, flush=True)
         else:
@@ -306,8 +317,9 @@ class BuildExt(build_ext):
         if r.returncode != 0:
             raise BuildError(f"ncclavg build: linking failed:\n{' '.join(cmd)}\n{r.stdout}{r.stderr}")
         # What `ncclavg info` reports about how this core was built (why CPU-only, which toolkit).
+        pypi = bool(cuda) and "nvidia" in Path(cuda["home"]).parts
         record = {"mode": mode, "cuda": bool(cuda), "decision": decision, "reason": why_not or "",
-                  "cuda_home": cuda["home"] if cuda else "", "pypi_toolkit": bool(cuda) and "nvidia" in Path(cuda["home"]).parts}
+                  "cuda_home": cuda["home"] if cuda and not pypi else "", "pypi_toolkit": pypi}
         (out.parent / "_build.json").write_text(json.dumps(record, indent=1) + "\n")
 
 
