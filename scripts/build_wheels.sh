@@ -145,7 +145,7 @@ for variant in $VARIANTS; do
   for v in $PYTHONS; do
     py=$(find_python "$v") || { echo "build_wheels.sh: no python$v found (PATH, pyenv)" >&2; exit 2; }
     venv="$CACHE/py/cp${v/./}"
-    [ -x "$venv/bin/pip" ] || { "$py" -m venv "$venv" && "$venv/bin/pip" install -q --upgrade pip; }
+    [ -x "$venv/bin/pip" ] || { "$py" -m venv "$venv" && "$venv/bin/pip" install -q --upgrade pip > /dev/null 2>&1; }
     say "$dist for CPython $v: pip wheel (build isolation, ${envs[*]})"
     t1=$SECONDS
     # PATH: the sysroot's compiler wrappers first, no system CUDA.
