@@ -165,8 +165,9 @@ ncclavg build: NOTE: this build is CPU-only, because {why}.
   For the CUDA part, either
     - install a binary wheel that has it: pip install ncclavg-cu13
     - or build from source with NVIDIA's CUDA toolkit from PyPI (no system toolkit needed):
-        NCCLAVG_CUDA=pypi pip install ncclavg     (or `pip install .` in a checkout)
-      or with a system toolkit: NCCLAVG_CUDA=1 CUDA_HOME=/path/to/cuda pip install ncclavg
+        NCCLAVG_CUDA=pypi pip install --no-cache-dir --force-reinstall ncclavg   (or `pip install .` in a checkout)
+      or with a system toolkit: NCCLAVG_CUDA=1 CUDA_HOME=/path/to/cuda pip install ...
+      (--no-cache-dir: pip would otherwise reuse the CPU-only wheel it built and cached from the sdist)
   NCCLAVG_CUDA=0 builds CPU-only without this note."""
 
 

@@ -46,7 +46,7 @@ def nvidia_driver_evidence() -> str:
 
 CPU_ONLY_HINT = ("this machine has an NVIDIA driver ({evidence}) but this ncclavg has no CUDA part: install a "
                  "wheel with it (pip install ncclavg-cu13), or rebuild from source with the CUDA toolkit from "
-                 "PyPI (NCCLAVG_CUDA=pypi pip install --force-reinstall --no-deps ncclavg) or with a system "
+                 "PyPI (NCCLAVG_CUDA=pypi pip install --no-cache-dir --force-reinstall --no-deps ncclavg) or with a system "
                  "toolkit (NCCLAVG_CUDA=1 CUDA_HOME=/path/to/cuda pip install ...); see docs/building.md")
 
 

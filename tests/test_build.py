@@ -46,7 +46,7 @@ def test_cpu_only_auto_build_says_why_and_the_ways_out(tmp_path):
     assert "pip install ncclavg-cu13" in out and "NCCLAVG_CUDA=pypi" in out
 
 
-def test_cpu_only_note_reaches_the_terminal_through_pip_capture(tmp_path):
+def test_cpu_only_note_reaches_the_terminal_when_output_is_captured(tmp_path):
     # pip pipes the build's output into its log; the note also goes to the controlling terminal.
     # `script` gives the build a terminal while its stdout and stderr go to a file, as under pip.
     from shutil import which
@@ -98,7 +98,8 @@ def test_backend_refuses_cuda12_from_pypi_saying_why(monkeypatch):
 
 
 def test_pypi_mode_without_the_toolkit_names_what_to_install(tmp_path):
-    r = _build(tmp_path, NCCLAVG_CUDA="pypi", PYTHONNOUSERSITE="1")
+    # A bad flag stops the build at its first compile if this environment has the toolkit after all.
+    r = _build(tmp_path, NCCLAVG_CUDA="pypi", PYTHONNOUSERSITE="1", NCCLAVG_CXXFLAGS="-fno-such-flag")
     out = r.stdout + r.stderr
     if "CUDA=yes" in out:
         pytest.skip("the PyPI toolkit is installed in this environment")
