@@ -162,7 +162,11 @@ std::unique_ptr<NcclComm> NcclComm::create(const std::vector<int>& devices, int 
     auto dev = std::make_unique<Device>();
     dev->device = d;
     cuda::DeviceGuard guard(d);
-    NCCLAVG_CUDA_CHECK(cudaStreamCreateWithFlags(&dev->stream, cudaStreamNonBlocking));
+    // The highest priority the device offers (DDP's comm streams do the same): a bucket's collective,
+    // issued while backward still queues kernels, is scheduled ahead of them, so the overlap holds.
+    int least = 0, greatest = 0;
+    NCCLAVG_CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&least, &greatest));
+    NCCLAVG_CUDA_CHECK(cudaStreamCreateWithPriority(&dev->stream, cudaStreamNonBlocking, greatest));
     NCCLAVG_CUDA_CHECK(cudaEventCreateWithFlags(&dev->ready, cudaEventDisableTiming));
     c->dev_.push_back(std::move(dev));
   }
