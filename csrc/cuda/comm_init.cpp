@@ -242,12 +242,20 @@ void NcclComm::init_comms(const ncclUniqueId& id, int nranks, const std::vector<
                           const std::string& what) {
   std::lock_guard<std::mutex> lock(mu_);
   const Deadline deadline = deadline_in(timeout_s_);  // init and split share one limit
+  int forced_divisor = 0;   // See Note [Forcing the reduction in tests] in comm_collectives.cpp
+  if (const char* v = std::getenv("NCCLAVG_TEST_REDUCTION"); v && v[0]) {
+    parse_test_reduction(v, &forced_reduction_, &forced_divisor);
+    NCCLAVG_CHECK_ARG(forced_reduction_ != "avg" || forced_divisor == 0 || forced_divisor == nranks,
+                      "NCCLAVG_TEST_REDUCTION", "avg divides by the number of ranks (", nranks,
+                      "); no other divisor can be given, got ", forced_divisor);
+  }
   const bool nonblocking_init = api().CommInitRankConfig != nullptr;
   const bool split = choose_mode_locked(nonblocking_init, want_blocking);
   start_init_locked(id, nranks, comm_ranks, nonblocking_init, what);
   if (nonblocking_init) poll_ready_locked(deadline, what);
   if (split) split_blocking_locked(comm_ranks, deadline, what);
   read_back_locked(nranks, comm_ranks);
+  divisor_ = forced_divisor ? forced_divisor : size_;
   ready_ = true;
 }
 
