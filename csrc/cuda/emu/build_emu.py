@@ -79,7 +79,7 @@ def _digest(*parts):
     return h.hexdigest()[:20]
 
 
-def build(root, cache, mutations=None, jobs=2, log=None):
+def build(root, cache, mutations=None, jobs=2, log=None, sanitize=True):
     """Compiles what changed, links, returns the harness executable's path.
 
     root: the checkout (the directory holding csrc/). cache: a directory kept between builds; objects
@@ -96,7 +96,8 @@ def build(root, cache, mutations=None, jobs=2, log=None):
     mutations = dict(mutations or {})
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
     headers = b"".join(p.read_bytes() for p in sorted(csrc.rglob("*.h")))
-    base = [cxx, *CXXFLAGS, f"-I{csrc}", "-isystem", str(inc)]
+    flags = CXXFLAGS if sanitize else [f for f in CXXFLAGS if f not in SANITIZE]
+    base = [cxx, *flags, f"-I{csrc}", "-isystem", str(inc)]
     emulated = ["-x", "c++", "-iquote", str(csrc / "cuda"), "-include", str(emu / "cuda_emu.h")]
     (cache / "obj").mkdir(parents=True, exist_ok=True)
 
@@ -150,7 +151,7 @@ def build(root, cache, mutations=None, jobs=2, log=None):
     if not exe.exists():
         exe_dir.mkdir(parents=True, exist_ok=True)
         tmp = exe_dir / f"emu_harness.{os.getpid()}.tmp"
-        cmd = [cxx, *SANITIZE, *map(str, objects), "-o", str(tmp)]
+        cmd = [cxx, *(SANITIZE if sanitize else []), *map(str, objects), "-o", str(tmp)]
         r = subprocess.run(cmd, capture_output=True, text=True)
         if r.returncode != 0:
             raise RuntimeError(f"linking the harness failed:\n{' '.join(cmd)}\n{r.stdout}{r.stderr}")

@@ -40,39 +40,43 @@ constexpr int warpSize = 32;
 
 // See Note [Sequential threads are a legal schedule]: what needs threads running together is refused
 // at compile time (a wrong pass is worse than no test).
-#define NCCLAVG_EMU_REFUSE(what)                                                                       \
-  _Pragma("GCC error \"" what " needs threads that run together; the grid emulator "                  \
-          "(csrc/cuda/emu/cuda_emu.h) runs them one after another: extend it first\"")
+// (_Pragma takes one string literal: the message cannot name the intrinsic, the compiler's "in
+// expansion of macro" note does.)
+// (_Pragma takes one plain string literal, so the message is fixed; the identifier after it names what
+// was refused in the compiler's next diagnostic.)
+#define NCCLAVG_EMU_REFUSE(what)                                                                              \
+  _Pragma("GCC error \"needs threads that run together, the grid emulator runs them one by one: extend it first\"") \
+      grid_emulator_cannot_run_##what
 #undef __shared__
-#define __shared__ NCCLAVG_EMU_REFUSE("__shared__")
-#define __syncthreads(...) NCCLAVG_EMU_REFUSE("__syncthreads")
-#define __syncthreads_count(...) NCCLAVG_EMU_REFUSE("__syncthreads_count")
-#define __syncthreads_and(...) NCCLAVG_EMU_REFUSE("__syncthreads_and")
-#define __syncthreads_or(...) NCCLAVG_EMU_REFUSE("__syncthreads_or")
-#define __syncwarp(...) NCCLAVG_EMU_REFUSE("__syncwarp")
-#define __shfl_sync(...) NCCLAVG_EMU_REFUSE("__shfl_sync")
-#define __shfl_up_sync(...) NCCLAVG_EMU_REFUSE("__shfl_up_sync")
-#define __shfl_down_sync(...) NCCLAVG_EMU_REFUSE("__shfl_down_sync")
-#define __shfl_xor_sync(...) NCCLAVG_EMU_REFUSE("__shfl_xor_sync")
-#define __ballot_sync(...) NCCLAVG_EMU_REFUSE("__ballot_sync")
-#define __any_sync(...) NCCLAVG_EMU_REFUSE("__any_sync")
-#define __all_sync(...) NCCLAVG_EMU_REFUSE("__all_sync")
-#define __activemask(...) NCCLAVG_EMU_REFUSE("__activemask")
-#define __reduce_add_sync(...) NCCLAVG_EMU_REFUSE("__reduce_add_sync")
-#define __threadfence(...) NCCLAVG_EMU_REFUSE("__threadfence")
-#define atomicAdd(...) NCCLAVG_EMU_REFUSE("atomicAdd")
-#define atomicSub(...) NCCLAVG_EMU_REFUSE("atomicSub")
-#define atomicExch(...) NCCLAVG_EMU_REFUSE("atomicExch")
-#define atomicMin(...) NCCLAVG_EMU_REFUSE("atomicMin")
-#define atomicMax(...) NCCLAVG_EMU_REFUSE("atomicMax")
-#define atomicCAS(...) NCCLAVG_EMU_REFUSE("atomicCAS")
-#define atomicAnd(...) NCCLAVG_EMU_REFUSE("atomicAnd")
-#define atomicOr(...) NCCLAVG_EMU_REFUSE("atomicOr")
-#define atomicInc(...) NCCLAVG_EMU_REFUSE("atomicInc")
+#define __shared__ NCCLAVG_EMU_REFUSE(__shared__)
+#define __syncthreads(...) NCCLAVG_EMU_REFUSE(__syncthreads)
+#define __syncthreads_count(...) NCCLAVG_EMU_REFUSE(__syncthreads_count)
+#define __syncthreads_and(...) NCCLAVG_EMU_REFUSE(__syncthreads_and)
+#define __syncthreads_or(...) NCCLAVG_EMU_REFUSE(__syncthreads_or)
+#define __syncwarp(...) NCCLAVG_EMU_REFUSE(__syncwarp)
+#define __shfl_sync(...) NCCLAVG_EMU_REFUSE(__shfl_sync)
+#define __shfl_up_sync(...) NCCLAVG_EMU_REFUSE(__shfl_up_sync)
+#define __shfl_down_sync(...) NCCLAVG_EMU_REFUSE(__shfl_down_sync)
+#define __shfl_xor_sync(...) NCCLAVG_EMU_REFUSE(__shfl_xor_sync)
+#define __ballot_sync(...) NCCLAVG_EMU_REFUSE(__ballot_sync)
+#define __any_sync(...) NCCLAVG_EMU_REFUSE(__any_sync)
+#define __all_sync(...) NCCLAVG_EMU_REFUSE(__all_sync)
+#define __activemask(...) NCCLAVG_EMU_REFUSE(__activemask)
+#define __reduce_add_sync(...) NCCLAVG_EMU_REFUSE(__reduce_add_sync)
+#define __threadfence(...) NCCLAVG_EMU_REFUSE(__threadfence)
+#define atomicAdd(...) NCCLAVG_EMU_REFUSE(atomicAdd)
+#define atomicSub(...) NCCLAVG_EMU_REFUSE(atomicSub)
+#define atomicExch(...) NCCLAVG_EMU_REFUSE(atomicExch)
+#define atomicMin(...) NCCLAVG_EMU_REFUSE(atomicMin)
+#define atomicMax(...) NCCLAVG_EMU_REFUSE(atomicMax)
+#define atomicCAS(...) NCCLAVG_EMU_REFUSE(atomicCAS)
+#define atomicAnd(...) NCCLAVG_EMU_REFUSE(atomicAnd)
+#define atomicOr(...) NCCLAVG_EMU_REFUSE(atomicOr)
+#define atomicInc(...) NCCLAVG_EMU_REFUSE(atomicInc)
 // __ldg reads through the read-only cache, which is not coherent with writes of the same kernel: the
 // emulator cannot show that hazard, so it refuses the intrinsic rather than hide it.
-#define __ldg(...) NCCLAVG_EMU_REFUSE("__ldg")
-#define cooperative_groups NCCLAVG_EMU_REFUSE("cooperative_groups")
+#define __ldg(...) NCCLAVG_EMU_REFUSE(__ldg)
+#define cooperative_groups NCCLAVG_EMU_REFUSE(cooperative_groups)
 
 namespace ncclavg_emu {
 
