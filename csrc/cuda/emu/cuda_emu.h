@@ -26,7 +26,7 @@
 #include <type_traits>
 #include <utility>
 
-// The built-in index variables, one set per OS thread (the harness may run launches in parallel).
+// The built-in index variables, one set per OS thread, like the runtime's per-host-thread state.
 // Defined in emu_runtime.cpp; the CUDA headers declare them only for nvcc.
 extern thread_local uint3 threadIdx;
 extern thread_local uint3 blockIdx;

@@ -149,11 +149,12 @@ std::string describe_elem(DType dt, const void* p, int64_t i) {
 }
 
 // Note [NaN payloads]
-// A NaN converted to fp16 or bf16 by the CUDA headers (host path and hardware cvt alike) becomes the
-// canonical 0x7fff, while the CPU kernels keep its sign and the top of its payload; NaN arithmetic on
-// the GPU gives the canonical NaN too. Which NaN is unspecified by IEEE 754 and nothing in the project
-// reads payloads, so two NaNs count as equal here, and the harness reports how many had different bits.
-// Everything else, signed zeros included, must match bit for bit.
+// A NaN that goes through the CUDA headers' fp16 conversions (either way) or into bf16 comes out as the
+// canonical NaN (0x7fff, 0x7fffffff) on their host paths, and fp32 arithmetic on a NaN gives the
+// canonical NaN on the GPU; the CPU kernels keep the sign and the top of the payload. Which NaN is
+// unspecified by IEEE 754 and nothing in the project reads payloads, so two NaNs count as equal here,
+// and the harness reports how many had different bits. Everything else, signed zeros included, must
+// match bit for bit.
 int64_t compare(DType dt, const void* got, const void* want, int64_t n, Tally& tally, int64_t* nan_diffs) {
   const size_t es = ncclavg::dtype_size(dt);
   const auto* g = static_cast<const uint8_t*>(got);
