@@ -30,7 +30,8 @@
 #   (dry run: gpu_bench.json, trainer_cpu.json, bench-local.json, bench-local.png)
 # Scratch (the dry build, the wheel, logs before packing) lives in a temp folder that is removed at exit.
 # The script checks $OUT against those rules at the end. The last lines printed are the table and one
-# RESULT line: "all steps passed", "incomplete: not run: ..." or "FAILED: ...".
+# RESULT line: "all steps passed", "incomplete: not run: ..." or "FAILED: ...", followed by
+# "; N GPU tests skipped (k: reason; ...)" when GPU tests skipped (what they test was not checked).
 # Exit status: 0 when every step ran and passed, 1 otherwise, 2 for bad usage.
 set -u
 
@@ -39,7 +40,7 @@ for arg in "$@"; do
   case "$arg" in
     --dry-run) DRY=1 ;;
     --plan) PLAN=1 ;;
-    -h|--help) sed -n '2,34p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,35p' "$0"; exit 0 ;;
     *) echo "gpu_check.sh: unknown argument '$arg' (use --dry-run, --plan)" >&2; exit 2 ;;
   esac
 done
