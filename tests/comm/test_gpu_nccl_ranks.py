@@ -25,10 +25,12 @@ pytestmark = pytest.mark.gpu
 WORKER = TESTS / "_nccl_rank_worker.py"
 
 
-def rank_env(shared_gpu: bool) -> dict:
+def rank_env(shared_gpu: bool, nranks: int = 2) -> dict:
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     if shared_gpu:
         env.update(NCCL_MULTI_RANK_GPU_ENABLE="1", NCCL_NVLS_ENABLE="0")
+        if nranks > 2:   # NCCL 2.30's docs: more than 2 ranks on one GPU may hang without enough resources
+            env.update(NCCL_MAX_CTAS="2")
     return env
 
 
@@ -36,7 +38,7 @@ def spawn(mode, nranks, rank, device, uid=b"", timeout=60.0, shared_gpu=False):
     cmd = [sys.executable, str(WORKER), "--mode", mode, "--nranks", str(nranks), "--rank", str(rank),
            "--device", str(device), "--timeout", str(timeout), "--uid", uid.hex()]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=rank_env(shared_gpu), cwd=str(ROOT))
+                            env=rank_env(shared_gpu, nranks), cwd=str(ROOT))
 
 
 def result(proc, limit) -> dict:
@@ -191,7 +193,7 @@ def test_towers_of_several_processes(counts):
                str(p), "--device", str(devs[0]), "--timeout", "120", "--devices", ",".join(map(str, devs)),
                "--counts", ",".join(map(str, counts)), "--port", str(port)]
         procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                      env=rank_env(shared), cwd=str(ROOT)))
+                                      env=rank_env(shared, total), cwd=str(ROOT)))
     try:
         results = [result(proc, 300) for proc in procs]
     finally:
