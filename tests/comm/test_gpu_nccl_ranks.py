@@ -122,7 +122,9 @@ def test_rank_whose_peer_never_starts_times_out():
     assert "did not complete within 5 s" in res["message"] and "aborted" in res["message"]
 
 
-def test_collective_that_a_peer_never_joins_times_out():
+def two_ranks_rank0_result(mode: str) -> dict:
+    """Runs `mode` on 2 ranks (2 GPUs, or 2 ranks on one GPU where NCCL allows it); rank 1 is killed once
+    rank 0 has reported. Returns rank 0's result."""
     require_nccl_comm()
     import torch
 
@@ -132,12 +134,16 @@ def test_collective_that_a_peer_never_joins_times_out():
         require_multi_rank_gpu()
         devices, shared = [0, 0], True
     uid = _ext.nccl_unique_id()
-    procs = [spawn("hang", 2, r, d, uid, timeout=60.0, shared_gpu=shared) for r, d in enumerate(devices)]
+    procs = [spawn(mode, 2, r, d, uid, timeout=60.0, shared_gpu=shared) for r, d in enumerate(devices)]
     try:
-        res = result(procs[0], 120)
+        return result(procs[0], 120)
     finally:
         procs[1].kill()
         procs[1].communicate()
+
+
+def test_collective_that_a_peer_never_joins_times_out():
+    res = two_ranks_rank0_result("hang")
     assert res["ok"], res["failures"]
     assert res["elapsed"] < 5.0 + 10.0
     msg = res["message"]
@@ -149,21 +155,7 @@ def test_peer_lost_before_the_first_collective_is_an_error_not_a_hang():
     """Note [Connections inside the bounded init] (comm_init.cpp): with connections made during init, the
     first collective after a peer died is enqueued and then times out, instead of hanging in a blocking
     ncclGroupEnd that connects to a dead peer."""
-    require_nccl_comm()
-    import torch
-
-    if torch.cuda.device_count() >= 2:
-        devices, shared = [0, 1], False
-    else:
-        require_multi_rank_gpu()
-        devices, shared = [0, 0], True
-    uid = _ext.nccl_unique_id()
-    procs = [spawn("dies_before_first", 2, r, d, uid, timeout=60.0, shared_gpu=shared) for r, d in enumerate(devices)]
-    try:
-        res = result(procs[0], 120)
-    finally:
-        procs[1].kill()
-        procs[1].communicate()
+    res = two_ranks_rank0_result("dies_before_first")
     assert res["ok"], res["failures"]
     assert res["elapsed"] < 5.0 + 10.0, res
     assert "first bucket" in res["message"], res["message"]

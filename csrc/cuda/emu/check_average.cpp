@@ -103,14 +103,7 @@ void run_case(const AverageCase& c, uint64_t seed, Tally& t) {
 
 // Expects the entry point to refuse the arguments (ArgError naming them) without launching anything.
 void expect_refusal(const std::string& label, const std::vector<Buffer>& bufs, Tally& t) {
-  ++t.cases;
-  ncclavg_emu::reset_launch_log();
-  try {
-    ncclavg::cuda::average_inplace(bufs, 0);
-    t.fail("NOT REFUSED " + label);
-  } catch (const std::invalid_argument&) {
-    if (ncclavg_emu::launch_log().launches != 0) t.fail("LAUNCHED " + label + " before refusing it");
-  }
+  expect_refused(label, t, [&] { ncclavg::cuda::average_inplace(bufs, 0); });
 }
 
 }  // namespace

@@ -4,6 +4,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -83,6 +84,19 @@ inline int vec_elems(DType s, DType d) {
   const size_t narrow = ncclavg::dtype_size(s) < ncclavg::dtype_size(d) ? ncclavg::dtype_size(s)
                                                                         : ncclavg::dtype_size(d);
   return static_cast<int>(16 / narrow);
+}
+
+// A call the entry point must refuse (std::invalid_argument, the core's ArgError) before any launch.
+template <typename Call>
+void expect_refused(const std::string& label, Tally& t, Call&& call) {
+  ++t.cases;
+  ncclavg_emu::reset_launch_log();
+  try {
+    call();
+    t.fail("NOT REFUSED " + label);
+  } catch (const std::invalid_argument&) {
+    if (ncclavg_emu::launch_log().launches != 0) t.fail("LAUNCHED " + label + " before refusing it");
+  }
 }
 
 // Suites: each adds its cases to the tally; `quick` keeps a representative subset.
