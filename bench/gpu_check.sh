@@ -228,11 +228,13 @@ do_tests() {
   # A test module of another area that cannot be imported here must not stop the GPU tests, one that needs
   # a missing optional package is a skip (bench/gpu_check_pytest.py, from a folder of its own so that
   # bench/'s scripts cannot shadow test imports), and one hung test must not take the whole step
-  # (pytest-timeout, when installed).
+  # (pytest-timeout, when installed: its thread method, since a test stuck in C++ with the GIL released
+  # never sees a signal). -rA puts every outcome in the log, so a step killed at its limit still says
+  # which tests had passed.
   local extra=()
-  "$PY" -c "import pytest_timeout" 2> /dev/null && extra+=(--timeout=60)
+  "$PY" -c "import pytest_timeout" 2> /dev/null && extra+=(--timeout=60 --timeout-method=thread)
   mkdir -p "$SCRATCH/plugins" && cp bench/gpu_check_pytest.py "$SCRATCH/plugins/" || return 1
-  PYTHONPATH="$SCRATCH/plugins:$PYTHONPATH" "$PY" -m pytest -m gpu -q -rs -p no:cacheprovider -p gpu_check_pytest \
+  PYTHONPATH="$SCRATCH/plugins:$PYTHONPATH" "$PY" -m pytest -m gpu -q -rA -p no:cacheprovider -p gpu_check_pytest \
     --continue-on-collection-errors "${extra[@]}" --junitxml="$KEEP/pytest-gpu.xml" -o junit_family=xunit1 tests
 }
 do_bench() {
