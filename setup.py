@@ -3,13 +3,33 @@
 Note [Build decision]
 CPU sources are always compiled (OpenMP; SIMD chosen at run time, never -march=native). The CUDA part
 is compiled when a toolkit is found (nvcc and cuda_runtime.h under CUDA_HOME, or next to the nvcc on
-PATH): NCCLAVG_CUDA=auto (default) builds it when found, 1 requires it, 0 skips it. The decision depends
-on the toolchain only, never on whether a GPU is visible, and is printed as one line. NCCL is never
-needed at build time: it is loaded at run time (csrc/cuda/nccl_api.cpp).
+PATH, or /usr/local/cuda, or the PyPI toolkit's nvidia/cu13 tree on sys.path): NCCLAVG_CUDA=auto
+(default) builds it when found, 1 requires it, 0 skips it, pypi builds with the PyPI toolkit only (the
+in-tree backend build_backend/ncclavg_build.py puts it in the isolated build environment; see Note
+[The PyPI CUDA toolkit] there). The decision depends on the toolchain only, never on whether a GPU is
+visible; it is printed as one line and recorded next to the extension (ncclavg/_build.json) for
+`ncclavg info`. NCCL is never needed at build time: it is loaded at run time (csrc/cuda/nccl_api.cpp).
+
+Note [Telling pip users about a CPU-only build]
+pip runs the build backend with stdout and stderr on one pipe and logs what comes out at its VERBOSE
+level (pip/_internal/utils/subprocess.py, call_subprocess with show_stdout=False): without -v nothing
+the build prints reaches the user unless the build fails. What does reach the user is a UserWarning
+raised inside the backend's hook: pip's runner (pyproject_hooks' _in_process.py, "captured_warnings")
+records it and pip 26 logs it as a BuildBackendWarning, at WARNING level when the source is a local
+directory (`pip install .`) and at DEBUG level otherwise (an sdist from an index), and older pips not
+at all. So a CPU-only decision under NCCLAVG_CUDA=auto is printed (the -v log), raised as a warning
+when the runner forwards warnings, and, when the warning will not be shown and stdout is not a
+terminal, written to the controlling terminal (/dev/tty), which the backend still shares with an
+interactive `pip install`. In CI (no terminal, an old pip, an sdist) it is in the -v log only; at run
+time `ncclavg info` says the same on a machine with an NVIDIA driver (ncclavg/info.py).
+NCCLAVG_CUDA=0 is a choice, so it is not announced.
 
 Environment: NCCLAVG_CUDA, NCCLAVG_CUDA_ARCHS ("80;90" by default; PTX for the newest is added),
-CUDA_HOME, NCCLAVG_CXXFLAGS / NCCLAVG_LDFLAGS (extra flags, e.g. sanitizers), NCCLAVG_BUILD_JOBS.
+CUDA_HOME, NCCLAVG_CUDA_MAJOR (pypi: 13), NCCLAVG_CXXFLAGS / NCCLAVG_LDFLAGS (extra flags, e.g.
+sanitizers), NCCLAVG_BUILD_JOBS.
 """
+import hashlib
+import json
 import os
 import re
 import shlex
@@ -17,6 +37,8 @@ import shutil
 import subprocess
 import sys
 import sysconfig
+import tempfile
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -25,6 +47,8 @@ from setuptools import setup
 from setuptools.command.build_ext import build_ext
 
 ROOT = Path(__file__).resolve().parent
+sys.path.insert(0, str(ROOT / "build_backend"))
+from ncclavg_build import PYPI_TOOLKIT, pypi_major, pypi_toolkit_requirements  # noqa: E402
 VERSION = re.search(r'__version__ = "([^"]+)"', (ROOT / "ncclavg" / "_version.py").read_text()).group(1)
 
 
@@ -51,6 +75,7 @@ def find_cuda():
             except (OSError, subprocess.SubprocessError):
                 pass
         candidates.append("/usr/local/cuda")
+        candidates += [str(p) for major in PYPI_TOOLKIT for p in pypi_toolkit_homes(major)]
     reasons = []
     for home in candidates:
         nvcc = Path(home) / "bin" / "nvcc"
@@ -63,6 +88,37 @@ def find_cuda():
     if not candidates:
         return None, "no nvcc on PATH, CUDA_HOME unset"
     return None, "; ".join(reasons)
+
+
+def pypi_toolkit_homes(major):
+    """The nvidia/cu<major> trees on sys.path that hold the PyPI toolkit's nvcc (the isolated build
+    environment's site-packages is on sys.path while pip runs this file)."""
+    out = []
+    for entry in sys.path:
+        home = Path(entry or ".") / "nvidia" / f"cu{major}"
+        if (home / "bin" / "nvcc").exists() and home.resolve() not in [h.resolve() for h in out]:
+            out.append(home)
+    return out
+
+
+def find_pypi_cuda():
+    """NCCLAVG_CUDA=pypi: the PyPI toolkit only (never CUDA_HOME, PATH or /usr/local/cuda)."""
+    major = pypi_major()
+    for home in pypi_toolkit_homes(major):
+        if (home / "include" / "cuda_runtime.h").exists():
+            return str(home), str(home / "bin" / "nvcc")
+    raise BuildError(
+        f"ncclavg build: NCCLAVG_CUDA=pypi but the PyPI CUDA {major} toolkit is not on sys.path. "
+        "`pip install .` with build isolation (the default) installs it in the build environment; "
+        "without isolation install it first: pip install " + " ".join(f"'{r}'" for r in pypi_toolkit_requirements(major)))
+
+
+def pypi_nvcc_version():
+    try:
+        from importlib.metadata import version
+        return version("nvidia-cuda-nvcc")
+    except Exception:  # not installed as a distribution (a bare tree on sys.path)
+        return "?"
 
 
 def cuda_lib_dir(home):
@@ -90,17 +146,63 @@ def parse_archs(text):
 
 def decide_cuda():
     mode = os.environ.get("NCCLAVG_CUDA", "auto").strip().lower()
-    if mode not in ("auto", "0", "1"):
-        raise BuildError(f"ncclavg build: NCCLAVG_CUDA must be auto, 0 or 1, got '{mode}'")
+    if mode not in ("auto", "0", "1", "pypi"):
+        raise BuildError(f"ncclavg build: NCCLAVG_CUDA must be auto, 0, 1 or pypi, got '{mode}'")
     if mode == "0":
         return None, "NCCLAVG_CUDA=0"
-    home, nvcc_or_reason = find_cuda()
+    home, nvcc_or_reason = find_pypi_cuda() if mode == "pypi" else find_cuda()
     if home is None:
         if mode == "1":
             raise BuildError(f"ncclavg build: NCCLAVG_CUDA=1 but no CUDA toolkit: {nvcc_or_reason}")
         return None, f"no CUDA toolkit ({nvcc_or_reason})"
     return {"home": home, "nvcc": nvcc_or_reason,
             "archs": parse_archs(os.environ.get("NCCLAVG_CUDA_ARCHS", "80;90"))}, None
+
+
+CPU_ONLY_HELP = """\
+ncclavg build: NOTE: this build is CPU-only, because {why}.
+  The nccl backend and GPU tensors will not be available (`ncclavg info` says "CUDA built  no").
+  For the CUDA part, either
+    - install a binary wheel that has it: pip install ncclavg-cu13
+    - or build from source with NVIDIA's CUDA toolkit from PyPI (no system toolkit needed):
+        NCCLAVG_CUDA=pypi pip install ncclavg     (or `pip install .` in a checkout)
+      or with a system toolkit: NCCLAVG_CUDA=1 CUDA_HOME=/path/to/cuda pip install ncclavg
+  NCCLAVG_CUDA=0 builds CPU-only without this note."""
+
+
+class CpuOnlyBuild(UserWarning):
+    pass
+
+
+def frontend_forwards_warnings():
+    """True under a PEP 517 runner that hands the backend's UserWarnings to the frontend."""
+    main = getattr(sys.modules.get("__main__"), "__file__", None) or ""
+    try:
+        return main.endswith("_in_process.py") and "captured_warnings" in Path(main).read_text()
+    except OSError:
+        return False
+
+
+def building_a_local_directory():
+    """False when pip unpacked an sdist into its temporary directory (pip-install-*, pip-req-build-*)."""
+    cwd = os.path.realpath(os.getcwd())
+    return not (cwd.startswith(os.path.realpath(tempfile.gettempdir())) and "/pip-" in cwd)
+
+
+def tell_user(text):
+    """Makes `text` visible through pip's capture. See Note [Telling pip users about a CPU-only build]."""
+    print(text, flush=True)
+    if frontend_forwards_warnings():
+        warnings.warn(text, CpuOnlyBuild, stacklevel=1)
+        if building_a_local_directory():
+            return  # pip shows it at WARNING level
+    try:
+        if sys.stdout.isatty():
+            return
+        with open("/dev/tty", "w") as tty:
+            tty.write("\n" + text + "\n")
+    except OSError:  # no controlling terminal (CI, nohup): the -v log and `ncclavg info` remain
+        pass
 
 
 def sources(sub, *patterns):
@@ -113,13 +215,41 @@ def sources(sub, *patterns):
 class BuildExt(build_ext):
     """Compiles each source with its own compiler and flags (g++ for C++, nvcc for .cu), in parallel."""
 
+    # The build record (ncclavg/_build.json) travels with the extension: into the wheel from build_lib,
+    # and next to the in-place extension for `pip install -e` / `build_ext --inplace`.
+    def _record_files(self):
+        build_py = self.get_finalized_command("build_py")
+        return (str(Path(self.build_lib) / "ncclavg" / "_build.json"),
+                os.path.join(build_py.get_package_dir("ncclavg"), "_build.json"))
+
+    def copy_extensions_to_source(self):
+        super().copy_extensions_to_source()
+        built, inplace = self._record_files()
+        if os.path.exists(built):
+            self.copy_file(built, inplace, level=self.verbose)
+
+    def get_output_mapping(self):
+        mapping = super().get_output_mapping()
+        if self.inplace:
+            built, inplace = self._record_files()
+            mapping[built] = inplace
+        return mapping
+
     def build_extension(self, ext):
         cuda, why_not = decide_cuda()
+        mode = os.environ.get("NCCLAVG_CUDA", "auto").strip().lower()
         if cuda:
-            print(f"ncclavg build: CUDA=yes (nvcc {nvcc_version(cuda['nvcc'])} at {cuda['home']}, "
-                  f"archs {';'.join(cuda['archs'])} + PTX {cuda['archs'][-1]}, cudart static)", flush=True)
+            where = f"at {cuda['home']}"
+            if mode == "pypi":  # a temporary build environment: name the wheel, not the path
+                where = f"from PyPI (nvidia-cuda-nvcc {pypi_nvcc_version()} in the build environment)"
+            decision = (f"ncclavg build: CUDA=yes (nvcc {nvcc_version(cuda['nvcc'])} {where}, "
+                        f"archs {';'.join(cuda['archs'])} + PTX {cuda['archs'][-1]}, cudart static)")
+            print(decision, flush=True)
         else:
-            print(f"ncclavg build: CUDA=no ({why_not}); CPU core only", flush=True)
+            decision = f"ncclavg build: CUDA=no ({why_not}); CPU core only"
+            print(decision, flush=True)
+            if mode == "auto":
+                tell_user(CPU_ONLY_HELP.format(why=why_not))
 
         include = [str(ROOT / "csrc"), *ext.include_dirs, sysconfig.get_paths()["include"]]
         defines = [f'-DNCCLAVG_VERSION="{VERSION}"']
@@ -135,13 +265,17 @@ class BuildExt(build_ext):
             archs = ";".join(cuda["archs"])
             defines += ["-DNCCLAVG_WITH_CUDA", f'-DNCCLAVG_CUDA_ARCHS="{archs}"']
             include.append(str(Path(cuda["home"]) / "include"))
+            if (Path(cuda["home"]) / "include" / "cccl").is_dir():  # the PyPI layout (nvcc.profile misses it)
+                include.append(str(Path(cuda["home"]) / "include" / "cccl"))
             cpp_sources += sources("cuda", "*.cpp")
             cu_sources = sources("cuda", "*.cu")
             libs = [f"-L{cuda_lib_dir(cuda['home'])}", "-lcudart_static", "-ldl", "-lrt", "-lpthread"]
         else:
             cpp_sources += ["csrc/cuda/nccl_api.cpp"]  # plain C++: lets a CPU build report NCCL
 
-        build_temp = Path(self.build_temp) / ("cuda" if cuda else "cpu")
+        # Objects are reused when newer than their sources: keep them apart per toolkit, archs and flags.
+        config = json.dumps([cuda and cuda["home"], cuda and cuda["archs"], cxx_flags, defines])
+        build_temp = Path(self.build_temp) / (("cuda-" if cuda else "cpu-") + hashlib.sha1(config.encode()).hexdigest()[:10])
         jobs = []
         for src in cpp_sources:
             obj = build_temp / (src.replace("/", "_") + ".o")
@@ -182,6 +316,11 @@ class BuildExt(build_ext):
         r = subprocess.run(cmd, capture_output=True, text=True)
         if r.returncode != 0:
             raise BuildError(f"ncclavg build: linking failed:\n{' '.join(cmd)}\n{r.stdout}{r.stderr}")
+        # What `ncclavg info` reports about how this core was built (why CPU-only, which toolkit).
+        pypi = bool(cuda) and "nvidia" in Path(cuda["home"]).parts
+        record = {"mode": mode, "cuda": bool(cuda), "decision": decision, "reason": why_not or "",
+                  "cuda_home": cuda["home"] if cuda and not pypi else "", "pypi_toolkit": pypi}
+        (out.parent / "_build.json").write_text(json.dumps(record, indent=1) + "\n")
 
 
 def deps(src):

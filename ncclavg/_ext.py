@@ -61,8 +61,9 @@ def nccl_comm_class():
     require_nccl()
     if not hasattr(_C, "NcclComm"):
         raise _C.CudaError(
-            "this build of ncclavg has no CUDA support, so the nccl backend is unavailable: reinstall "
-            "with a CUDA toolkit present (NCCLAVG_CUDA=1 pip install .)")
+            "this build of ncclavg has no CUDA support, so the nccl backend is unavailable: install a "
+            "wheel with it (pip install ncclavg-cu13) or rebuild from source with the CUDA toolkit from PyPI "
+            "(NCCLAVG_CUDA=pypi pip install .) or a system one (NCCLAVG_CUDA=1 pip install .)")
     return _C.NcclComm
 
 

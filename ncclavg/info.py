@@ -1,9 +1,12 @@
 """`ncclavg.build_info()` and the text of `ncclavg info`: what a bug report pastes."""
 from __future__ import annotations
 
+import ctypes
 import importlib
+import json
 import os
 import platform
+from pathlib import Path
 
 from ._ext import _C, nccl_info
 from ._version import __version__
@@ -20,6 +23,41 @@ def _cuda_version_string(code: int) -> str:
     return f"{code // 1000}.{(code % 1000) // 10}" if code else ""
 
 
+def build_record() -> dict:
+    """How the core was built ({mode, cuda, decision, reason, cuda_home, pypi_toolkit}), as setup.py
+    recorded it next to the extension; {} for a core built before it kept the record."""
+    try:
+        return json.loads((Path(__file__).resolve().parent / "_build.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def nvidia_driver_evidence() -> str:
+    """Why this machine looks like it has an NVIDIA driver ("" when it does not): the kernel module's
+    /proc entry, or libcuda.so.1 loadable. Loading libcuda does not touch a GPU."""
+    if os.path.exists("/proc/driver/nvidia"):
+        return "/proc/driver/nvidia exists"
+    try:
+        ctypes.CDLL("libcuda.so.1")
+        return "libcuda.so.1 loads"
+    except OSError:
+        return ""
+
+
+CPU_ONLY_HINT = ("this machine has an NVIDIA driver ({evidence}) but this ncclavg has no CUDA part: install a "
+                 "wheel with it (pip install ncclavg-cu13), or rebuild from source with the CUDA toolkit from "
+                 "PyPI (NCCLAVG_CUDA=pypi pip install --force-reinstall --no-deps ncclavg) or with a system "
+                 "toolkit (NCCLAVG_CUDA=1 CUDA_HOME=/path/to/cuda pip install ...); see docs/building.md")
+
+
+def cuda_hint(cuda_built: bool) -> str:
+    """What to do to get the CUDA half, when it is missing and a driver is there; "" otherwise."""
+    if cuda_built:
+        return ""
+    evidence = nvidia_driver_evidence()
+    return CPU_ONLY_HINT.format(evidence=evidence) if evidence else ""
+
+
 def build_info() -> dict:
     """Versions, build options and what this machine offers. Never raises and never needs a GPU."""
     core = dict(_C.core_info())
@@ -34,6 +72,8 @@ def build_info() -> dict:
         "device_count": core.get("device_count", 0),
         "devices": [f"{n} (sm_{c.replace('.', '')})" for n, c in
                     zip(core.get("device_names", []), core.get("device_capabilities", []))],
+        "build": build_record(),
+        "cuda_hint": cuda_hint(bool(core["cuda"])),
         "nccl": nccl_info(),
         "simd_level": core["simd_level"],
         "simd_best_supported": core["simd_best_supported"],
@@ -53,7 +93,10 @@ def format_info(info: dict) -> str:
     """The human-readable `ncclavg info` text."""
     nccl = info["nccl"]
     if not info["cuda"]:
-        cuda_line = "no (CPU-only build)"
+        reason = info.get("build", {}).get("reason", "")
+        cuda_line = f"no (CPU-only build{': ' + reason if reason else ''})"
+        if info.get("cuda_hint"):
+            cuda_line += "\n" + " " * 16 + info["cuda_hint"]
     else:
         cuda_line = f"yes, archs {';'.join(info['cuda_archs'])}, runtime {info['cuda_runtime']}"
     if not info["cuda"]:

@@ -19,7 +19,7 @@ def _build(tmp_path, **env):
 
 
 @pytest.mark.parametrize("env,needle", [
-    ({"NCCLAVG_CUDA": "maybe"}, "NCCLAVG_CUDA must be auto, 0 or 1"),
+    ({"NCCLAVG_CUDA": "maybe"}, "NCCLAVG_CUDA must be auto, 0, 1 or pypi"),
     ({"NCCLAVG_CUDA": "1", "CUDA_HOME": "/nonexistent-cuda"}, "NCCLAVG_CUDA=1 but no CUDA toolkit"),
 ])
 def test_refusals_are_one_clear_line(tmp_path, env, needle):
@@ -34,3 +34,74 @@ def test_bad_arch_list(tmp_path):
         pytest.skip("no CUDA toolkit on this machine: arch parsing is only reached with one")
     r = _build(tmp_path, NCCLAVG_CUDA="1", NCCLAVG_CUDA_ARCHS="ampere")
     assert r.returncode != 0 and "NCCLAVG_CUDA_ARCHS entry 'ampere'" in r.stdout + r.stderr
+
+
+def test_cpu_only_auto_build_says_why_and_the_ways_out(tmp_path):
+    # No toolkit (an explicit CUDA_HOME that does not exist), and a compiler flag that fails at once:
+    # the note comes before any compiling, so the build stops right after it.
+    r = _build(tmp_path, NCCLAVG_CUDA="auto", CUDA_HOME="/nonexistent-cuda", NCCLAVG_CXXFLAGS="-fno-such-flag")
+    out = r.stdout + r.stderr
+    assert "CUDA=no (no CUDA toolkit" in out
+    assert "this build is CPU-only" in out
+    assert "pip install ncclavg-cu13" in out and "NCCLAVG_CUDA=pypi" in out
+
+
+def test_cpu_only_note_reaches_the_terminal_through_pip_capture(tmp_path):
+    # pip pipes the build's output into its log; the note also goes to the controlling terminal.
+    # `script` gives the build a terminal while its stdout and stderr go to a file, as under pip.
+    from shutil import which
+    if not which("script"):
+        pytest.skip("util-linux `script` not installed")
+    log = tmp_path / "captured.log"
+    inner = (f"cd {ROOT} && {sys.executable} setup.py -q build_ext --build-temp {tmp_path / 't'} "
+             f"--build-lib {tmp_path / 'l'} > {log} 2>&1")
+    env = {**os.environ, "NCCLAVG_CUDA": "auto", "CUDA_HOME": "/nonexistent-cuda", "NCCLAVG_CXXFLAGS": "-fno-such-flag"}
+    r = subprocess.run(["script", "-qec", inner, "/dev/null"], capture_output=True, text=True, timeout=600,
+                       env=env, stdin=subprocess.DEVNULL)
+    assert "this build is CPU-only" in r.stdout, r.stdout + r.stderr      # what the terminal showed
+    assert "this build is CPU-only" in log.read_text()                   # and the captured log has it too
+
+
+def test_explicit_cpu_build_is_not_announced(tmp_path):
+    r = _build(tmp_path, NCCLAVG_CUDA="0", NCCLAVG_CXXFLAGS="-fno-such-flag")
+    assert "CUDA=no (NCCLAVG_CUDA=0)" in r.stdout + r.stderr
+    assert "this build is CPU-only" not in r.stdout + r.stderr
+
+
+def _backend(monkeypatch, **env):
+    for k in ("NCCLAVG_CUDA", "NCCLAVG_CUDA_MAJOR", "NCCLAVG_CUDA_PYPI_VERSION"):
+        monkeypatch.delenv(k, raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.syspath_prepend(str(ROOT / "build_backend"))
+    monkeypatch.chdir(ROOT)
+    import ncclavg_build
+    return ncclavg_build
+
+
+def test_backend_adds_the_pypi_toolkit_only_when_asked(monkeypatch):
+    b = _backend(monkeypatch)
+    assert not any(r.startswith("nvidia-") for r in b.get_requires_for_build_wheel())
+    b = _backend(monkeypatch, NCCLAVG_CUDA="pypi")
+    for hook in (b.get_requires_for_build_wheel, b.get_requires_for_build_editable):
+        reqs = hook()
+        for name in ("nvidia-cuda-nvcc", "nvidia-nvvm", "nvidia-cuda-crt", "nvidia-cuda-runtime", "nvidia-cuda-cccl"):
+            assert f"{name}==13.0.*" in reqs, reqs
+    b = _backend(monkeypatch, NCCLAVG_CUDA="pypi", NCCLAVG_CUDA_PYPI_VERSION="13.2.*")
+    assert "nvidia-cuda-nvcc==13.2.*" in b.get_requires_for_build_wheel()
+
+
+def test_backend_refuses_cuda12_from_pypi_saying_why(monkeypatch):
+    b = _backend(monkeypatch, NCCLAVG_CUDA="pypi", NCCLAVG_CUDA_MAJOR="12")
+    with pytest.raises(SystemExit, match="nvcc nor cicc"):
+        b.get_requires_for_build_wheel()
+
+
+def test_pypi_mode_without_the_toolkit_names_what_to_install(tmp_path):
+    r = _build(tmp_path, NCCLAVG_CUDA="pypi", PYTHONNOUSERSITE="1")
+    out = r.stdout + r.stderr
+    if "CUDA=yes" in out:
+        pytest.skip("the PyPI toolkit is installed in this environment")
+    assert r.returncode != 0
+    assert "NCCLAVG_CUDA=pypi but the PyPI CUDA 13 toolkit is not on sys.path" in out
+    assert "nvidia-cuda-nvcc==13.0.*" in out

@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 import ncclavg
 
 REQUIRED = {"version", "cuda", "cuda_archs", "cuda_runtime", "driver", "driver_error", "device_count",
@@ -68,6 +70,8 @@ def test_import_info_and_numpy_ops_work_without_torch():
 import sys
 sys.modules["torch"] = None   # any `import torch` now raises ModuleNotFoundError
 import numpy as np
+import pytest
+
 import ncclavg
 assert ncclavg.build_info()["torch"] is None
 a = [np.full(7, 1.0, np.float32), np.full(7, 3.0, np.float32)]
@@ -96,3 +100,40 @@ print("ok")
 """
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
+
+
+def _fake_core(monkeypatch, cuda, evidence):
+    """build_info() of a core that reports `cuda`, on a machine whose driver check says `evidence`."""
+    from types import SimpleNamespace
+    from ncclavg import info as info_mod
+    real = info_mod._C
+    core = dict(real.core_info())
+    core.update(cuda=cuda, cuda_archs="80;90" if cuda else "", cuda_runtime_version=13000 if cuda else 0)
+    monkeypatch.setattr(info_mod, "_C", SimpleNamespace(core_info=lambda: core,
+                                                        simd_levels_supported=real.simd_levels_supported))
+    monkeypatch.setattr(info_mod, "nvidia_driver_evidence", lambda: evidence)
+    return info_mod
+
+
+def test_cpu_only_build_on_a_machine_with_a_driver_says_how_to_get_cuda(monkeypatch):
+    info_mod = _fake_core(monkeypatch, cuda=False, evidence="/proc/driver/nvidia exists")
+    info = info_mod.build_info()
+    assert "NCCLAVG_CUDA=pypi" in info["cuda_hint"] and "ncclavg-cu13" in info["cuda_hint"]
+    text = info_mod.format_info(info)
+    assert "/proc/driver/nvidia exists" in text and "NCCLAVG_CUDA=pypi" in text
+
+
+def test_no_cuda_hint_without_a_driver_or_with_cuda_built(monkeypatch):
+    info_mod = _fake_core(monkeypatch, cuda=False, evidence="")
+    assert info_mod.build_info()["cuda_hint"] == ""
+    info_mod = _fake_core(monkeypatch, cuda=True, evidence="libcuda.so.1 loads")
+    assert info_mod.build_info()["cuda_hint"] == ""
+    assert "NCCLAVG_CUDA=pypi" not in info_mod.format_info(info_mod.build_info())
+
+
+def test_build_record_matches_the_core():
+    info = ncclavg.build_info()
+    rec = info["build"]
+    if not rec:
+        pytest.skip("core built before setup.py kept a build record")
+    assert rec["cuda"] == info["cuda"] and rec["decision"].startswith("ncclavg build: CUDA=")

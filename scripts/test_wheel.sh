@@ -1,0 +1,120 @@
+#!/usr/bin/env bash
+# Tests a built wheel the way a user gets it: a fresh venv, a PATH with no nvcc and no compiler, run
+# from a directory outside the checkout, CUDA_HOME unset.
+#
+#   scripts/test_wheel.sh WHEEL [--python python3.11] [--no-torch]
+#
+# --no-torch: only what needs no torch (info, NCCL, the core on numpy arrays): torch==2.13.0 is a
+# local CPU wheel for CPython 3.11 on this machine, and from PyPI a multi-GB CUDA build for the others.
+# Checks: the install needs no build; `ncclavg info` (CUDA built with the archs of a CUDA wheel; NCCL
+# not found, then found after `pip install nvidia-nccl-cu13`); `ncclavg train` (the default run, CPU);
+# torch and the wheel's OpenMP in one process (see Note [One OpenMP runtime or two] in
+# scripts/build_wheels.sh); the CPU tests that need no checkout, from a copy of tests/ alone.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$(pwd)
+WHEEL=""
+PY=python3
+TORCH=1
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --python) PY="$2"; shift 2 ;;
+    --no-torch) TORCH=0; shift ;;
+    -h|--help) sed -n '2,10p' "$0"; exit 0 ;;
+    *) WHEEL=$(realpath "$1"); shift ;;
+  esac
+done
+[ -f "$WHEEL" ] || { echo "test_wheel.sh: give a wheel file" >&2; exit 2; }
+PY=$(command -v "$PY")
+WORK=$(mktemp -d)
+trap 'rm -rf "$WORK"' EXIT
+t0=$SECONDS
+say() { printf '[test_wheel %4ss] %s\n' "$((SECONDS - t0))" "$*"; }
+pipq() {  # pip -q, its log shown on failure (and without this machine's index-location warnings)
+  pip -q "$@" > "$WORK/pip.log" 2>&1 || { cat "$WORK/pip.log"; return 1; }
+  grep -v '^WARNING: Location' "$WORK/pip.log" || true
+}
+name=$(basename "$WHEEL")
+case "$name" in ncclavg_cu1[23]-*) want_cuda=True ;; *) want_cuda=False ;; esac
+case "$name" in ncclavg_cu13-*) want_pypi=True ;; *) want_pypi=False ;; esac  # built with the PyPI toolkit
+
+# A PATH of everything in /usr/bin and /bin but compilers, linkers and nvcc.
+mkdir -p "$WORK/bin"
+for f in /usr/bin/* /bin/*; do
+  b=$(basename "$f")
+  case "$b" in
+    gcc*|g++*|cc|c++|cpp*|c89*|c99*|*-gcc*|*-g++*|*-cpp*|clang*|nvcc*|ld|ld.*|*-ld|*-ld.*|as|*-as|tcc) continue ;;
+  esac
+  [ -e "$WORK/bin/$b" ] || ln -s "$f" "$WORK/bin/$b"
+done
+"$PY" -m venv "$WORK/venv"
+export PATH="$WORK/venv/bin:$WORK/bin"
+unset CUDA_HOME CUDA_PATH PYTHONPATH
+for tool in gcc g++ cc c++ nvcc ld; do
+  if command -v "$tool" >/dev/null; then echo "test_wheel.sh: $tool is on PATH" >&2; exit 1; fi
+done
+cd "$WORK"
+
+say "pip install $name (no compiler on PATH)"
+pipq install --upgrade pip
+t1=$SECONDS
+pipq install --only-binary=:all: "$WHEEL"
+say "installed in $((SECONDS - t1)) s (with numpy)"
+[ "$TORCH" = 0 ] || pipq install torch==2.13.0 pytest scikit-learn tqdm
+
+say "ncclavg info"
+ncclavg info
+python - "$want_cuda" "$want_pypi" <<'PY'
+import os, sys
+import ncclavg
+want_cuda, want_pypi = sys.argv[1] == "True", sys.argv[2] == "True"
+assert "site-packages" in ncclavg.__file__ and not os.path.exists(os.path.join(os.getcwd(), "setup.py")), ncclavg.__file__
+i = ncclavg.build_info()
+assert i["cuda"] is want_cuda, i
+if want_cuda:
+    assert i["cuda_archs"] == ["80", "90"], i["cuda_archs"]
+    assert i["build"].get("pypi_toolkit") is want_pypi, i["build"]
+assert not i["nccl"]["loaded"], i["nccl"]
+assert "pip install nvidia-nccl-cu13" in i["nccl"]["error"]
+print(f"ok: cuda={i['cuda']} archs={i['cuda_archs']} runtime={i['cuda_runtime']} build: {i['build'].get('decision')}")
+PY
+pipq install nvidia-nccl-cu13
+python - <<'PY'
+import ncclavg
+n = ncclavg.build_info()["nccl"]
+assert n["loaded"] and n["source"] == "wheel", n
+print(f"ok: NCCL {n['version']} from {n['path']} ({n['source']})")
+PY
+
+if [ "$TORCH" = 0 ]; then
+  say "the core on numpy arrays (no torch)"
+  python -c 'import numpy as np, ncclavg; a = [np.full(1001, v, np.float32) for v in (1, 2, 6)]; ncclavg.ops.average_(a); assert all((x == 3).all() for x in a); print("ok: average_ of numpy arrays")'
+  say "done: $name (without torch: train and tests not run)"
+  exit 0
+fi
+
+say "ncclavg train (the default run)"
+ncclavg train --metrics "$WORK/m.jsonl" | tee "$WORK/train.log" | tail -3
+grep -q '^summary: test_accuracy=0\.9' "$WORK/train.log" || { echo "test_wheel.sh: ncclavg train did not learn" >&2; exit 1; }
+
+say "torch and ncclavg's OpenMP in one process"
+python - <<'PY'
+import torch, ncclavg
+x = [torch.randn(1 << 20) for _ in range(4)]
+ref = torch.stack(x).mean(0)
+ncclavg.ops.average_(x)
+torch.testing.assert_close(x[0], ref)
+torch.set_num_threads(2); (torch.randn(512, 512) @ torch.randn(512, 512)).sum()   # torch's OpenMP pool
+gomps = sorted({line.split()[-1] for line in open("/proc/self/maps") if "libgomp" in line})
+print("ok: average_ matches torch; OpenMP runtimes in the process:", ", ".join(p.rsplit("/", 2)[-2] + "/" + p.rsplit("/", 1)[-1] for p in gomps))
+PY
+
+say "CPU tests from a copy of tests/ (no checkout)"
+cp -r "$ROOT/tests" "$WORK/tests"
+rm -rf "$WORK/tests/__pycache__"
+# The tests that drive the installed core and need neither the checkout (setup.py, examples, bench)
+# nor a GPU; -m "not slow and not gpu" as in the README's quick suite.
+python -m pytest -q -p no:cacheprovider -m "not slow and not gpu" --rootdir "$WORK" -W ignore::pytest.PytestUnknownMarkWarning \
+  tests/test_average.py tests/test_pack.py tests/test_optim.py tests/test_master.py tests/test_bad_input.py \
+  tests/test_info.py tests/test_averager.py tests/comm/test_comm_local.py tests/train/test_trainer.py 2>&1 | tail -5
+say "done: $name"
