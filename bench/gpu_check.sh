@@ -30,7 +30,8 @@
 #   (dry run: gpu_bench.json, trainer_cpu.json, bench-local.json, bench-local.png)
 # Scratch (the dry build, the wheel, logs before packing) lives in a temp folder that is removed at exit.
 # The script checks $OUT against those rules at the end. The last lines printed are the table and one
-# RESULT line: "all steps passed", "incomplete: not run: ..." or "FAILED: ...".
+# RESULT line: "all steps passed", "incomplete: not run: ..." or "FAILED: ...", followed by
+# "; N GPU tests skipped (k: reason; ...)" when GPU tests skipped (what they test was not checked).
 # Exit status: 0 when every step ran and passed, 1 otherwise, 2 for bad usage.
 set -u
 
@@ -39,7 +40,7 @@ for arg in "$@"; do
   case "$arg" in
     --dry-run) DRY=1 ;;
     --plan) PLAN=1 ;;
-    -h|--help) sed -n '2,34p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,35p' "$0"; exit 0 ;;
     *) echo "gpu_check.sh: unknown argument '$arg' (use --dry-run, --plan)" >&2; exit 2 ;;
   esac
 done
@@ -227,11 +228,13 @@ do_tests() {
   # A test module of another area that cannot be imported here must not stop the GPU tests, one that needs
   # a missing optional package is a skip (bench/gpu_check_pytest.py, from a folder of its own so that
   # bench/'s scripts cannot shadow test imports), and one hung test must not take the whole step
-  # (pytest-timeout, when installed).
+  # (pytest-timeout, when installed: its thread method, since a test stuck in C++ with the GIL released
+  # never sees a signal). -rA puts every outcome in the log, so a step killed at its limit still says
+  # which tests had passed.
   local extra=()
-  "$PY" -c "import pytest_timeout" 2> /dev/null && extra+=(--timeout=60)
+  "$PY" -c "import pytest_timeout" 2> /dev/null && extra+=(--timeout=60 --timeout-method=thread)
   mkdir -p "$SCRATCH/plugins" && cp bench/gpu_check_pytest.py "$SCRATCH/plugins/" || return 1
-  PYTHONPATH="$SCRATCH/plugins:$PYTHONPATH" "$PY" -m pytest -m gpu -q -rs -p no:cacheprovider -p gpu_check_pytest \
+  PYTHONPATH="$SCRATCH/plugins:$PYTHONPATH" "$PY" -m pytest -m gpu -q -rA -p no:cacheprovider -p gpu_check_pytest \
     --continue-on-collection-errors "${extra[@]}" --junitxml="$KEEP/pytest-gpu.xml" -o junit_family=xunit1 tests
 }
 do_bench() {

@@ -93,9 +93,32 @@ def _grouped(steps: list[dict]) -> str:
     return "; ".join(f"{', '.join(names)} ({kind})" for kind, names in groups)
 
 
-def verdict(steps: list[dict], out_problems: list[str] = ()) -> tuple[bool, str]:
+def skipped_tests(tests: dict | None) -> str:
+    """"; N GPU tests skipped (k: reason; ...)" for the RESULT line, most common reason first, or "": a
+    step whose tests skipped did not check what they test (e.g. several ranks on one GPU with an NCCL too
+    old for it), and the line must not read as if they had passed."""
+    cases = [c for c in (tests or {}).get("cases", []) if c.get("outcome") == "skipped"]
+    count = ((tests or {}).get("counts") or {}).get("skipped", len(cases))
+    if not count:
+        return ""
+    reasons: dict[str, int] = {}
+    for c in cases:
+        why = c.get("message") or "no reason given"
+        reasons[why] = reasons.get(why, 0) + 1
+    top = sorted(reasons.items(), key=lambda kv: -kv[1])[:3]
+    more = "; ..." if len(reasons) > 3 else ""
+    return f"; {count} GPU tests skipped (" + "; ".join(f"{k}: {why}" for why, k in top) + more + ")"
+
+
+def verdict(steps: list[dict], out_problems: list[str] = (), tests: dict | None = None) -> tuple[bool, str]:
     """(all passed, the RESULT text). FAILED when a step failed or $OUT would not come back whole;
-    else incomplete when a step did not run; "all steps passed" only when every step ran and passed."""
+    else incomplete when a step did not run; "all steps passed" only when every step ran and passed.
+    GPU tests that skipped are counted at the end of the text, with their commonest reasons."""
+    ok, text = _verdict(steps, out_problems)
+    return ok, text + skipped_tests(tests)
+
+
+def _verdict(steps: list[dict], out_problems: list[str]) -> tuple[bool, str]:
     failed = [s for s in steps if s["status"] != NOT_RUN and s["status"] != "pass"]
     not_run = [s for s in steps if s["status"] == NOT_RUN]
     if failed or out_problems:
@@ -338,7 +361,7 @@ def finish(out: Path, keep: Path, dry: bool, seconds: int, budget: int) -> int:
     summary.write_text(json.dumps(doc, indent=1))
     doc["archive"] = pack(keep, out / ARCHIVE)
     files, problems = check_out(out)
-    ok, result = verdict(doc["steps"], problems)
+    ok, result = verdict(doc["steps"], problems, doc.get("tests"))
     doc.update(files=files, out_problems=problems, ok=ok, result=result)
     summary.write_text(json.dumps(doc, indent=1))
     print_table(doc, out)

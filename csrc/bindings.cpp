@@ -153,6 +153,17 @@ PYBIND11_MODULE(_C, m) {
         py::call_guard<py::gil_scoped_release>(),
         "In-place mean of N equal buffers in one pass (fp32 accumulation).");
 
+#ifdef NCCLAVG_WITH_CUDA
+  m.def("divide_", [](const Buffer& b, float divisor, uintptr_t stream) { cuda::divide_inplace(b, divisor, stream); },
+        py::arg("buffer"), py::arg("divisor"), py::arg("stream") = 0, py::call_guard<py::gil_scoped_release>(),
+        "In place on a device buffer: b / divisor in fp32, one rounding (the divide kernel of SUM + divide).");
+  m.def("nccl_parse_test_reduction", [](const std::string& value) {
+    std::string kind;
+    int divisor = 0;
+    nccl::parse_test_reduction(value, &kind, &divisor);
+    return py::make_tuple(kind, divisor);
+  }, py::arg("value"), "NCCLAVG_TEST_REDUCTION's value -> (kind, divisor; 0: the size). Tests only.");
+#endif
   m.def("core_info", &core_info);
   m.def("nccl_load", [](const std::vector<std::string>& wheel_candidates) {
     const nccl::LoadInfo* i;

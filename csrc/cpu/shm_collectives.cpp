@@ -70,15 +70,15 @@ void ShmChannel::all_reduce_sum(uintptr_t data, int64_t count, int type, double 
     unsigned char* mine = base + off * es;
     uint64_t seq;
     if (n * es <= kDirectBytes || nranks_ == 1) {
-      seq = post_round(call, [&](unsigned char* s) { std::memcpy(s, mine, static_cast<size_t>(n * es)); });
+      seq = post_round(call, [&](unsigned char* s) { copy_bytes(s, mine, n * es); });
       for (int r = 0; r < nranks_; ++r) srcs[r] = r == rank_ ? mine : slot(seq, r);
       sum_into(call.type, mine, nullptr, srcs.data(), nranks_, n, mul, div);
     } else {
       const int64_t per = slice_of(n, nranks_);
       const int64_t lo = std::min(n, rank_ * per), hi = std::min(n, lo + per);
       seq = post_round(call, [&](unsigned char* s) {   // every slice but this rank's own
-        std::memcpy(s, mine, static_cast<size_t>(lo * es));
-        std::memcpy(s + hi * es, mine + hi * es, static_cast<size_t>((n - hi) * es));
+        copy_bytes(s, mine, lo * es);
+        copy_bytes(s + hi * es, mine + hi * es, (n - hi) * es);
       });
       for (int r = 0; r < nranks_; ++r) srcs[r] = (r == rank_ ? mine : slot(seq, r)) + lo * es;
       sum_into(call.type, mine + lo * es, slot(seq, rank_) + lo * es, srcs.data(), nranks_, hi - lo, mul, div);
@@ -88,7 +88,7 @@ void ShmChannel::all_reduce_sum(uintptr_t data, int64_t count, int type, double 
         const int64_t rlo = std::min(n, r * per), rhi = std::min(n, rlo + per);
         if (rhi <= rlo) continue;
         wait_for(kReduced, seq, r, call, seq);
-        std::memcpy(mine + rlo * es, slot(seq, r) + rlo * es, static_cast<size_t>((rhi - rlo) * es));
+        copy_bytes(mine + rlo * es, slot(seq, r) + rlo * es, (rhi - rlo) * es);
       }
     }
     publish(kConsumed, seq);
@@ -114,7 +114,7 @@ void ShmChannel::reduce_scatter_sum(uintptr_t in, uintptr_t out, int64_t count, 
     const int64_t m = std::min(piece, count - off);
     const uint64_t seq = post_round(call, [&](unsigned char* s) {
       for (int d = 0; d < nranks_; ++d) {
-        if (d != rank_) std::memcpy(s + d * piece * es, src + (d * count + off) * es, static_cast<size_t>(m * es));
+        if (d != rank_) copy_bytes(s + d * piece * es, src + (d * count + off) * es, m * es);
       }
     });
     for (int r = 0; r < nranks_; ++r) {
@@ -138,11 +138,11 @@ void ShmChannel::all_gather(uintptr_t in, uintptr_t out, int64_t count, int type
   int64_t off = 0;
   do {
     const int64_t n = std::min(chunk, count - off);
-    const uint64_t seq = post_round(call, [&](unsigned char* s) { std::memcpy(s, src + off * es, static_cast<size_t>(n * es)); });
+    const uint64_t seq = post_round(call, [&](unsigned char* s) { copy_bytes(s, src + off * es, n * es); });
     for (int r = 0; r < nranks_; ++r) {
       unsigned char* to = dst + (r * count + off) * es;
       const unsigned char* from = r == rank_ ? src + off * es : slot(seq, r);
-      if (to != from) std::memmove(to, from, static_cast<size_t>(n * es));   // in may be out's own block
+      if (to != from && n > 0) std::memmove(to, from, static_cast<size_t>(n * es));   // in may be out's own block
     }
     publish(kConsumed, seq);
     off += n;
@@ -162,9 +162,9 @@ void ShmChannel::broadcast(uintptr_t data, int64_t count, int type, int root, do
     const int64_t n = std::min(chunk, count - off);
     // every rank posts (the root its data, the others only their call), so every rank checks the root
     const uint64_t seq = post_round(call, [&](unsigned char* s) {
-      if (rank_ == root) std::memcpy(s, base + off * es, static_cast<size_t>(n * es));
+      if (rank_ == root) copy_bytes(s, base + off * es, n * es);
     });
-    if (rank_ != root) std::memcpy(base + off * es, slot(seq, root), static_cast<size_t>(n * es));
+    if (rank_ != root) copy_bytes(base + off * es, slot(seq, root), n * es);
     publish(kConsumed, seq);
     off += n;
   } while (off < count);

@@ -40,6 +40,12 @@ inline ShmType checked_type(int code) {
   return static_cast<ShmType>(code);
 }
 
+// memcpy of `n` bytes that is also defined for n == 0 with a null pointer (an empty tensor's data; a
+// count-0 call still runs a round, to check the signatures: Note [Shared-memory channel] in shm_channel.cpp).
+inline void copy_bytes(void* dst, const void* src, int64_t n) {
+  if (n > 0) std::memcpy(dst, src, static_cast<size_t>(n));
+}
+
 inline void check_span(uintptr_t ptr, int64_t count, const char* argname) {
   NCCLAVG_CHECK_ARG(count >= 0, "count", "must be >= 0, got ", count);
   NCCLAVG_CHECK_ARG(count == 0 || ptr != 0, argname, "is null but count is ", count);

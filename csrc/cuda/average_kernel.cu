@@ -93,6 +93,7 @@ __device__ __forceinline__ void average_vectors(const PtrTable& t, int n, float 
       if (k0 + g >= n) break;
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
+        if (!live[u]) continue;  // a lane past nvec loaded nothing: its in[g][u] is uninitialised
 #pragma unroll
         for (int e = 0; e < V; ++e) acc[u][e] += E::to_float(in[g][u].e[e]);
       }

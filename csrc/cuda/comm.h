@@ -163,6 +163,8 @@ class NcclComm {
   std::deque<std::unique_ptr<Op>> ops_;
   uint64_t next_seq_ = 1;
   int size_ = 0;
+  int divisor_ = 0;              // what averages divide by: size_, or the test switch's
+  std::string forced_reduction_; // "" or the test switch's kind: See Note [Forcing the reduction in tests]
   int process_rank_ = 0;
   int version_ = 0;
   double timeout_s_ = 600.0;
@@ -173,6 +175,10 @@ class NcclComm {
   bool destroyed_ = false;
   std::string abort_reason_;
 };
+
+// NCCLAVG_TEST_REDUCTION's value -> kind ("avg", "premulsum", "sum_divide") and divisor (0: the size).
+// See Note [Forcing the reduction in tests] in comm_collectives.cpp.
+void parse_test_reduction(const std::string& value, std::string* kind, int* divisor);
 
 }  // namespace nccl
 }  // namespace ncclavg

@@ -1,5 +1,6 @@
 // NcclComm collectives: argument checks, the choice of reduction, and the one grouped NCCL call.
 #include <algorithm>
+#include <cstdlib>
 #include <sstream>
 
 #include "../common/check.h"
@@ -32,6 +33,33 @@ namespace nccl {
 // comm stream right after the collective, inside the same ordering, and divides in fp32 with one
 // rounding, exactly like ops.average_. A reduce-scatter never pre-scales (its input must stay intact):
 // on NCCL < 2.10 it sums and divides the output.
+
+// Note [Forcing the reduction in tests]
+// A communicator of one rank never reaches NCCL's arithmetic: the mean of one rank is its input, so
+// choose_reduction picks a plain ncclSum, and NCCL's one-rank in-place sum does nothing. A machine with
+// one GPU and an NCCL that cannot put several ranks on it would then test none of ncclAvg, PreMulSum or
+// SUM + divide. NCCLAVG_TEST_REDUCTION=<kind>[:<divisor>] (read at init; for tests only) makes every
+// averaging collective of the communicator use <kind> whatever its size and dtype:
+//   avg        ncclAvg (the divisor, if given, must be the size: NCCL divides by its rank count)
+//   premulsum  PreMulSum(1/divisor), the scalar rounded to the element type as NCCL requires
+//   sum_divide ncclSum, then the divide kernel by divisor on the output (fp32, one rounding)
+// With one rank and a divisor d, an "average" is then x * fl(1/d) or fl(x / d): results a test can
+// predict bit for bit, computed by NCCL's real one-rank kernels and by ours.
+// Parses the switch's value: kind and divisor (0: the size). Throws ArgError naming the variable.
+void parse_test_reduction(const std::string& value, std::string* kind, int* divisor) {
+  const size_t colon = value.find(':');
+  *kind = value.substr(0, colon);
+  *divisor = 0;
+  NCCLAVG_CHECK_ARG(*kind == "avg" || *kind == "premulsum" || *kind == "sum_divide", "NCCLAVG_TEST_REDUCTION",
+                    "must be avg, premulsum or sum_divide, optionally followed by :<divisor>, got '", value, "'");
+  if (colon == std::string::npos) return;
+  const std::string d = value.substr(colon + 1);
+  char* end = nullptr;
+  const long v = std::strtol(d.c_str(), &end, 10);
+  NCCLAVG_CHECK_ARG(!d.empty() && end && *end == '\0' && v >= 1 && v <= 1000000, "NCCLAVG_TEST_REDUCTION",
+                    "the divisor after ':' must be a whole number in [1, 1000000], got '", d, "'");
+  *divisor = static_cast<int>(v);
+}
 
 struct CollectivePlan {
   enum Kind { kAllReduce, kReduceScatter, kAllGather } kind;
@@ -176,11 +204,26 @@ bool parse_average(const std::string& op) {
 namespace {
 
 // See Note [Choosing the reduction]. `may_prescale`: the collective may overwrite its input.
-void choose_reduction(CollectivePlan& p, int size, bool average, bool predivide, bool may_prescale) {
+// `forced`: See Note [Forcing the reduction in tests].
+void choose_reduction(CollectivePlan& p, int size, bool average, bool predivide, bool may_prescale,
+                      const std::string& forced = "") {
   p.op = ncclSum;
   p.premulsum = p.prescale = p.postscale = false;
-  if (!average || size == 1) return;
   const bool has_avg = at_least(since::kAvg);
+  if (average && !forced.empty()) {
+    if (forced == "avg") {
+      NCCLAVG_CHECK_ARG(has_avg, "NCCLAVG_TEST_REDUCTION", "avg needs NCCL >= 2.10");
+      p.op = ncclAvg;
+    } else if (forced == "premulsum") {
+      NCCLAVG_CHECK_ARG(api().RedOpCreatePreMulSum && at_least(since::kPreMulSum), "NCCLAVG_TEST_REDUCTION",
+                        "premulsum needs NCCL >= 2.11");
+      p.premulsum = true;
+    } else {
+      p.postscale = true;
+    }
+    return;
+  }
+  if (!average || size == 1) return;
   if (predivide) {
     if (api().RedOpCreatePreMulSum && at_least(since::kPreMulSum)) {
       p.premulsum = true;
@@ -200,7 +243,7 @@ void choose_reduction(CollectivePlan& p, int size, bool average, bool predivide,
   }
 }
 
-std::string reduction_name(const CollectivePlan& p, int size) {
+std::string reduction_name(const CollectivePlan& p, int size) {   // size: the divisor
   std::ostringstream os;
   if (p.prescale) os << "divide by " << size << " + ";
   if (p.premulsum) {
@@ -226,8 +269,8 @@ std::string describe(const CollectivePlan& p, const std::string& tag, const std:
 std::string NcclComm::reduction(DType dtype, bool predivide, const std::string& op, bool all_reduce) const {
   CollectivePlan p;
   p.dtype = dtype;
-  choose_reduction(p, size_, parse_average(op), predivide, all_reduce);
-  return reduction_name(p, size_);
+  choose_reduction(p, size_, parse_average(op), predivide, all_reduce, forced_reduction_);
+  return reduction_name(p, divisor_);
 }
 
 ncclRedOp_t NcclComm::premulsum_locked(size_t i, DType dtype, const Deadline& deadline) {
@@ -237,7 +280,7 @@ ncclRedOp_t NcclComm::premulsum_locked(size_t i, DType dtype, const Deadline& de
   const Api& a = api();
   NCCLAVG_CHECK_INTERNAL(a.RedOpCreatePreMulSum != nullptr, "PreMulSum chosen but ncclRedOpCreatePreMulSum is missing");
   // The scalar has the element type; NCCL keeps a copy (ncclScalarHostImmediate).
-  const float inv = static_cast<float>(1.0 / size_);
+  const float inv = static_cast<float>(1.0 / divisor_);
   float f32 = inv;
   _Float16 f16 = static_cast<_Float16>(inv);
   uint16_t bf16 = ew::float_to_bf16_bits(inv);
@@ -283,7 +326,7 @@ uint64_t NcclComm::run_locked(const CollectivePlan& p, const std::vector<uintptr
     cuda::DeviceGuard guard(d.device);
     NCCLAVG_CUDA_CHECK(cudaEventRecord(d.ready, reinterpret_cast<cudaStream_t>(after[i])));
     NCCLAVG_CUDA_CHECK(cudaStreamWaitEvent(d.stream, d.ready, 0));
-    if (p.prescale) cuda::divide_inplace(p.send[i], static_cast<float>(size_), reinterpret_cast<uintptr_t>(d.stream));
+    if (p.prescale) cuda::divide_inplace(p.send[i], static_cast<float>(divisor_), reinterpret_cast<uintptr_t>(d.stream));
   }
 
   // ONE grouped call over the local devices. No exception may leave between GroupStart and GroupEnd.
@@ -328,7 +371,7 @@ uint64_t NcclComm::run_locked(const CollectivePlan& p, const std::vector<uintptr
   for (size_t i = 0; i < n; ++i) {
     Device& d = *dev_[i];
     cuda::DeviceGuard guard(d.device);
-    if (p.postscale) cuda::divide_inplace(p.recv[i], static_cast<float>(size_), reinterpret_cast<uintptr_t>(d.stream));
+    if (p.postscale) cuda::divide_inplace(p.recv[i], static_cast<float>(divisor_), reinterpret_cast<uintptr_t>(d.stream));
     NCCLAVG_CUDA_CHECK(cudaEventRecord(op->done[i], d.stream));
   }
   op->seq = next_seq_++;
@@ -359,7 +402,7 @@ uint64_t NcclComm::all_reduce(const std::vector<Buffer>& buffers, const std::vec
   p.count = static_cast<size_t>(buffers[0].numel);
   p.dtype = buffers[0].dtype;
   p.bytes = buffers[0].nbytes();
-  choose_reduction(p, size_, average, predivide, /*may_prescale=*/true);
+  choose_reduction(p, size_, average, predivide, /*may_prescale=*/true, forced_reduction_);
   p.what = describe(p, tag, where());
   return run_locked(p, after_streams, timeout_s);
 }
@@ -383,7 +426,7 @@ uint64_t NcclComm::reduce_scatter(const std::vector<Buffer>& inputs, const std::
   p.count = static_cast<size_t>(outputs[0].numel);
   p.dtype = inputs[0].dtype;
   p.bytes = inputs[0].nbytes();
-  choose_reduction(p, size_, average, predivide, /*may_prescale=*/false);
+  choose_reduction(p, size_, average, predivide, /*may_prescale=*/false, forced_reduction_);
   p.what = describe(p, tag, where());
   return run_locked(p, after_streams, timeout_s);
 }

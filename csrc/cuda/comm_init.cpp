@@ -162,7 +162,11 @@ std::unique_ptr<NcclComm> NcclComm::create(const std::vector<int>& devices, int 
     auto dev = std::make_unique<Device>();
     dev->device = d;
     cuda::DeviceGuard guard(d);
-    NCCLAVG_CUDA_CHECK(cudaStreamCreateWithFlags(&dev->stream, cudaStreamNonBlocking));
+    // The highest priority the device offers (DDP's comm streams do the same): a bucket's collective,
+    // issued while backward still queues kernels, is scheduled ahead of them, so the overlap holds.
+    int least = 0, greatest = 0;
+    NCCLAVG_CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&least, &greatest));
+    NCCLAVG_CUDA_CHECK(cudaStreamCreateWithPriority(&dev->stream, cudaStreamNonBlocking, greatest));
     NCCLAVG_CUDA_CHECK(cudaEventCreateWithFlags(&dev->ready, cudaEventDisableTiming));
     c->dev_.push_back(std::move(dev));
   }
@@ -238,12 +242,20 @@ void NcclComm::init_comms(const ncclUniqueId& id, int nranks, const std::vector<
                           const std::string& what) {
   std::lock_guard<std::mutex> lock(mu_);
   const Deadline deadline = deadline_in(timeout_s_);  // init and split share one limit
+  int forced_divisor = 0;   // See Note [Forcing the reduction in tests] in comm_collectives.cpp
+  if (const char* v = std::getenv("NCCLAVG_TEST_REDUCTION"); v && v[0]) {
+    parse_test_reduction(v, &forced_reduction_, &forced_divisor);
+    NCCLAVG_CHECK_ARG(forced_reduction_ != "avg" || forced_divisor == 0 || forced_divisor == nranks,
+                      "NCCLAVG_TEST_REDUCTION", "avg divides by the number of ranks (", nranks,
+                      "); no other divisor can be given, got ", forced_divisor);
+  }
   const bool nonblocking_init = api().CommInitRankConfig != nullptr;
   const bool split = choose_mode_locked(nonblocking_init, want_blocking);
   start_init_locked(id, nranks, comm_ranks, nonblocking_init, what);
   if (nonblocking_init) poll_ready_locked(deadline, what);
   if (split) split_blocking_locked(comm_ranks, deadline, what);
   read_back_locked(nranks, comm_ranks);
+  divisor_ = forced_divisor ? forced_divisor : size_;
   ready_ = true;
 }
 

@@ -10,7 +10,9 @@
 // destination reach a 16-byte boundary after the SAME number of head elements; otherwise it is copied
 // element by element (correct, just slower: bucket slots are 256-byte aligned, so this is rare).
 // Only the access width changes: every element goes through the same load -> fp32 -> math -> store
-// sequence as in the scalar path (and as in the CPU kernels), so results stay bit for bit identical.
+// sequence as in the scalar path (and as in the CPU kernels), so results stay bit for bit identical,
+// NaNs aside: a NaN converted from or to fp16, or to bf16, comes out as the canonical NaN on the device
+// (the CUDA headers' conversions), where the CPU kernels keep its sign and payload. It stays a NaN.
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>

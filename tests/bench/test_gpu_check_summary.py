@@ -267,3 +267,20 @@ def test_finish_all_passed_and_too_many_files(gc, tmp_path, capsys):
     last = capsys.readouterr().out.rstrip().splitlines()[-1]
     assert last.startswith("  RESULT: FAILED: $OUT would not come back whole") and "9 files" in last
     assert json.loads((out / "gpu_check.json").read_text())["ok"] is False
+
+
+def test_skipped_gpu_tests_are_counted_with_their_reasons(gc):
+    """A tests step that passed with skips must say so: those paths were not checked."""
+    tests = {"counts": {"passed": 3, "failed": 0, "error": 0, "skipped": 5, "total": 8},
+             "cases": [{"id": f"t{i}", "outcome": "skipped", "message": "needs NCCL >= 2.30, found 2.28.9"}
+                       for i in range(3)] +
+                      [{"id": "u", "outcome": "skipped", "message": "needs 2 CUDA devices, 1 visible"},
+                       {"id": "v", "outcome": "skipped"}, {"id": "w", "outcome": "passed"}]}
+    ok, text = gc.verdict(steps(("build", "pass"), ("tests", "pass")), tests=tests)
+    assert ok
+    assert text == ("all steps passed; 5 GPU tests skipped (3: needs NCCL >= 2.30, found 2.28.9; "
+                    "1: needs 2 CUDA devices, 1 visible; 1: no reason given)")
+    none = {"counts": {"passed": 3, "failed": 0, "error": 0, "skipped": 0, "total": 3}, "cases": []}
+    assert gc.verdict(steps(("build", "pass")), tests=none) == (True, "all steps passed")
+    ok, text = gc.verdict(steps(("tests", "fail")), tests=tests)
+    assert not ok and text.startswith("FAILED: tests; 5 GPU tests skipped (3: needs NCCL")

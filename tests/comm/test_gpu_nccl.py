@@ -51,6 +51,16 @@ def test_properties(comm):
     assert not comm.aborted and not comm.destroyed and comm.timeout == 120.0
     assert len(comm.streams) == n and all(s != 0 for s in comm.streams)
     assert "NcclComm(size=" in repr(comm)
+    # the comm streams have the device's greatest priority (numerically the lowest), like DDP's; torch's
+    # own pools stop at a few levels, so the comm stream's is at least as high as torch's highest
+    for d, s in zip(comm.devices, comm.streams):
+        with torch.cuda.device(d):
+            torch_highest = torch.cuda.Stream(priority=-100).priority   # torch clamps to what it has
+            got = torch.cuda.ExternalStream(s).priority
+            assert got < 0 and got <= torch_highest, (d, got, torch_highest)
+    # See Note [Connections inside the bounded init]: blocking collectives make their connections at init
+    if comm.collective_mode == "blocking" and nccl_version() >= (2, 22, 0):
+        assert "NCCL_RUNTIME_CONNECT" in comm.collective_mode_reason, comm.collective_mode_reason
 
 
 @pytest.mark.parametrize("dtype", TORCH_DTYPES)

@@ -25,10 +25,12 @@ pytestmark = pytest.mark.gpu
 WORKER = TESTS / "_nccl_rank_worker.py"
 
 
-def rank_env(shared_gpu: bool) -> dict:
+def rank_env(shared_gpu: bool, nranks: int = 2) -> dict:
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     if shared_gpu:
         env.update(NCCL_MULTI_RANK_GPU_ENABLE="1", NCCL_NVLS_ENABLE="0")
+        if nranks > 2:   # NCCL 2.30's docs: more than 2 ranks on one GPU may hang without enough resources
+            env.update(NCCL_MAX_CTAS="2")
     return env
 
 
@@ -36,7 +38,7 @@ def spawn(mode, nranks, rank, device, uid=b"", timeout=60.0, shared_gpu=False):
     cmd = [sys.executable, str(WORKER), "--mode", mode, "--nranks", str(nranks), "--rank", str(rank),
            "--device", str(device), "--timeout", str(timeout), "--uid", uid.hex()]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=rank_env(shared_gpu), cwd=str(ROOT))
+                            env=rank_env(shared_gpu, nranks), cwd=str(ROOT))
 
 
 def result(proc, limit) -> dict:
@@ -120,7 +122,9 @@ def test_rank_whose_peer_never_starts_times_out():
     assert "did not complete within 5 s" in res["message"] and "aborted" in res["message"]
 
 
-def test_collective_that_a_peer_never_joins_times_out():
+def two_ranks_rank0_result(mode: str) -> dict:
+    """Runs `mode` on 2 ranks (2 GPUs, or 2 ranks on one GPU where NCCL allows it); rank 1 is killed once
+    rank 0 has reported. Returns rank 0's result."""
     require_nccl_comm()
     import torch
 
@@ -130,12 +134,16 @@ def test_collective_that_a_peer_never_joins_times_out():
         require_multi_rank_gpu()
         devices, shared = [0, 0], True
     uid = _ext.nccl_unique_id()
-    procs = [spawn("hang", 2, r, d, uid, timeout=60.0, shared_gpu=shared) for r, d in enumerate(devices)]
+    procs = [spawn(mode, 2, r, d, uid, timeout=60.0, shared_gpu=shared) for r, d in enumerate(devices)]
     try:
-        res = result(procs[0], 120)
+        return result(procs[0], 120)
     finally:
         procs[1].kill()
         procs[1].communicate()
+
+
+def test_collective_that_a_peer_never_joins_times_out():
+    res = two_ranks_rank0_result("hang")
     assert res["ok"], res["failures"]
     assert res["elapsed"] < 5.0 + 10.0
     msg = res["message"]
@@ -147,21 +155,7 @@ def test_peer_lost_before_the_first_collective_is_an_error_not_a_hang():
     """Note [Connections inside the bounded init] (comm_init.cpp): with connections made during init, the
     first collective after a peer died is enqueued and then times out, instead of hanging in a blocking
     ncclGroupEnd that connects to a dead peer."""
-    require_nccl_comm()
-    import torch
-
-    if torch.cuda.device_count() >= 2:
-        devices, shared = [0, 1], False
-    else:
-        require_multi_rank_gpu()
-        devices, shared = [0, 0], True
-    uid = _ext.nccl_unique_id()
-    procs = [spawn("dies_before_first", 2, r, d, uid, timeout=60.0, shared_gpu=shared) for r, d in enumerate(devices)]
-    try:
-        res = result(procs[0], 120)
-    finally:
-        procs[1].kill()
-        procs[1].communicate()
+    res = two_ranks_rank0_result("dies_before_first")
     assert res["ok"], res["failures"]
     assert res["elapsed"] < 5.0 + 10.0, res
     assert "first bucket" in res["message"], res["message"]
@@ -191,7 +185,7 @@ def test_towers_of_several_processes(counts):
                str(p), "--device", str(devs[0]), "--timeout", "120", "--devices", ",".join(map(str, devs)),
                "--counts", ",".join(map(str, counts)), "--port", str(port)]
         procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                      env=rank_env(shared), cwd=str(ROOT)))
+                                      env=rank_env(shared, total), cwd=str(ROOT)))
     try:
         results = [result(proc, 300) for proc in procs]
     finally:
