@@ -66,20 +66,8 @@ void run_case(const AverageCase& c, uint64_t seed, Tally& t) {
     instantiate(c, seed, device, *a, bufs);
     const std::string where = label + " [" + ncclavg_emu::order_name(order) + "]";
     ncclavg_emu::set_order(order, seed);
-    ncclavg_emu::reset_launch_log();
-    ++t.runs;
-    try {
-      ncclavg::cuda::average_inplace(bufs, stream);
-    } catch (const std::exception& e) {
-      t.fail("EXCEPTION " + where + ": " + e.what());
-      return;
-    }
-    const ncclavg_emu::LaunchLog& log = ncclavg_emu::launch_log();
-    if (log.launches != want_launches || log.refused != 0 ||
-        (log.launches > 0 && (log.last_device != device || log.last_stream != stream))) {
-      t.fail("LAUNCHES " + where + ": " + std::to_string(log.launches) + " launches on device " +
-             std::to_string(log.last_device) + ", want " + std::to_string(want_launches) + " on device " +
-             std::to_string(device) + " and the given stream");
+    if (!run_checked(where, want_launches, device, stream, t,
+                     [&] { ncclavg::cuda::average_inplace(bufs, stream); })) {
       return;
     }
     for (int k = 0; k < c.n; ++k) {

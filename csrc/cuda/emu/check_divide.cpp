@@ -48,20 +48,9 @@ void run_case(DType dt, int64_t numel, size_t misalign, float divisor, uint64_t 
     std::memcpy(g.data(), input.data(), bytes);
     const std::string where = label + " [" + ncclavg_emu::order_name(order) + "]";
     ncclavg_emu::set_order(order, seed);
-    ncclavg_emu::reset_launch_log();
-    ++t.runs;
-    try {
-      ncclavg::cuda::divide_inplace(Buffer{reinterpret_cast<uintptr_t>(g.data()), numel, dt, device, false}, divisor,
-                                    stream);
-    } catch (const std::exception& e) {
-      t.fail("EXCEPTION " + where + ": " + e.what());
-      return;
-    }
-    const ncclavg_emu::LaunchLog& log = ncclavg_emu::launch_log();
-    if (log.launches != want_launches || log.refused != 0 ||
-        (log.launches > 0 && (log.last_device != device || log.last_stream != stream))) {
-      t.fail("LAUNCHES " + where + ": " + std::to_string(log.launches) + ", want " + std::to_string(want_launches) +
-             " on device " + std::to_string(device) + " and the given stream");
+    const Buffer b{reinterpret_cast<uintptr_t>(g.data()), numel, dt, device, false};
+    if (!run_checked(where, want_launches, device, stream, t,
+                     [&] { ncclavg::cuda::divide_inplace(b, divisor, stream); })) {
       return;
     }
     int64_t nan_diffs = 0;
