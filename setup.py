@@ -265,6 +265,9 @@ class BuildExt(build_ext):
         if cuda:
             archs = ";".join(cuda["archs"])
             defines += ["-DNCCLAVG_WITH_CUDA", f'-DNCCLAVG_CUDA_ARCHS="{archs}"']
+            if min(int(re.match(r"\d+", a).group()) for a in cuda["archs"]) < 70:
+                # kernel parameters above 4 KiB need sm_70+ (Note [Pack chunk table] in pack_kernel.cu)
+                defines.append("-DNCCLAVG_PACK_SMALL_TABLE_ONLY")
             include.append(str(Path(cuda["home"]) / "include"))
             if (Path(cuda["home"]) / "include" / "cccl").is_dir():  # the PyPI layout (nvcc.profile misses it)
                 include.append(str(Path(cuda["home"]) / "include" / "cccl"))

@@ -144,7 +144,9 @@ def test_many_tensors_exact_round_trip(dtype):
     torch = require_pack()
     dt = tdtype(torch, dtype)
     gen = torch.Generator().manual_seed(3)
-    sizes = [int(s) for s in torch.randint(0, 3000, (1000,), generator=gen)]
+    # 2,100 tensors (about 1/3000 of them empty): two full large tables and part of a third, or 18 small
+    # ones on a driver without large kernel parameters (See Note [Pack chunk table])
+    sizes = [int(s) for s in torch.randint(0, 3000, (2100,), generator=gen)]
     srcs = [(torch.randint(-64, 64, (n,), generator=gen) * 2.0 ** torch.randint(-4, 4, (n,), generator=gen))
             .float().cuda() for n in sizes]
     offs, total = layout(sizes, torch.empty((), dtype=dt).element_size())

@@ -10,7 +10,9 @@
 namespace ncclavg {
 namespace cuda {
 
-// Enqueues ONE kernel launch on `stream` that runs every segment (device `device`), asynchronously.
+// Enqueues the kernel launches that run every segment on `stream` (device `device`), asynchronously:
+// one for up to 1020 segments where the driver and device allow 32 KiB of kernel parameters, else one
+// per 120 (See Note [Pack chunk table] in pack_kernel.cu).
 void run_segments(const std::vector<CopySegment>& segs, float mul, float div, int device, uintptr_t stream);
 
 void pack(const std::vector<Buffer>& srcs, const Buffer& dst, const std::vector<int64_t>& offsets, float mul,

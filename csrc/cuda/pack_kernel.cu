@@ -5,13 +5,22 @@
 // Every segment (one tensor <-> its bucket slot) is cut into chunks of kChunk elements; block b handles
 // one chunk. The table travels in the KERNEL PARAMETERS, like apex's: a segment entry holds the
 // pointers, dtypes, size and the first block that works on it, and a block finds its segment by a
-// binary search over those first blocks (7 steps for a full table, on uniform constant-bank loads).
-// Parameters need no copy of their own: no cudaMemcpyAsync from pageable memory, which the driver may
-// turn into a wait for the stream (inside a backward hook that would stall the host until the
-// backward kernels queued so far have run), no stream-ordered allocation, no host synchronisation. The
-// price is the 4 KiB parameter limit (every toolkit and architecture): a table holds kMaxSegments
-// segments, so a bucket of more tensors takes one launch per kMaxSegments of them (a few microseconds
-// of launch each, on the same stream, in order).
+// binary search over those first blocks (7 steps for a small table, 10 for a large one, on uniform
+// constant-bank loads). Parameters need no copy of their own: no cudaMemcpyAsync from pageable memory,
+// which the driver may turn into a wait for the stream (inside a backward hook that would stall the
+// host until the backward kernels queued so far have run), no stream-ordered allocation, no host
+// synchronisation.
+// The price is the parameter limit. Every toolkit and architecture allows 4 KiB: a small table of
+// kSmallSegments (120) entries. CUDA 12.1 raised the limit to 32,764 bytes on Volta and newer (sm_70+),
+// when the driver is 12.1 or newer as well: a large table of kLargeSegments (1020) entries, so a bucket
+// of up to 1020 tensors takes ONE launch. run_segments uses the small table when it holds the whole
+// bucket (a launch copies its whole parameter block, so 32 KiB for a bucket of 5 tensors would be
+// waste), the large one when the bucket needs more and the device and driver allow it, and otherwise
+// one small launch per 120 segments (a few microseconds of launch each, on the same stream, in order).
+// A build with an architecture older than sm_70 (NCCLAVG_CUDA_ARCHS) compiles no large table: setup.py
+// then defines NCCLAVG_PACK_SMALL_TABLE_ONLY, since nvcc refuses large parameters for those targets.
+// The large kernel's table is __grid_constant__: read in place from the constant bank even with a
+// dynamic index, never copied to per-thread local memory.
 // Chunks of kChunk = 8192 elements give a 25 MiB fp32 bucket 800 blocks (several waves on an H200's
 // 132 SMs) while each thread still moves 32-64 bytes per chunk in 16-byte accesses with kUnroll loads
 // in flight. See Note [16-byte accesses] in vector_io.h.
@@ -32,7 +41,11 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int kUnroll = 4;          // independent vector loads in flight per thread
 constexpr int64_t kChunk = 8192;    // elements per block; a multiple of every vector width
-constexpr int kMaxSegments = 120;   // per launch: the table must fit the 4 KiB parameter limit
+
+
+#if CUDART_VERSION >= 12010 && !defined(NCCLAVG_PACK_SMALL_TABLE_ONLY)
+#define NCCLAVG_PACK_LARGE_TABLE 1
+#endif
 
 struct SegmentEntry {
   const void* src;
@@ -43,11 +56,20 @@ struct SegmentEntry {
   int16_t dst_dtype;
 };
 
+template <int kCapacity>
 struct SegmentTable {
-  SegmentEntry seg[kMaxSegments];
+  static constexpr int kSize = kCapacity;
+  SegmentEntry seg[kCapacity];
   int32_t count;
 };
-static_assert(sizeof(SegmentTable) + 2 * sizeof(float) <= 4096, "kernel parameters are limited to 4 KiB");
+
+// See Note [Pack chunk table]. The two floats are the kernel's other parameters.
+constexpr int kSmallSegments = 120;
+constexpr int kLargeSegments = 1020;
+static_assert(sizeof(SegmentTable<kSmallSegments>) + 2 * sizeof(float) <= 4096,
+              "a small table must fit the 4 KiB parameter limit of every toolkit and architecture");
+static_assert(sizeof(SegmentTable<kLargeSegments>) + 2 * sizeof(float) <= 32764,
+              "a large table must fit the 32,764-byte parameter limit of CUDA 12.1 on sm_70+");
 
 template <typename S, typename D, int kMode>
 __device__ __forceinline__ typename D::T convert(typename S::T x, float mul, float div) {
@@ -121,7 +143,8 @@ __device__ __forceinline__ void dispatch_dst(const SegmentEntry& s, int64_t star
 }
 
 // The entry whose blocks include `block`: the last one with first_block <= block.
-__device__ __forceinline__ int find_segment(const SegmentTable& t, int block) {
+template <typename Table>
+__device__ __forceinline__ int find_segment(const Table& t, int block) {
   int lo = 0, hi = t.count - 1;
   while (lo < hi) {
     const int mid = (lo + hi + 1) / 2;
@@ -134,8 +157,8 @@ __device__ __forceinline__ int find_segment(const SegmentTable& t, int block) {
   return lo;
 }
 
-template <int kMode>
-__global__ void __launch_bounds__(kThreads) pack_kernel(const SegmentTable table, float mul, float div) {
+template <int kMode, typename Table>
+__device__ __forceinline__ void run_block(const Table& table, float mul, float div) {
   const SegmentEntry s = table.seg[find_segment(table, blockIdx.x)];
   const int64_t start = static_cast<int64_t>(blockIdx.x - s.first_block) * kChunk;
   const int n = static_cast<int>(s.numel - start < kChunk ? s.numel - start : kChunk);
@@ -146,7 +169,21 @@ __global__ void __launch_bounds__(kThreads) pack_kernel(const SegmentTable table
   }
 }
 
-void launch(const SegmentTable& table, unsigned blocks, float mul, float div, cudaStream_t st) {
+template <int kMode>
+__global__ void __launch_bounds__(kThreads) pack_kernel(const SegmentTable<kSmallSegments> table, float mul,
+                                                        float div) {
+  run_block<kMode>(table, mul, div);
+}
+
+#ifdef NCCLAVG_PACK_LARGE_TABLE
+template <int kMode>
+__global__ void __launch_bounds__(kThreads) pack_kernel_large(const __grid_constant__ SegmentTable<kLargeSegments> table,
+                                                              float mul, float div) {
+  run_block<kMode>(table, mul, div);
+}
+#endif
+
+void launch(const SegmentTable<kSmallSegments>& table, unsigned blocks, float mul, float div, cudaStream_t st) {
   switch (ew::pack_mode(mul, div)) {
     case ew::kPackCopy: pack_kernel<ew::kPackCopy><<<blocks, kThreads, 0, st>>>(table, mul, div); break;
     case ew::kPackMul: pack_kernel<ew::kPackMul><<<blocks, kThreads, 0, st>>>(table, mul, div); break;
@@ -156,24 +193,37 @@ void launch(const SegmentTable& table, unsigned blocks, float mul, float div, cu
   NCCLAVG_CUDA_CHECK_LAUNCH();
 }
 
+#ifdef NCCLAVG_PACK_LARGE_TABLE
+void launch(const SegmentTable<kLargeSegments>& table, unsigned blocks, float mul, float div, cudaStream_t st) {
+  switch (ew::pack_mode(mul, div)) {
+    case ew::kPackCopy: pack_kernel_large<ew::kPackCopy><<<blocks, kThreads, 0, st>>>(table, mul, div); break;
+    case ew::kPackMul: pack_kernel_large<ew::kPackMul><<<blocks, kThreads, 0, st>>>(table, mul, div); break;
+    case ew::kPackDiv: pack_kernel_large<ew::kPackDiv><<<blocks, kThreads, 0, st>>>(table, mul, div); break;
+    default: pack_kernel_large<ew::kPackMulDiv><<<blocks, kThreads, 0, st>>>(table, mul, div); break;
+  }
+  NCCLAVG_CUDA_CHECK_LAUNCH();
+}
+
+// Whether `device` takes the large table: CUDA 12.1+ driver and compute capability 7.0+.
+bool large_table_allowed(int device) {
+  int driver = 0, major = 0;
+  NCCLAVG_CUDA_CHECK(cudaDriverGetVersion(&driver));
+  NCCLAVG_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  return driver >= 12010 && major >= 7;
+}
+#endif
+
 int64_t chunks_of(int64_t numel) { return (numel + kChunk - 1) / kChunk; }
 
-}  // namespace
-
-void run_segments(const std::vector<CopySegment>& segs, float mul, float div, int device, uintptr_t stream) {
+// Fills tables of Table's size and launches each when full (see Note [Pack chunk table]).
+template <typename Table>
+void launch_tables(const std::vector<CopySegment>& segs, float mul, float div, cudaStream_t st) {
   constexpr int64_t kMaxBlocks = 0x7fffffff;  // gridDim.x, and first_block is an int32
-  for (const CopySegment& s : segs) {
-    NCCLAVG_CHECK_ARG(chunks_of(s.numel) <= kMaxBlocks, "srcs", "a tensor of ", s.numel,
-                      " elements is too large for one launch");
-  }
-  DeviceGuard guard(device);
-  cudaStream_t st = reinterpret_cast<cudaStream_t>(stream);
-  // See Note [Pack chunk table]: fill a table, launch it when full, start the next one.
-  SegmentTable table{};
+  Table table{};
   int64_t blocks = 0;
   for (const CopySegment& s : segs) {
     if (s.numel == 0) continue;
-    if (table.count == kMaxSegments || blocks + chunks_of(s.numel) > kMaxBlocks) {
+    if (table.count == Table::kSize || blocks + chunks_of(s.numel) > kMaxBlocks) {
       launch(table, static_cast<unsigned>(blocks), mul, div, st);
       table.count = 0;
       blocks = 0;
@@ -184,6 +234,26 @@ void run_segments(const std::vector<CopySegment>& segs, float mul, float div, in
     blocks += chunks_of(s.numel);
   }
   if (table.count > 0) launch(table, static_cast<unsigned>(blocks), mul, div, st);
+}
+
+}  // namespace
+
+void run_segments(const std::vector<CopySegment>& segs, float mul, float div, int device, uintptr_t stream) {
+  int64_t live = 0;
+  for (const CopySegment& s : segs) {
+    NCCLAVG_CHECK_ARG(chunks_of(s.numel) <= 0x7fffffff, "srcs", "a tensor of ", s.numel,
+                      " elements is too large for one launch");
+    live += s.numel > 0;
+  }
+  DeviceGuard guard(device);
+  cudaStream_t st = reinterpret_cast<cudaStream_t>(stream);
+#ifdef NCCLAVG_PACK_LARGE_TABLE
+  if (live > kSmallSegments && large_table_allowed(device)) {
+    launch_tables<SegmentTable<kLargeSegments>>(segs, mul, div, st);
+    return;
+  }
+#endif
+  launch_tables<SegmentTable<kSmallSegments>>(segs, mul, div, st);
 }
 
 void pack(const std::vector<Buffer>& srcs, const Buffer& dst, const std::vector<int64_t>& offsets, float mul,

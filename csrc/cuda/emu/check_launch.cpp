@@ -21,6 +21,12 @@ __global__ void record_param(int v, int* out) {
 // Records the order threads ran in.
 __global__ void record_order(int* out, int* next) { out[(*next)++] = static_cast<int>(blockIdx.x * blockDim.x + threadIdx.x); }
 
+// Parameters above the portable 4 KiB: allowed only on some systems (Note [Kernel parameter limit]).
+struct BigParams {
+  int v[2000];
+};
+__global__ void record_big(const __grid_constant__ BigParams p, int* out) { out[threadIdx.x] = p.v[1999 - threadIdx.x]; }
+
 }  // namespace
 
 namespace emu_harness {
@@ -69,6 +75,30 @@ void check_launch_rules(Tally& t) {
     const bool cleared = cudaGetLastError() != cudaSuccess && cudaGetLastError() == cudaSuccess;
     if (!refused || !sticky || !cleared) t.fail("LAUNCH RULES: a bad configuration was not refused like the runtime does");
   }
+  // A parameter block above 4 KiB runs on a 12.1+ driver and an sm_70+ device, and is refused (the
+  // kernel does not run, the error sticks) on an older driver or device.
+  const struct {
+    ncclavg_emu::EmulatedSystem sys;
+    bool runs;
+  } big_cases[] = {{{13000, 9, 0}, true}, {{12010, 7, 0}, true}, {{12000, 9, 0}, false}, {{13000, 6, 1}, false}};
+  static BigParams big;
+  for (int k = 0; k < 2000; ++k) big.v[k] = k;
+  for (const auto& bc : big_cases) {
+    ++t.cases;
+    ncclavg_emu::set_system(bc.sys);
+    ncclavg_emu::reset_launch_log();
+    int out[2] = {-1, -1};
+    launch_kernel(record_big, 1, 2)(big, out);
+    const cudaError_t e = cudaGetLastError();
+    const bool ran = out[0] == 1999 && out[1] == 1998 && e == cudaSuccess;
+    const bool refused = out[0] == -1 && e == cudaErrorNotSupported && ncclavg_emu::launch_log().refused == 1;
+    if (bc.runs ? !ran : !refused) {
+      t.fail("LAUNCH RULES: a kernel with " + std::to_string(sizeof(BigParams)) + " bytes of parameters on driver " +
+             std::to_string(bc.sys.driver_version) + ", sm_" + std::to_string(bc.sys.cc_major) +
+             std::to_string(bc.sys.cc_minor) + (bc.runs ? " did not run" : " was not refused"));
+    }
+  }
+  ncclavg_emu::set_system(ncclavg_emu::EmulatedSystem{});
   ++t.cases;
   if (cudaSetDevice(ncclavg_emu::kDeviceCount) != cudaErrorInvalidDevice || cudaGetLastError() != cudaErrorInvalidDevice) {
     t.fail("LAUNCH RULES: cudaSetDevice accepted a device that does not exist");

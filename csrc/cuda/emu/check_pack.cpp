@@ -18,8 +18,19 @@ namespace {
 using ncclavg::Buffer;
 using ncclavg::dtype_size;
 
-constexpr int64_t kChunk = 8192;      // pack_kernel.cu's elements per block
-constexpr int64_t kMaxSegments = 120;  // and its segments per launch
+constexpr int64_t kChunk = 8192;          // pack_kernel.cu's elements per block
+constexpr int64_t kSmallSegments = 120;   // its segments per launch in a 4 KiB parameter block
+constexpr int64_t kLargeSegments = 1020;  // and in a large one (32,764 bytes)
+
+// The launches the entry points should make for `nsegs` non-empty segments on the emulated system:
+// See Note [Pack chunk table] (one small table when it holds them all, else large tables where the
+// driver and device allow them, else one small table per 120).
+int64_t expected_launches(size_t nsegs) {
+  const ncclavg_emu::EmulatedSystem& sys = ncclavg_emu::emulated_system();
+  const bool large = static_cast<int64_t>(nsegs) > kSmallSegments && sys.driver_version >= 12010 && sys.cc_major >= 7;
+  const int64_t per = large ? kLargeSegments : kSmallSegments;
+  return (static_cast<int64_t>(nsegs) + per - 1) / per;
+}
 
 struct TensorSpec {
   DType dtype;
@@ -121,7 +132,7 @@ void run_case(const PackCase& c, uint64_t seed, Tally& t) {
     t.fail("BAD CASE " + c.label + ": the CPU plan refused it: " + e.what());
     return;
   }
-  const int64_t want_launches = static_cast<int64_t>((nsegs + kMaxSegments - 1) / kMaxSegments);
+  const int64_t want_launches = expected_launches(nsegs);
   const int device = static_cast<int>(seed % ncclavg_emu::kDeviceCount);
   const uintptr_t stream = 0x5000 + 16 * (seed % 4096);  // an opaque handle, as the binding passes it
   std::unique_ptr<Instance> first;
@@ -236,35 +247,51 @@ void check_pack(Tally& t, bool quick) {
       }
     }
   }
-  // 3. More segments than one launch's table (See Note [Pack chunk table]): exactly 120, 121, 240 and
-  //    250 non-empty ones, with empty tensors, mixed dtypes, random misalignments and in-place views.
+  // 3. More segments than one launch's table (See Note [Pack chunk table]): exactly as many as a small
+  //    or a large table holds and one more, and several tables' worth, with empty tensors, mixed dtypes,
+  //    random misalignments and in-place views; on a system that allows large tables, on a driver
+  //    older than CUDA 12.1 and on a pre-Volta device (small tables only, and no large launch at all:
+  //    the emulated driver refuses one there).
   std::mt19937_64 rng(12345);
-  const int counts[] = {120, 121, 240, 250};
-  for (int count : counts) {
-    for (int dir = 0; dir < 2; ++dir) {
-      for (DType bdt : {DType::kFloat32, DType::kBFloat16, DType::kFloat16}) {
-        if (quick && bdt == DType::kFloat16) continue;
-        PackCase c;
-        c.unpack = dir == 1;
-        c.bucket_dtype = bdt;
-        c.mul = dir == 0 ? 1.0f : 0.5f;
-        c.div = 6.0f;
-        c.label = std::string(c.unpack ? "unpack " : "pack ") + std::to_string(count) + " segments, bucket " +
-                  ncclavg::dtype_name(bdt);
-        int64_t off = 0;
-        for (int k = 0; k < count; ++k) {
-          if (rng() % 9 == 0) c.tensors.push_back(TensorSpec{kDTypes[rng() % 3], 0, 0, off, false});
-          TensorSpec ts{kDTypes[rng() % 3], 1 + static_cast<int64_t>(rng() % (k % 50 == 7 ? 20000 : 300)),
-                        static_cast<size_t>(rng() % 8), off + static_cast<int64_t>(rng() % 3), rng() % 5 == 0};
-          if (ts.alias) ts.dtype = bdt;
-          c.tensors.push_back(ts);
-          off = ts.offset + ts.numel;
+  const ncclavg_emu::EmulatedSystem systems[] = {{13000, 9, 0}, {12000, 9, 0}, {13000, 6, 1}};
+  // (A large table's launch costs the emulator a 32 KiB parameter copy per thread: the 1020 and 1021
+  // counts run with fp32 buckets only.)
+  const int counts[] = {120, 121, 250, 1020, 1021};
+  for (const ncclavg_emu::EmulatedSystem& sys : systems) {
+    ncclavg_emu::set_system(sys);
+    const std::string system_label = " (driver " + std::to_string(sys.driver_version) + ", sm_" +
+                                     std::to_string(sys.cc_major) + std::to_string(sys.cc_minor) + ")";
+    for (int count : counts) {
+      for (int dir = 0; dir < 2; ++dir) {
+        for (DType bdt : {DType::kFloat32, DType::kBFloat16, DType::kFloat16}) {
+          // Every bucket dtype on the default system; the others only change how many launches.
+          if (bdt != DType::kFloat32 && (quick || &sys != &systems[0] || count > 250)) continue;
+          if (quick && &sys != &systems[0] && count == 1020) continue;
+          PackCase c;
+          c.unpack = dir == 1;
+          c.bucket_dtype = bdt;
+          c.mul = dir == 0 ? 1.0f : 0.5f;
+          c.div = 6.0f;
+          c.label = std::string(c.unpack ? "unpack " : "pack ") + std::to_string(count) + " segments, bucket " +
+                    ncclavg::dtype_name(bdt) + system_label;
+          int64_t off = 0;
+          for (int k = 0; k < count; ++k) {
+            if (rng() % 9 == 0) c.tensors.push_back(TensorSpec{kDTypes[rng() % 3], 0, 0, off, false});
+            // a few tensors span several chunks (about 8 per bucket); most are small
+            const bool spans = k % (count / 8 + 1) == 7;
+            TensorSpec ts{kDTypes[rng() % 3], 1 + static_cast<int64_t>(rng() % (spans ? 20000 : 300)),
+                          static_cast<size_t>(rng() % 8), off + static_cast<int64_t>(rng() % 3), rng() % 5 == 0};
+            if (ts.alias) ts.dtype = bdt;
+            c.tensors.push_back(ts);
+            off = ts.offset + ts.numel;
+          }
+          c.bucket_numel = off + 1;
+          run_case(c, seed++, t);
         }
-        c.bucket_numel = off + 1;
-        run_case(c, seed++, t);
       }
     }
   }
+  ncclavg_emu::set_system(ncclavg_emu::EmulatedSystem{});
   // 4. A bucket of in-place views only: scaled in place; with nothing to scale, no launch at all.
   for (DType bdt : kDTypes) {
     for (float mul : {0.25f, 1.0f}) {

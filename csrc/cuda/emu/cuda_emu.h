@@ -16,6 +16,10 @@
 // it is poisoned below and fails to compile: extend the emulator (e.g. one OS thread per CUDA thread
 // of a block, with a barrier) before using it.
 #pragma once
+// A kernel parameter qualifier only (read it in place, never copy it): nothing to do on the CPU. The
+// CUDA headers would make it an attribute g++ warns about; defined first, it stays empty.
+#undef __grid_constant__
+#define __grid_constant__
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -81,11 +85,14 @@ constexpr int warpSize = 32;
 namespace ncclavg_emu {
 
 // Note [Kernel parameter limit]
-// nvcc refuses a kernel whose parameters exceed 4 KiB (32,764 bytes from CUDA 12.1 on Volta and newer,
-// but only with that toolkit and driver). The kernels here promise the 4 KiB limit (see Note [Pack
-// chunk table]), so the emulator enforces it at compile time, like nvcc does. Parameters are laid out
+// nvcc refuses a kernel whose parameters exceed 32,764 bytes, so the emulator refuses it at compile time
+// too. Above 4 KiB the limit is the toolkit's, the device's and the driver's together: CUDA 12.1 or
+// newer, compute capability 7.0 or newer, and a 12.1+ driver. The emulated system (set_system in
+// emu_runtime.h) decides the last two, and a launch they do not allow is refused at run time, as the
+// driver refuses it (the kernel does not run; the error sticks until read). Parameters are laid out
 // like the members of a struct: each at a multiple of its alignment.
-constexpr size_t kMaxParamBytes = 4096;
+constexpr size_t kMaxParamBytes = 32764;
+constexpr size_t kPortableParamBytes = 4096;
 
 template <typename... P>
 constexpr size_t param_bytes() {
@@ -99,6 +106,7 @@ struct LaunchConfig {
   dim3 block;
   size_t smem;
   cudaStream_t stream;
+  size_t param_bytes = 0;  // the kernel's parameter block, set by Launch
 };
 
 // Checks the configuration as the runtime does; records the launch (counters, device, stream). When
@@ -118,10 +126,12 @@ class Launch {
   void operator()(A&&... args) const {
     static_assert(sizeof...(A) == sizeof...(P), "wrong number of kernel arguments");
     static_assert(param_bytes<P...>() <= kMaxParamBytes,
-                  "kernel parameters exceed 4 KiB (See Note [Kernel parameter limit])");
+                  "kernel parameters exceed 32,764 bytes (See Note [Kernel parameter limit])");
     static_assert((std::is_trivially_copyable<P>::value && ...),
                   "kernel parameters travel as bytes: they must be trivially copyable");
-    if (!begin_launch(cfg_)) return;
+    LaunchConfig cfg = cfg_;
+    cfg.param_bytes = param_bytes<P...>();
+    if (!begin_launch(cfg)) return;
     // Converted to the parameter types once, on the host, as cudaLaunchKernel does; then every thread
     // gets its OWN copy (the by-value call below), so a thread that modifies a parameter changes
     // nothing another thread sees, as on the GPU.

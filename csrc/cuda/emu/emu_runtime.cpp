@@ -28,6 +28,7 @@ thread_local bool device_chosen = false;  // see Note [Device guard without a cu
 thread_local Order order = Order::kForward;
 thread_local uint64_t order_seed = 0;
 thread_local LaunchLog log;
+thread_local EmulatedSystem sys;
 
 void record_error(cudaError_t e) {
   if (sticky_error == cudaSuccess) sticky_error = e;  // the first error stays until it is read
@@ -67,6 +68,9 @@ void set_order(Order o, uint64_t seed) {
   order_seed = seed;
 }
 
+void set_system(const EmulatedSystem& s) { sys = s; }
+const EmulatedSystem& emulated_system() { return sys; }
+
 const LaunchLog& launch_log() { return log; }
 void reset_launch_log() { log = LaunchLog{}; }
 
@@ -78,6 +82,12 @@ bool begin_launch(const LaunchConfig& cfg) {
   }
   if (cfg.smem > 48 * 1024) {
     record_error(cudaErrorInvalidValue);
+    ++log.refused;
+    return false;
+  }
+  // See Note [Kernel parameter limit].
+  if (cfg.param_bytes > kPortableParamBytes && (sys.driver_version < 12010 || sys.cc_major < 7)) {
+    record_error(cudaErrorNotSupported);
     ++log.refused;
     return false;
   }
@@ -147,6 +157,7 @@ const char* cudaGetErrorName(cudaError_t e) {
     case cudaErrorInvalidValue: return "cudaErrorInvalidValue";
     case cudaErrorInvalidConfiguration: return "cudaErrorInvalidConfiguration";
     case cudaErrorInvalidDevice: return "cudaErrorInvalidDevice";
+    case cudaErrorNotSupported: return "cudaErrorNotSupported";
     default: return "cudaErrorUnknown";
   }
 }
@@ -157,6 +168,7 @@ const char* cudaGetErrorString(cudaError_t e) {
     case cudaErrorInvalidValue: return "invalid argument";
     case cudaErrorInvalidConfiguration: return "invalid configuration argument";
     case cudaErrorInvalidDevice: return "invalid device ordinal";
+    case cudaErrorNotSupported: return "operation not supported";
     default: return "unknown error";
   }
 }
@@ -174,6 +186,26 @@ cudaError_t cudaSetDevice(int device) {
 cudaError_t cudaGetDevice(int* device) {
   *device = current_device;
   return cudaSuccess;
+}
+
+cudaError_t cudaDriverGetVersion(int* version) {
+  if (version == nullptr) return cudaErrorInvalidValue;
+  *version = ncclavg_emu::sys.driver_version;
+  return cudaSuccess;
+}
+
+cudaError_t cudaDeviceGetAttribute(int* value, cudaDeviceAttr attr, int device) {
+  if (device < 0 || device >= ncclavg_emu::kDeviceCount) {
+    ncclavg_emu::record_error(cudaErrorInvalidDevice);
+    return cudaErrorInvalidDevice;
+  }
+  switch (attr) {
+    case cudaDevAttrComputeCapabilityMajor: *value = ncclavg_emu::sys.cc_major; return cudaSuccess;
+    case cudaDevAttrComputeCapabilityMinor: *value = ncclavg_emu::sys.cc_minor; return cudaSuccess;
+    default:  // not emulated: a kernel file that asks for more must extend this first
+      ncclavg_emu::record_error(cudaErrorInvalidValue);
+      return cudaErrorInvalidValue;
+  }
 }
 
 cudaError_t cudaGetDriverEntryPointByVersion(const char* symbol, void** fn, unsigned int, unsigned long long,

@@ -27,6 +27,17 @@ struct LaunchLog {
 const LaunchLog& launch_log();
 void reset_launch_log();
 
+// What cudaDriverGetVersion and cudaDeviceGetAttribute report (every emulated device alike), and so
+// which launches are allowed: see Note [Kernel parameter limit] in cuda_emu.h. Per host thread; the
+// default is an H200 on a CUDA 13.0 driver.
+struct EmulatedSystem {
+  int driver_version = 13000;  // 1000 * major + 10 * minor, as cudaDriverGetVersion reports it
+  int cc_major = 9;
+  int cc_minor = 0;
+};
+void set_system(const EmulatedSystem& s);
+const EmulatedSystem& emulated_system();
+
 // Devices the emulated runtime reports (cudaSetDevice beyond them fails as on a real machine).
 constexpr int kDeviceCount = 4;
 
