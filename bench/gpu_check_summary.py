@@ -1,12 +1,12 @@
 #!/usr/bin/env python3
 """The end of bench/gpu_check.sh: the summary, the packing of the logs, and the check of $OUT.
 
-    python bench/gpu_check_summary.py finish --out OUT --keep KEEP [--dry-run] --seconds N --budget B
+    python bench/gpu_check_summary.py finish --out OUT --keep KEEP [--part P] [--dry-run] --seconds N --budget B
     python bench/gpu_check_summary.py check OUT        # does OUT come back whole from a GPU machine?
     python bench/gpu_check_summary.py refused LOG      # did compute-sanitizer refuse the device?
 
 `finish` reads what the steps left in KEEP (steps.tsv, logs/<step>.log, pytest-gpu.xml), writes
-OUT/gpu_check.json (steps, per-test outcomes, device, versions, the RESULT line) and OUT/logs.tar.gz (all
+OUT/gpu_check.json (the part, steps, per-test outcomes, device, versions, the RESULT line) and OUT/logs.tar.gz (all
 of KEEP, each file capped so the archive stays under the size that comes back), checks OUT against the
 rules of what comes back, and prints the table and, last, one RESULT line. Exit status: 0 when every step
 ran and passed and OUT comes back whole, NOT_ALL_PASSED (10) when not; anything else means the helper
@@ -310,13 +310,13 @@ def _bench_facts(out: Path) -> dict:
     return facts
 
 
-def summarize(out: Path, keep: Path, dry: bool, seconds: int, budget: int) -> dict:
+def summarize(out: Path, keep: Path, dry: bool, seconds: int, budget: int, part: str = "all") -> dict:
     steps = read_steps(keep / "steps.tsv")
     for s in steps:
         log = keep / "logs" / f"{s['step']}.log"
         if log.exists():
             s["log"] = f"{ARCHIVE}:logs/{s['step']}.log"
-    doc: dict = {"dry_run": dry, "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+    doc: dict = {"part": part, "dry_run": dry, "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
                  "seconds": seconds, "budget_s": budget, "steps": steps}
     info_log = keep / "logs" / "info.log"
     if info_log.exists():
@@ -330,7 +330,8 @@ def summarize(out: Path, keep: Path, dry: bool, seconds: int, budget: int) -> di
 
 def print_table(doc: dict, out: Path) -> None:
     print()
-    print(f"gpu_check {'DRY RUN ' if doc['dry_run'] else ''}summary ({doc['seconds']}s of a {doc['budget_s']}s "
+    print(f"gpu_check --part {doc.get('part', 'all')} {'DRY RUN ' if doc['dry_run'] else ''}summary "
+          f"({doc['seconds']}s of a {doc['budget_s']}s "
           f"budget; {out / SUMMARY}, logs in {out / ARCHIVE})")
     if doc.get("device"):
         print(f"  device: {doc['device']}")
@@ -353,9 +354,9 @@ def print_table(doc: dict, out: Path) -> None:
     print(f"  RESULT: {doc['result']}")
 
 
-def finish(out: Path, keep: Path, dry: bool, seconds: int, budget: int) -> int:
+def finish(out: Path, keep: Path, dry: bool, seconds: int, budget: int, part: str = "all") -> int:
     out.mkdir(parents=True, exist_ok=True)
-    doc = summarize(out, keep, dry, seconds, budget)
+    doc = summarize(out, keep, dry, seconds, budget, part)
     summary = out / SUMMARY
     # Written once before the check so that it is counted, and again with the check's outcome.
     summary.write_text(json.dumps(doc, indent=1))
@@ -382,6 +383,7 @@ def main(argv: list[str] | None = None) -> int:
     f = sub.add_parser("finish", help="summary, archive and $OUT check (the end of gpu_check.sh)")
     f.add_argument("--out", type=Path, required=True)
     f.add_argument("--keep", type=Path, required=True, help="what the steps left: steps.tsv, logs/, junit XML")
+    f.add_argument("--part", choices=("core", "extra", "all"), default="all", help="which call of gpu_check.sh")
     f.add_argument("--dry-run", action="store_true")
     f.add_argument("--seconds", type=int, default=0)
     f.add_argument("--budget", type=int, default=0)
@@ -391,7 +393,7 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("log", type=Path)
     args = ap.parse_args(argv)
     if args.cmd == "finish":
-        return finish(args.out, args.keep, args.dry_run, args.seconds, args.budget)
+        return finish(args.out, args.keep, args.dry_run, args.seconds, args.budget, args.part)
     if args.cmd == "check":
         files, problems = check_out(args.out)
         for f_ in files:

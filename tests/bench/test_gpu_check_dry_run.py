@@ -1,9 +1,10 @@
-"""bench/gpu_check.sh --dry-run walks every step of the GPU check without a GPU, in the GPU run's order:
-the CUDA build (when a toolkit is here) into a scratch folder, import + info of that build, the GPU tests
-collected and run (they skip), gpu_bench.py --dry-run (JSON marked dry_run), the trainer and the sweep on
-CPU towers, the sanitizer's refusal detector, and a wheel that reuses the build's objects. $OUT is left as a
-GPU machine sends it back: the summary, the benchmarks' files and one archive of the logs. The fast tests
-of the same machinery are test_gpu_check_script.py and test_gpu_check_summary.py."""
+"""bench/gpu_check.sh --dry-run walks every step of the GPU check without a GPU, in the GPU run's two
+calls (--part core, then --part extra) and their order: the CUDA build (when a toolkit is here) into a
+scratch folder, import + info of that build, the GPU tests collected and run (they skip), gpu_bench.py
+--dry-run (JSON marked dry_run), the trainer and the sweep on CPU towers, the sanitizer driver on CPU
+tensors and the refusal detector, and a wheel that reuses the build's objects. $OUT is left as a GPU
+machine sends it back: the summary, the benchmarks' files and one archive of the logs. The fast tests of
+the same machinery are test_gpu_check_script.py and test_gpu_check_summary.py."""
 from __future__ import annotations
 
 import importlib.util
@@ -19,7 +20,8 @@ import pytest
 
 from _paths import ROOT
 
-ORDER = ["build", "info", "tests", "bench", "trainer", "sweep", "sanitizer", "wheel"]
+PARTS = {"core": ["build", "info", "tests", "bench"],
+         "extra": ["build", "info", "trainer", "sweep", "sanitizer", "wheel"]}
 
 
 def toolkit_present() -> bool:
@@ -27,54 +29,61 @@ def toolkit_present() -> bool:
     return bool(shutil.which("nvcc")) or bool(home and (Path(home) / "bin" / "nvcc").exists())
 
 
-@pytest.mark.slow
-def test_gpu_check_dry_run(tmp_path):
-    out, tmp = tmp_path / "out", tmp_path / "tmp"
+def dry_run(tmp_path, part):
+    """One call, as the lease makes it: its own empty $OUT. Returns (stdout, out, gpu_check.json, logs)."""
+    out, tmp = tmp_path / part, tmp_path / f"tmp-{part}"
     tmp.mkdir()
     env = dict(os.environ, OUT=str(out), PYTHON=sys.executable, TMPDIR=str(tmp))
     env.pop("GPU_CHECK_STEPS", None)
     env.pop("GPU_CHECK_BUDGET_S", None)
-    r = subprocess.run(["bash", str(ROOT / "bench" / "gpu_check.sh"), "--dry-run"], capture_output=True,
-                       text=True, env=env, cwd=str(ROOT), timeout=900)
+    r = subprocess.run(["bash", str(ROOT / "bench" / "gpu_check.sh"), "--dry-run", "--part", part],
+                       capture_output=True, text=True, env=env, cwd=str(ROOT), timeout=900)
     assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]
-    # without a GPU every GPU test skips, and the RESULT line says how many and why
-    skipped = json.loads((out / "gpu_check.json").read_text())["tests"]["counts"]["skipped"]
-    want_result = f"all steps passed; {skipped} GPU tests skipped ("
-    assert skipped > 0 and r.stdout.rstrip().splitlines()[-1].startswith("  RESULT: " + want_result)
     doc = json.loads((out / "gpu_check.json").read_text())
-    assert doc["dry_run"] is True and doc["ok"] is True and doc["result"].startswith(want_result)
-    assert [s["step"] for s in doc["steps"]] == ORDER
+    assert doc["dry_run"] is True and doc["ok"] is True and doc["part"] == part
+    assert [s["step"] for s in doc["steps"]] == PARTS[part]
     assert all(s["status"] == "pass" for s in doc["steps"]), doc["steps"]
-    assert sum(s["limit_s"] for s in doc["steps"]) + 30 <= doc["budget_s"]
-
-    # $OUT: only what comes back from a GPU machine, scratch gone
-    plot = importlib.util.find_spec("matplotlib") is not None
-    want = {"gpu_check.json", "logs.tar.gz", "gpu_bench.json", "trainer_cpu.json", "bench-local.json"}
-    assert {p.name for p in out.iterdir()} == want | ({"bench-local.png"} if plot else set())
+    assert sum(s["limit_s"] for s in doc["steps"]) + 25 <= doc["budget_s"]
     assert all(p.is_file() for p in out.iterdir()) and doc["out_problems"] == []
-    assert not [p.name for p in tmp.iterdir() if p.name.startswith("gpu_check.")]
+    assert not [p.name for p in tmp.iterdir() if p.name.startswith("gpu_check.")]   # scratch gone
+    with tarfile.open(out / "logs.tar.gz") as tar:
+        names = set(tar.getnames())
+        logs = {n: tar.extractfile(f"logs/{n}.log").read().decode() for n in PARTS[part]}
+    return r.stdout, out, doc, names, logs
 
-    sweep = json.loads((out / "bench-local.json").read_text())
-    assert sweep["rows"] and all(row["wrong"] == 0 for row in sweep["rows"])
-    assert json.loads((out / "trainer_cpu.json").read_text())
+
+@pytest.mark.slow
+def test_gpu_check_dry_run_walks_both_calls(tmp_path):
+    # the core call: without a GPU every GPU test skips, and the RESULT line says how many and why
+    stdout, out, doc, names, log = dry_run(tmp_path, "core")
+    skipped = doc["tests"]["counts"]["skipped"]
+    want_result = f"all steps passed; {skipped} GPU tests skipped ("
+    assert skipped > 0 and stdout.rstrip().splitlines()[-1].startswith("  RESULT: " + want_result)
+    assert doc["result"].startswith(want_result)
+    assert {p.name for p in out.iterdir()} == {"gpu_check.json", "logs.tar.gz", "gpu_bench.json"}
     bench = json.loads((out / "gpu_bench.json").read_text())
     assert bench["header"]["dry_run"] is True
     assert set(bench["sections"]) == {"copy", "average", "pack", "allreduce", "pinned"}
-
-    # per-test outcomes, from the junit XML
-    ids = [c["id"] for c in doc["tests"]["cases"]]
+    ids = [c["id"] for c in doc["tests"]["cases"]]   # per-test outcomes, from the junit XML
     assert any(i.startswith("tests/comm/test_gpu_nccl.py::") for i in ids)
     assert any(i.startswith("tests/test_gpu_average.py::") for i in ids)
     assert doc["tests"]["counts"]["total"] == len(ids) and doc["tests"]["counts"]["failed"] == 0
-
-    with tarfile.open(out / "logs.tar.gz") as tar:
-        names = set(tar.getnames())
-        assert names == {f"logs/{s}.log" for s in ORDER} | {"steps.tsv", "pytest-gpu.xml"}
-        log = {n: tar.extractfile(f"logs/{n}.log").read().decode() for n in ORDER}
-    assert "missing from the wheel: nothing" in log["wheel"]
-    assert "not supported here" in log["sanitizer"]
+    assert names == {f"logs/{s}.log" for s in PARTS["core"]} | {"steps.tsv", "pytest-gpu.xml"}
     if toolkit_present():
         assert "cuda_built True" in log["info"] and "NcclComm True" in log["info"], log["info"]
+
+    # the extra call: no tests, so no count of skipped ones
+    stdout, out, doc, names, log = dry_run(tmp_path, "extra")
+    assert stdout.rstrip().splitlines()[-1] == "  RESULT: all steps passed" and "tests" not in doc
+    plot = importlib.util.find_spec("matplotlib") is not None
+    want = {"gpu_check.json", "logs.tar.gz", "trainer_cpu.json", "bench-local.json"}
+    assert {p.name for p in out.iterdir()} == want | ({"bench-local.png"} if plot else set())
+    sweep = json.loads((out / "bench-local.json").read_text())
+    assert sweep["rows"] and all(row["wrong"] == 0 for row in sweep["rows"])
+    assert json.loads((out / "trainer_cpu.json").read_text())
+    assert names == {f"logs/{s}.log" for s in PARTS["extra"]} | {"steps.tsv"}
+    assert "missing from the wheel: nothing" in log["wheel"]
+    assert "not supported here" in log["sanitizer"] and ", 0 wrong" in log["sanitizer"]
 
 
 def test_gpu_check_rejects_unknown_arguments():
