@@ -14,7 +14,8 @@ statically, so the oldest minor works everywhere the major does. NCCLAVG_CUDA_PY
 (e.g. "13.2.*").
 CUDA 12 is not offered: nvidia-cuda-nvcc-cu12 (12.6, 12.8 and 12.9 looked at) ships ptxas and libnvvm
 but neither the nvcc driver nor cicc, so no CUDA 12 source can be compiled from PyPI alone; a CUDA 12
-build needs a system toolkit (NCCLAVG_CUDA=1).
+build needs a toolkit tree (NCCLAVG_CUDA=1 CUDA_HOME=...): a system toolkit, or the one
+scripts/cuda12_toolkit.sh makes from Debian's packages of CUDA 12.4.
 """
 from __future__ import annotations
 

@@ -5,11 +5,15 @@
 #   scripts/build_wheels.sh [--out DIR] [--pythons "3.11 3.12"] [--variants "cu13 cpu"] [--jobs N]
 #
 # variants: cu13 (distribution ncclavg-cu13, the CUDA part from the PyPI toolkit), cpu (distribution
-# ncclavg, CPU only), cu12 (ncclavg-cu12: needs CUDA12_HOME, a system CUDA 12 toolkit, because PyPI has
-# no CUDA 12 nvcc; see Note [The PyPI CUDA toolkit] in build_backend/ncclavg_build.py).
+# ncclavg, CPU only), cu12 (ncclavg-cu12, same archs: PyPI has no CUDA 12 nvcc (Note [The PyPI CUDA
+# toolkit] in build_backend/ncclavg_build.py), so it uses CUDA12_HOME, a CUDA 12 toolkit of this
+# machine, when set, else NVIDIA's CUDA 12.4 as Debian packages it, made into a toolkit tree by
+# scripts/cuda12_toolkit.sh (~1 GB download once, ~150 MB cached; Note [CUDA 12 from Debian] there).
+# cu12 is built and tested by hand (scripts/test_wheel.sh), not in .ci/run.
 # Needs g++ >= 12, and on the first run root and debootstrap (a Debian 11 root file system, the
 # sysroot), the Debian mirror and PyPI. Everything downloaded is cached under NCCLAVG_WHEELS_CACHE
-# (default ${XDG_CACHE_HOME:-~/.cache}/ncclavg-wheels): the sysroot, the tools venv, pip's cache.
+# (default ${XDG_CACHE_HOME:-~/.cache}/ncclavg-wheels): the sysroot, the tools venv, pip's cache, the
+# CUDA 12 tree.
 # Prints one line per wheel: file, tag, size.
 #
 # Note [Wheels against bullseye]
@@ -20,13 +24,14 @@
 # --sysroot of this host's gcc (>= 12), with bullseye's libstdc++ headers (gcc 10's) in place of the
 # compiler's own: glibc 2.31's headers and libraries, and only library symbols that bullseye has.
 # The wrappers in $CACHE/bin put those flags on every gcc/g++ call, setup.py's and nvcc's (nvcc, a
-# manylinux2014 binary from PyPI, calls the g++ on PATH as its host compiler). Everything else is the
-# ordinary path: pip with build isolation (exactly what a user's `NCCLAVG_CUDA=pypi pip install` runs,
-# the in-tree backend pulling the toolkit into the build environment), and the host's CPython 3.11 /
-# 3.12 for the interpreters' headers and wheel tags (bullseye ships only 3.9; the C API a wheel
-# compiles against comes from the headers, not from the distribution's build). auditwheel then checks
-# every symbol version against manylinux_2_31 and grafts what the policy does not list: libgomp
-# (bullseye's copy, whose GOMP_5.0 covers what gcc 12 emits; not this host's, built for glibc 2.36).
+# manylinux2014 binary from PyPI, and for cu12 Debian's nvcc 12.4, call the g++ on PATH as their host
+# compiler). Everything else is the ordinary path: pip with build isolation (exactly what a user's
+# `NCCLAVG_CUDA=pypi pip install` runs, the in-tree backend pulling the toolkit into the build
+# environment), and the host's CPython 3.11 / 3.12 for the interpreters' headers and wheel tags
+# (bullseye ships only 3.9; the C API a wheel compiles against comes from the headers, not from the
+# distribution's build). auditwheel then checks every symbol version against manylinux_2_31 and
+# grafts what the policy does not list: libgomp (bullseye's copy, whose GOMP_5.0 covers what gcc 12
+# emits; not this host's, built for glibc 2.36).
 #
 # Note [One OpenMP runtime or two]
 # The core uses OpenMP (libgomp). A manylinux wheel may not assume a system libgomp (python:slim and
@@ -52,7 +57,7 @@ while [ $# -gt 0 ]; do
     --pythons) PYTHONS="$2"; shift 2 ;;
     --variants) VARIANTS="$2"; shift 2 ;;
     --jobs) JOBS="$2"; shift 2 ;;
-    -h|--help) sed -n '2,12p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,16p' "$0"; exit 0 ;;
     *) echo "build_wheels.sh: unknown argument $1" >&2; exit 2 ;;
   esac
 done
@@ -132,8 +137,16 @@ for variant in $VARIANTS; do
     cu13) dist=ncclavg-cu13; envs=(NCCLAVG_CUDA=pypi NCCLAVG_CUDA_MAJOR=13) ;;
     cpu)  dist=ncclavg;      envs=(NCCLAVG_CUDA=0) ;;
     cu12)
-      [ -n "${CUDA12_HOME:-}" ] || { echo "build_wheels.sh: cu12 needs CUDA12_HOME (a CUDA 12 toolkit): PyPI has no CUDA 12 nvcc" >&2; exit 2; }
-      dist=ncclavg-cu12; envs=(NCCLAVG_CUDA=1 "CUDA_HOME=$(realpath "$CUDA12_HOME")") ;;
+      # CUDA12_HOME (a CUDA 12 toolkit of this machine) wins; otherwise CUDA 12.4 from Debian's
+      # packages (PyPI has no CUDA 12 nvcc), made once and cached under $CACHE/cuda12.
+      cuda12=${CUDA12_HOME:-}
+      if [ -z "$cuda12" ]; then
+        say "CUDA12_HOME unset: CUDA 12.4 from Debian (scripts/cuda12_toolkit.sh)"
+        cuda12=$(NCCLAVG_WHEELS_CACHE="$CACHE" DEBIAN_MIRROR="$MIRROR" scripts/cuda12_toolkit.sh) \
+          || { echo "build_wheels.sh: cu12: no CUDA 12 toolkit (scripts/cuda12_toolkit.sh failed above; or set CUDA12_HOME)" >&2; exit 1; }
+      fi
+      [ -x "$cuda12/bin/nvcc" ] || { echo "build_wheels.sh: cu12: $cuda12/bin/nvcc does not exist (CUDA12_HOME)" >&2; exit 2; }
+      dist=ncclavg-cu12; envs=(NCCLAVG_CUDA=1 "CUDA_HOME=$(realpath "$cuda12")") ;;
     *) echo "build_wheels.sh: unknown variant $variant (cu13, cpu, cu12)" >&2; exit 2 ;;
   esac
   # The distribution name is the variant's (see docs/building.md, "Wheels"); the import name stays ncclavg.

@@ -6,8 +6,9 @@
 #
 # --no-torch: only what needs no torch (info, NCCL, the core on numpy arrays): torch==2.13.0 is a
 # local CPU wheel for CPython 3.11 on this machine, and from PyPI a multi-GB CUDA build for the others.
-# Checks: the install needs no build; `ncclavg info` (CUDA built with the archs of a CUDA wheel; NCCL
-# not found, then found after `pip install nvidia-nccl-cu13`); `ncclavg train` (the default run, CPU);
+# Checks: the install needs no build; `ncclavg info` (CUDA built with the archs and the CUDA major of a
+# CUDA wheel; NCCL not found, then found after `pip install nvidia-nccl-cu13`, or -cu12 for an
+# ncclavg-cu12 wheel: the NCCL wheel follows the wheel's name); `ncclavg train` (the default run, CPU);
 # torch and the wheel's OpenMP in one process (see Note [One OpenMP runtime or two] in
 # scripts/build_wheels.sh); the CPU tests that need no checkout, from a copy of tests/ alone.
 set -euo pipefail
@@ -37,6 +38,8 @@ pipq() {  # pip -q, its log shown on failure (and without this machine's index-l
 name=$(basename "$WHEEL")
 case "$name" in ncclavg_cu1[23]-*) want_cuda=True ;; *) want_cuda=False ;; esac
 case "$name" in ncclavg_cu13-*) want_pypi=True ;; *) want_pypi=False ;; esac  # built with the PyPI toolkit
+case "$name" in ncclavg_cu12-*) major=12 ;; *) major=13 ;; esac  # the CUDA major: runtime and NCCL wheel
+nccl_wheel=nvidia-nccl-cu$major
 
 # A PATH of everything in /usr/bin and /bin but compilers, linkers and nvcc.
 mkdir -p "$WORK/bin"
@@ -64,23 +67,26 @@ say "installed in $((SECONDS - t1)) s (with numpy)"
 
 say "ncclavg info"
 ncclavg info
-python - "$want_cuda" "$want_pypi" <<'PY'
+python - "$want_cuda" "$want_pypi" "$major" "$nccl_wheel" <<'PY'
 import os, sys
 import ncclavg
 want_cuda, want_pypi = sys.argv[1] == "True", sys.argv[2] == "True"
+major, nccl_wheel = sys.argv[3], sys.argv[4]
 assert "site-packages" in ncclavg.__file__ and not os.path.exists(os.path.join(os.getcwd(), "setup.py")), ncclavg.__file__
 i = ncclavg.build_info()
 assert i["cuda"] is want_cuda, i
 if want_cuda:
     assert i["cuda_archs"] == ["80", "90"], i["cuda_archs"]
     assert i["build"].get("pypi_toolkit") is want_pypi, i["build"]
+    assert i["cuda_runtime"].split(".")[0] == major, (i["cuda_runtime"], major)
 if i["nccl"]["loaded"]:  # a system NCCL: the "not found" hint cannot be checked here
     print(f"note: NCCL already found before its wheel: {i['nccl']['path']}")
 else:
-    assert "pip install nvidia-nccl-cu13" in i["nccl"]["error"], i["nccl"]
+    assert f"pip install {nccl_wheel}" in i["nccl"]["error"], i["nccl"]
 print(f"ok: cuda={i['cuda']} archs={i['cuda_archs']} runtime={i['cuda_runtime']} build: {i['build'].get('decision')}")
 PY
-pipq install nvidia-nccl-cu13
+say "pip install $nccl_wheel"
+pipq install "$nccl_wheel"
 python - <<'PY'
 import ncclavg
 n = ncclavg.build_info()["nccl"]
