@@ -19,8 +19,8 @@
 // one small launch per 120 segments (a few microseconds of launch each, on the same stream, in order).
 // A build with an architecture older than sm_70 (NCCLAVG_CUDA_ARCHS) compiles no large table: setup.py
 // then defines NCCLAVG_PACK_SMALL_TABLE_ONLY, since nvcc refuses large parameters for those targets.
-// The large kernel's table is __grid_constant__: read in place from the constant bank even with a
-// dynamic index, never copied to per-thread local memory.
+// The tables are __grid_constant__ (where the build allows it): read in place from the constant bank
+// even with a dynamic index, never copied to per-thread local memory.
 // Chunks of kChunk = 8192 elements give a 25 MiB fp32 bucket 800 blocks (several waves on an H200's
 // 132 SMs) while each thread still moves 32-64 bytes per chunk in 16-byte accesses with kUnroll loads
 // in flight. See Note [16-byte accesses] in vector_io.h.
@@ -169,41 +169,32 @@ __device__ __forceinline__ void run_block(const Table& table, float mul, float d
   }
 }
 
-template <int kMode>
-__global__ void __launch_bounds__(kThreads) pack_kernel(const SegmentTable<kSmallSegments> table, float mul,
+// __grid_constant__ needs sm_70+, which every build with the large table targets (Note [Pack chunk table]).
+#ifdef NCCLAVG_PACK_LARGE_TABLE
+#define NCCLAVG_TABLE_PARAM const __grid_constant__
+#else
+#define NCCLAVG_TABLE_PARAM const
+#endif
+
+template <int kMode, int kCapacity>
+__global__ void __launch_bounds__(kThreads) pack_kernel(NCCLAVG_TABLE_PARAM SegmentTable<kCapacity> table, float mul,
                                                         float div) {
   run_block<kMode>(table, mul, div);
 }
 
-#ifdef NCCLAVG_PACK_LARGE_TABLE
-template <int kMode>
-__global__ void __launch_bounds__(kThreads) pack_kernel_large(const __grid_constant__ SegmentTable<kLargeSegments> table,
-                                                              float mul, float div) {
-  run_block<kMode>(table, mul, div);
-}
-#endif
-
-void launch(const SegmentTable<kSmallSegments>& table, unsigned blocks, float mul, float div, cudaStream_t st) {
+template <typename Table>
+void launch(const Table& table, unsigned blocks, float mul, float div, cudaStream_t st) {
+  constexpr int kCap = Table::kSize;
   switch (ew::pack_mode(mul, div)) {
-    case ew::kPackCopy: pack_kernel<ew::kPackCopy><<<blocks, kThreads, 0, st>>>(table, mul, div); break;
-    case ew::kPackMul: pack_kernel<ew::kPackMul><<<blocks, kThreads, 0, st>>>(table, mul, div); break;
-    case ew::kPackDiv: pack_kernel<ew::kPackDiv><<<blocks, kThreads, 0, st>>>(table, mul, div); break;
-    default: pack_kernel<ew::kPackMulDiv><<<blocks, kThreads, 0, st>>>(table, mul, div); break;
+    case ew::kPackCopy: pack_kernel<ew::kPackCopy, kCap><<<blocks, kThreads, 0, st>>>(table, mul, div); break;
+    case ew::kPackMul: pack_kernel<ew::kPackMul, kCap><<<blocks, kThreads, 0, st>>>(table, mul, div); break;
+    case ew::kPackDiv: pack_kernel<ew::kPackDiv, kCap><<<blocks, kThreads, 0, st>>>(table, mul, div); break;
+    default: pack_kernel<ew::kPackMulDiv, kCap><<<blocks, kThreads, 0, st>>>(table, mul, div); break;
   }
   NCCLAVG_CUDA_CHECK_LAUNCH();
 }
 
 #ifdef NCCLAVG_PACK_LARGE_TABLE
-void launch(const SegmentTable<kLargeSegments>& table, unsigned blocks, float mul, float div, cudaStream_t st) {
-  switch (ew::pack_mode(mul, div)) {
-    case ew::kPackCopy: pack_kernel_large<ew::kPackCopy><<<blocks, kThreads, 0, st>>>(table, mul, div); break;
-    case ew::kPackMul: pack_kernel_large<ew::kPackMul><<<blocks, kThreads, 0, st>>>(table, mul, div); break;
-    case ew::kPackDiv: pack_kernel_large<ew::kPackDiv><<<blocks, kThreads, 0, st>>>(table, mul, div); break;
-    default: pack_kernel_large<ew::kPackMulDiv><<<blocks, kThreads, 0, st>>>(table, mul, div); break;
-  }
-  NCCLAVG_CUDA_CHECK_LAUNCH();
-}
-
 // Whether `device` takes the large table: CUDA 12.1+ driver and compute capability 7.0+.
 bool large_table_allowed(int device) {
   int driver = 0, major = 0;
