@@ -7,9 +7,11 @@ to a bandwidth measured in the same run (bench/gpu_check.sh runs this; it also r
   pack       ops.pack_/unpack_ of 1000 gradients (100..100k elements) vs torch flatten / unflatten+copy
   allreduce  NcclComm.all_reduce_avg over every visible device: time, algbw, busbw (nccl-tests style:
              busbw = algbw * 2(n-1)/n), #wrong from exact inputs, vs torch.distributed NCCL (one
-             process, one device) and cupy.cuda.nccl when importable. Two ncclavg rows: the default
-             collectives (blocking after the bounded init, where NCCL allows) and
-             NCCLAVG_NCCL_COLLECTIVES=nonblocking, each with the mode it really ran in
+             process, one device: ReduceOp.AVG, and all_reduce + div_) and cupy.cuda.nccl when
+             importable. ncclavg rows: the default collectives (blocking after the bounded init, where
+             NCCL allows) and NCCLAVG_NCCL_COLLECTIVES=nonblocking, each with the mode it really ran
+             in; on one device also ncclAvg, PreMulSum and SUM + divide forced with
+             NCCLAVG_TEST_REDUCTION (the default one-rank average is an in-place sum NCCL skips)
   pinned     pinned host <-> device copies at bucket sizes vs the peak of the same direction
 
 Medians after warm-up; GPU time from CUDA events, host latency from a monotonic clock. Writes JSON
@@ -37,6 +39,8 @@ UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 SECTIONS = ("copy", "average", "pack", "allreduce", "pinned")
 # See Note [Blocking collectives after a bounded init] in csrc/cuda/comm_init.cpp
 MODE_ENV = "NCCLAVG_NCCL_COLLECTIVES"
+FORCE_ENV = "NCCLAVG_TEST_REDUCTION"
+FORCED = ("avg", "premulsum", "sum_divide")   # the reductions forced on one rank (one GPU)
 
 
 def parse_size(text: str) -> int:
@@ -235,6 +239,17 @@ def bench_allreduce(torch, a, res):
         res["nonblocking_collective_mode_reason"] = comms["ncclavg nonblocking"].collective_mode_reason
     except Exception as e:  # recorded, not fatal: the default row still runs
         res.setdefault("peer_errors", {})["ncclavg nonblocking"] = f"{type(e).__name__}: {e}"
+    if n == 1:
+        # The mean of one rank is its input, so the default communicator runs a plain in-place ncclSum,
+        # which NCCL skips: force NCCL's real one-rank kernels (and ours for SUM + divide), each a
+        # communicator of its own. See Note [Forcing the reduction in tests] in comm_collectives.cpp.
+        for kind in FORCED:
+            name = f"ncclavg {kind} (forced)"
+            try:
+                with env_var(FORCE_ENV, kind):
+                    comms[name] = NcclComm.init_all([0], 120.0)
+            except Exception as e:  # e.g. an NCCL without ncclAvg / PreMulSum
+                res.setdefault("peer_errors", {})[name] = f"{type(e).__name__}: {e}"
     try:
         allreduce_rows(torch, a, res, n, comms)
     finally:
@@ -260,7 +275,8 @@ def allreduce_rows(torch, a, res, n, comms):
 
             if not dist.is_initialized():
                 dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
-            peers["torch.distributed"] = dist
+            peers["torch.distributed"] = dist   # ReduceOp.AVG where torch has it
+            peers["torch.distributed sum+div_"] = dist   # all_reduce, then div_ (DDP's default hook)
         except Exception as e:  # recorded, not fatal
             res.setdefault("peer_errors", {})["torch.distributed"] = f"{type(e).__name__}: {e}"
     else:
@@ -296,9 +312,9 @@ def allreduce_rows(torch, a, res, n, comms):
                                 "busbw_gbps": algbw * factor, "wrong": wrong, "redop": comm.reduction(0),
                                 "collective_mode": comm.collective_mode})
         for name, peer in peers.items():
-            if name == "torch.distributed":
+            if name.startswith("torch.distributed"):
                 dist = peer
-                op = getattr(dist.ReduceOp, "AVG", None)
+                op = getattr(dist.ReduceOp, "AVG", None) if name == "torch.distributed" else None
                 fn = (lambda ts=ts: dist.all_reduce(ts[0], op=op)) if op is not None else \
                     (lambda ts=ts: (dist.all_reduce(ts[0]), ts[0].div_(n)))
             else:
@@ -397,7 +413,8 @@ def plan(a):
         "average": f"average_ of N={a.towers} buffers of {a.average_size} B, float32+bfloat16, vs torch",
         "pack": "pack_/unpack_ of 1000 grads (100..100k elements) vs torch flatten/unflatten",
         "allreduce": f"all_reduce_avg sizes {a.sizes} B over all visible devices, default and {MODE_ENV}="
-                     "nonblocking collectives, vs torch.distributed, cupy",
+                     f"nonblocking collectives (one device: also {FORCE_ENV}={'/'.join(FORCED)}), vs "
+                     "torch.distributed (AVG, and SUM + div_), cupy",
         "pinned": f"pinned h2d/d2h at 1M, 4M, 25M, {a.copy_size} B vs peak",
     }
 
