@@ -106,3 +106,23 @@ def test_pypi_mode_without_the_toolkit_names_what_to_install(tmp_path):
     assert r.returncode != 0
     assert "NCCLAVG_CUDA=pypi but the PyPI CUDA 13 toolkit is not on sys.path" in out
     assert "nvidia-cuda-nvcc==13.0.*" in out
+
+
+@pytest.mark.parametrize("archs, small_only", [("80;90", False), ("60;80", True), ("75", False), ("sm_61", True)])
+def test_an_arch_below_sm70_builds_the_small_pack_table_only(tmp_path, archs, small_only):
+    # Kernel parameters above 4 KiB need sm_70+ (Note [Pack chunk table] in csrc/cuda/pack_kernel.cu), so
+    # the build defines NCCLAVG_PACK_SMALL_TABLE_ONLY for every source. A stand-in toolkit (an nvcc that
+    # only answers --version) and a C++ flag that fails at once: the failing command line shows the defines.
+    home = tmp_path / "cuda"
+    for sub in ("bin", "include", "lib64"):
+        (home / sub).mkdir(parents=True)
+    (home / "include" / "cuda_runtime.h").write_text("")
+    (home / "lib64" / "libcudart_static.a").write_text("")
+    nvcc = home / "bin" / "nvcc"
+    nvcc.write_text('#!/bin/sh\necho "Cuda compilation tools, release 12.4, V12.4.131"\nexit 1\n')
+    nvcc.chmod(0o755)
+    r = _build(tmp_path, NCCLAVG_CUDA="1", CUDA_HOME=str(home), NCCLAVG_CUDA_ARCHS=archs,
+               NCCLAVG_CXXFLAGS="-fno-such-flag")
+    out = r.stdout + r.stderr
+    assert r.returncode != 0 and "-fno-such-flag" in out and "-DNCCLAVG_WITH_CUDA" in out, out[-3000:]
+    assert ("-DNCCLAVG_PACK_SMALL_TABLE_ONLY" in out) == small_only, out[-3000:]
