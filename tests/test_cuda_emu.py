@@ -93,17 +93,23 @@ def test_launch_rewrite():
         assert "<<<" not in build_emu.rewrite_launches((ROOT / "csrc" / "cuda" / name).read_text())
 
 
-def test_emulated_kernels_match_the_cpu_kernels(harness):
-    proc = build_emu.run(harness, [], timeout=600)
+# The quick suite runs the harness's --quick selection (every kernel, dtype pair and table size, fewer
+# misalignment pairs and bucket sizes: ~1,000 cases); the slow one runs all of it (~2,200 cases).
+@pytest.mark.parametrize("mode", ["quick", pytest.param("full", marks=pytest.mark.slow)])
+def test_emulated_kernels_match_the_cpu_kernels(harness, mode):
+    proc = build_emu.run(harness, ["--quick"] if mode == "quick" else [], timeout=600)
     print(proc.stdout)
     r = _result(proc)
     assert proc.returncode == 0 and r and r["status"] == "ok", proc.stdout[-4000:] + proc.stderr[-4000:]
-    assert r["failures"] == 0 and r["cases"] > 2000 and r["runs"] > 6000
+    want_cases, want_runs = (900, 2700) if mode == "quick" else (2000, 6000)
+    assert r["failures"] == 0 and r["cases"] > want_cases and r["runs"] > want_runs
     for suite in ("launch", "pack", "average", "divide"):
         assert re.search(rf"^{suite} +cases=[1-9]", proc.stdout, re.M), suite
 
 
-@pytest.mark.parametrize("defect", sorted(PLANTED))
+# One planted defect in the quick suite; the others with the slow tests (each builds a mutated harness).
+@pytest.mark.parametrize("defect", [d if d == "segment_lookup" else pytest.param(d, marks=pytest.mark.slow)
+                                    for d in sorted(PLANTED)])
 def test_a_planted_defect_fails_the_harness(cache, defect):
     kernel, old, new, args, evidence = PLANTED[defect]
     exe = build_emu.build(ROOT, cache, {kernel: [(old, new)]}, jobs=2)

@@ -32,8 +32,9 @@ def test_gloo_wait_times_out(shm, monkeypatch):
     run_ranks(_gloo_workers.timeout_job, 2, timeout_s=60)
 
 
-@pytest.mark.parametrize("shm", ["auto", "0"])
-# ~7 s each (a peer held back for seconds): all_reduce_avg in the quick suite, the other ops in the slow run
+# ~7 s each (a peer held back for seconds): all_reduce_avg through the channel in the quick suite, the
+# other ops and the channel turned off (NCCLAVG_SHM=0) in the slow run
+@pytest.mark.parametrize("shm", ["auto", pytest.param("0", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("op", ["all_reduce_avg"] + [pytest.param(op, marks=pytest.mark.slow) for op in
                                                     ("reduce_scatter_avg", "all_gather", "broadcast_tensors")])
 def test_a_calls_own_timeout_bounds_it(op, shm, monkeypatch):
