@@ -75,6 +75,7 @@ def test_peer_exit_is_named_quickly(labels):
     assert second.startswith("ShmPeerError") and f"aborted by rank {survivor}" in second and "exited" in second, second
 
 
+@pytest.mark.slow   # waits out a timeout (~6 s)
 def test_late_peer_times_out_and_finds_the_channel_aborted():
     out = run(_shm_workers.peer_freezes, 2, 64 << 10)
     (_, first, elapsed0), (_, late, elapsed1) = out
