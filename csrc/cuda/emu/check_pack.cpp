@@ -143,28 +143,16 @@ void run_case(const PackCase& c, uint64_t seed, Tally& t) {
     const int before = (device + 1) % ncclavg_emu::kDeviceCount;  // the guard must restore it
     cudaSetDevice(before);
     ncclavg_emu::set_order(order, seed);
-    ncclavg_emu::reset_launch_log();
-    ++t.runs;
-    try {
+    const bool ok = run_checked(where, want_launches, device, stream, t, [&] {
       if (c.unpack) {
         ncclavg::cuda::unpack(in->bucket, in->tensors, in->offsets, c.mul, c.div, stream);
       } else {
         ncclavg::cuda::pack(in->tensors, in->bucket, in->offsets, c.mul, c.div, stream);
       }
-    } catch (const std::exception& e) {
-      t.fail("EXCEPTION " + where + ": " + e.what());
-      return;
-    }
-    const ncclavg_emu::LaunchLog& log = ncclavg_emu::launch_log();
+    });
+    if (!ok) return;
     int now = -1;
     cudaGetDevice(&now);
-    if (log.launches != want_launches || log.refused != 0 ||
-        (log.launches > 0 && (log.last_device != device || log.last_stream != stream || log.mixed_streams))) {
-      t.fail("LAUNCHES " + where + ": " + std::to_string(log.launches) + " launches (want " +
-             std::to_string(want_launches) + "), device " + std::to_string(log.last_device) + " (want " +
-             std::to_string(device) + "), on the given stream: " + (log.last_stream == stream ? "yes" : "no"));
-      return;
-    }
     if (now != before) {
       t.fail("DEVICE " + where + ": the current device was not restored");
       return;

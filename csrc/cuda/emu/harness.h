@@ -100,7 +100,7 @@ void expect_refused(const std::string& label, Tally& t, Call&& call) {
 }
 
 // One entry call in the current thread order: counts the run, turns an exception into a failure, and
-// checks the launch log (want_launches launches, none refused, on `device` and `stream`). False when
+// checks the launch log (want_launches launches, none refused, all on `device` and `stream`). False when
 // the call failed either way (the failure is in the tally).
 template <typename Call>
 bool run_checked(const std::string& where, int64_t want_launches, int device, uintptr_t stream, Tally& t,
@@ -115,7 +115,8 @@ bool run_checked(const std::string& where, int64_t want_launches, int device, ui
   }
   const ncclavg_emu::LaunchLog& log = ncclavg_emu::launch_log();
   if (log.launches != want_launches || log.refused != 0 ||
-      (log.launches > 0 && (log.last_device != device || log.last_stream != stream))) {
+      (log.launches > 0 && (log.last_device != device || log.last_stream != stream || log.mixed_streams ||
+                            log.mixed_devices))) {
     t.fail("LAUNCHES " + where + ": " + std::to_string(log.launches) + " launches on device " +
            std::to_string(log.last_device) + ", want " + std::to_string(want_launches) + " on device " +
            std::to_string(device) + " and the given stream");
