@@ -145,6 +145,7 @@ def test_foreign_files_in_out_that_would_not_come_back_fail_the_run(tmp_path):
     assert last.startswith("  RESULT: FAILED: $OUT would not come back whole") and "9 files" in last
 
 
+@pytest.mark.slow   # ~7 s: a dry-run step started, then signalled
 def test_a_signal_stops_the_step_and_still_packs(tmp_path):
     e = dict(os.environ, OUT=str(tmp_path), PYTHON=sys.executable, GPU_CHECK_STEPS="tests,bench")
     p = subprocess.Popen(["bash", str(SCRIPT), "--dry-run"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

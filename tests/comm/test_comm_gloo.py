@@ -7,7 +7,8 @@ import pytest
 from _dist_util import run_ranks
 
 
-@pytest.mark.parametrize("shm", ["auto", "0"])
+# the channel (auto) in the quick suite; torch.distributed alone (NCCLAVG_SHM=0) and 4 processes in the slow run
+@pytest.mark.parametrize("shm", ["auto", pytest.param("0", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_gloo_collectives_and_averager_match_ddp(world, shm, monkeypatch):
     monkeypatch.setenv("NCCLAVG_SHM", shm)   # the spawned ranks inherit it
@@ -26,7 +27,7 @@ def test_gloo_collectives_across_pretend_hosts(layout, slot_kb, monkeypatch):
     run_ranks(_gloo_workers.collectives_and_ddp, len(layout), args=(layout,), timeout_s=180)
 
 
-@pytest.mark.parametrize("shm", ["auto", "0"])
+@pytest.mark.parametrize("shm", ["auto", pytest.param("0", marks=pytest.mark.slow)])
 def test_gloo_wait_times_out(shm, monkeypatch):
     monkeypatch.setenv("NCCLAVG_SHM", shm)
     run_ranks(_gloo_workers.timeout_job, 2, timeout_s=60)

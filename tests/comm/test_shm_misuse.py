@@ -93,6 +93,7 @@ def test_a_reused_pid_is_not_taken_for_the_peer():
     assert float(elapsed) < 10.0, elapsed
 
 
+@pytest.mark.slow   # ~7 s: a whole job in a new pid namespace
 @needs_root_unshare
 def test_a_job_in_another_pid_namespace_leaves_this_one_alone():
     # Containers that share /dev/shm but not their pid namespace once removed each other's segments

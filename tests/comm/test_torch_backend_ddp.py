@@ -17,7 +17,7 @@ def test_stock_ddp_on_ncclavg_matches_gloo_four_processes():
 
 
 # the hook on a DDP model built over ncclavg, and over gloo (the hook makes its own ncclavg group)
-@pytest.mark.parametrize("group", ["ncclavg", "gloo"])
+@pytest.mark.parametrize("group", ["ncclavg", pytest.param("gloo", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_ddp_hook_matches_stock_ddp(group, world):
     run_ranks(W.ddp_job, world, args=((group, None),), timeout_s=240)

@@ -92,6 +92,7 @@ def test_resume_onto_other_shapes_and_back(tmp_path):
     assert all(torch.equal(g, w) for g, w in zip(master_of(tmp_path / "e"), want))
 
 
+@pytest.mark.slow   # ~6 s: a torchrun launch of two processes
 def test_batch_smaller_than_all_towers_is_refused(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m",

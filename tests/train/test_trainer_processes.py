@@ -34,10 +34,14 @@ CASES = ([((2, 2), opt, master, False) for opt in OPTIMIZERS for master in ("cpu
          [((2, 2), opt, "cpu", True) for opt in OPTIMIZERS] + [((1, 3), "adamw", "cpu", True)])
 
 
-# 4 processes on 2 cores (the 1x1x1x1 shapes) run in the slow suite.
+# The quick suite runs one case per shape, optimizer and master kind (~4 s each on 2 cores); the rest of
+# the matrix, and the 4-process shapes, run in the slow suite.
+QUICK = {((2, 2), "adamw", "device", False), ((1, 3), "adamw", "cpu", False), ((2, 2), "sgd_nesterov", "cpu", True)}
+
+
 @pytest.mark.parametrize("counts,opt_name,master,shard", [
     pytest.param(*case, id="x".join(map(str, case[0])) + f"-{case[1]}-{case[2]}" + ("-sharded" if case[3] else ""),
-                 marks=[pytest.mark.slow] if len(case[0]) == 4 else []) for case in CASES])
+                 marks=[] if case in QUICK else [pytest.mark.slow]) for case in CASES])
 def test_processes_x_towers_equal_one_process(tmp_path, counts, opt_name, master, shard):
     """Master weights within two fp32 noise floors of plain full-batch training (Note [Tolerance of
     training equivalence tests]); replicas and the processes' master copies identical bit for bit (checked
@@ -66,7 +70,7 @@ def test_processes_x_towers_equal_one_process(tmp_path, counts, opt_name, master
         assert len(moments) == len(result["master"])   # every parameter's moments came back
 
 
-@pytest.mark.parametrize("counts", [(2, 2), (1, 3)], ids=["2x2", "1+3"])
+@pytest.mark.parametrize("counts", [(2, 2), pytest.param((1, 3), marks=pytest.mark.slow)], ids=["2x2", "1+3"])
 def test_cpu_master_without_overlap_equals_one_process(tmp_path, counts):
     """overlap=False: the CPU master reduces every bucket after backward instead of in the averager's
     hooks; same tolerance as above."""
