@@ -15,7 +15,9 @@ to a bandwidth measured in the same run (bench/gpu_check.sh runs this; it also r
   pinned     pinned host <-> device copies at bucket sizes vs the peak of the same direction
 
 Medians after warm-up; GPU time from CUDA events, host latency from a monotonic clock. Writes JSON
-(--out, default $OUT/gpu_bench.json or ./gpu-out/gpu_bench.json) and prints a short table last.
+(--out, default $OUT/gpu_bench.json or ./gpu-out/gpu_bench.json) after every section (atomically: a run
+killed part way keeps what it measured, the section it was in marked "running") and prints a short table
+last.
 --dry-run checks the arguments and the plan without touching a GPU and writes JSON marked dry_run.
 """
 from __future__ import annotations
@@ -36,7 +38,9 @@ ROOT = Path(__file__).resolve().parent.parent
 if (ROOT / "ncclavg" / "__init__.py").exists() and str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # benchmark the checkout this script belongs to
 UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-SECTIONS = ("copy", "average", "pack", "allreduce", "pinned")
+# allreduce last: it is the one section that can wait on NCCL (its inits are bounded by --init-timeout);
+# each section's result is written as soon as it ends, so a run stopped there keeps the others.
+SECTIONS = ("copy", "average", "pack", "pinned", "allreduce")
 # See Note [Blocking collectives after a bounded init] in csrc/cuda/comm_init.cpp
 MODE_ENV = "NCCLAVG_NCCL_COLLECTIVES"
 FORCE_ENV = "NCCLAVG_TEST_REDUCTION"
@@ -67,6 +71,8 @@ def parse_args(argv):
     p.add_argument("--towers", default="2,4,8", help="buffer counts of the average benchmark")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--init-timeout", type=float, default=20.0,
+                   help="seconds each NCCL communicator's init may take (allreduce section)")
     a = p.parse_args(argv)
     try:
         a.sizes = [parse_size(s) for s in a.sizes.split(",") if s.strip()]
@@ -86,6 +92,8 @@ def parse_args(argv):
         p.error("--iters must be >= 1")
     if a.warmup < 0:
         p.error("--warmup must be >= 0")
+    if not a.init_timeout > 0:
+        p.error("--init-timeout must be > 0 seconds")
     if a.out is None:
         a.out = str(Path(os.environ.get("OUT") or "gpu-out") / "gpu_bench.json")
     return a
@@ -225,7 +233,7 @@ def bench_allreduce(torch, a, res):
 
     n = torch.cuda.device_count()
     NcclComm = _ext.nccl_comm_class()
-    comm = NcclComm.init_all(list(range(n)), 120.0)
+    comm = NcclComm.init_all(list(range(n)), a.init_timeout)
     res["n"] = n
     res["nccl"] = _ext.nccl_info()["version"]
     res["collective_mode"] = comm.collective_mode
@@ -234,7 +242,7 @@ def bench_allreduce(torch, a, res):
     comms = {"ncclavg": comm}
     try:
         with env_var(MODE_ENV, "nonblocking"):
-            comms["ncclavg nonblocking"] = NcclComm.init_all(list(range(n)), 120.0)
+            comms["ncclavg nonblocking"] = NcclComm.init_all(list(range(n)), a.init_timeout)
         res["nonblocking_collective_mode"] = comms["ncclavg nonblocking"].collective_mode
         res["nonblocking_collective_mode_reason"] = comms["ncclavg nonblocking"].collective_mode_reason
     except Exception as e:  # recorded, not fatal: the default row still runs
@@ -247,7 +255,7 @@ def bench_allreduce(torch, a, res):
             name = f"ncclavg {kind} (forced)"
             try:
                 with env_var(FORCE_ENV, kind):
-                    comms[name] = NcclComm.init_all([0], 120.0)
+                    comms[name] = NcclComm.init_all([0], a.init_timeout)
             except Exception as e:  # e.g. an NCCL without ncclAvg / PreMulSum
                 res.setdefault("peer_errors", {})[name] = f"{type(e).__name__}: {e}"
     try:
@@ -269,12 +277,14 @@ def allreduce_rows(torch, a, res, n, comms):
             torch.cuda.synchronize(d)
 
     peers = {}
+    made_group = False
     if n == 1:
         try:
             import torch.distributed as dist
 
             if not dist.is_initialized():
                 dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
+                made_group = True
             peers["torch.distributed"] = dist   # ReduceOp.AVG where torch has it
             peers["torch.distributed sum+div_"] = dist   # all_reduce, then div_ (DDP's default hook)
         except Exception as e:  # recorded, not fatal
@@ -288,57 +298,63 @@ def allreduce_rows(torch, a, res, n, comms):
     except Exception as e:
         res.setdefault("peer_errors", {})["cupy.cuda.nccl"] = f"{type(e).__name__}: {e}"
 
-    for size in a.sizes:
-        count = max(1, size // 4)
-        ts = [torch.empty((count,), device=f"cuda:{d}") for d in range(n)]
-        bufs = as_buffers(ts)
-        for name, comm in comms.items():
-            # #wrong: one fresh exact all-reduce (2, 4, ..., 2n average to n + 1 exactly for SUM+divide and
-            # for power-of-two n; a 1/n pre-multiply may round, hence the relative slack)
-            for d, t in enumerate(ts):
-                t.fill_(2.0 * (d + 1))
-            comm.all_reduce_avg(bufs, streams)
-            comm.wait()
-            wrong = sum(int((t - (n + 1)).abs().gt(1e-6 * (n + 1)).sum().item()) for t in ts)
-
-            def ours(comm=comm, bufs=bufs, streams=streams):
+    try:
+        for size in a.sizes:
+            count = max(1, size // 4)
+            ts = [torch.empty((count,), device=f"cuda:{d}") for d in range(n)]
+            bufs = as_buffers(ts)
+            for name, comm in comms.items():
+                # #wrong: one fresh exact all-reduce (2, 4, ..., 2n average to n + 1 exactly for SUM+divide and
+                # for power-of-two n; a 1/n pre-multiply may round, hence the relative slack)
+                for d, t in enumerate(ts):
+                    t.fill_(2.0 * (d + 1))
                 comm.all_reduce_avg(bufs, streams)
+                comm.wait()
+                wrong = sum(int((t - (n + 1)).abs().gt(1e-6 * (n + 1)).sum().item()) for t in ts)
 
-            t_batch = host_us(ours, comm.wait, a.iters, a.warmup, batched=True)
-            t_lat = host_us(ours, comm.wait, a.iters, a.warmup, batched=False)
-            algbw = size / (t_batch * 1e-6) / 1e9
-            res["rows"].append({"contender": name, "size_bytes": count * 4, "count": count, "n": n,
-                                "time_us": t_batch, "latency_us": t_lat, "algbw_gbps": algbw,
-                                "busbw_gbps": algbw * factor, "wrong": wrong, "redop": comm.reduction(0),
-                                "collective_mode": comm.collective_mode})
-        for name, peer in peers.items():
-            if name.startswith("torch.distributed"):
-                dist = peer
-                op = getattr(dist.ReduceOp, "AVG", None) if name == "torch.distributed" else None
-                fn = (lambda ts=ts: dist.all_reduce(ts[0], op=op)) if op is not None else \
-                    (lambda ts=ts: (dist.all_reduce(ts[0]), ts[0].div_(n)))
-            else:
-                cnccl, ccomms = peer
-                cop = getattr(cnccl, "NCCL_AVG", None)
+                def ours(comm=comm, bufs=bufs, streams=streams):
+                    comm.all_reduce_avg(bufs, streams)
 
-                def fn(cnccl=cnccl, ccomms=ccomms, cop=cop, ts=ts):
-                    cnccl.groupStart()
-                    for d, c in enumerate(ccomms):
-                        c.allReduce(ts[d].data_ptr(), ts[d].data_ptr(), count, cnccl.NCCL_FLOAT32,
-                                    cop if cop is not None else cnccl.NCCL_SUM, streams[d])
-                    cnccl.groupEnd()
-                    if cop is None:
-                        for t in ts:
-                            t.div_(n)
-            try:
-                tb = host_us(fn, sync_all, a.iters, a.warmup, batched=True)
-                tl = host_us(fn, sync_all, a.iters, a.warmup, batched=False)
-                ab = size / (tb * 1e-6) / 1e9
+                t_batch = host_us(ours, comm.wait, a.iters, a.warmup, batched=True)
+                t_lat = host_us(ours, comm.wait, a.iters, a.warmup, batched=False)
+                algbw = size / (t_batch * 1e-6) / 1e9
                 res["rows"].append({"contender": name, "size_bytes": count * 4, "count": count, "n": n,
-                                    "time_us": tb, "latency_us": tl, "algbw_gbps": ab, "busbw_gbps": ab * factor})
-            except Exception as e:
-                res.setdefault("peer_errors", {})[name] = f"{type(e).__name__}: {e}"
-        del ts, bufs
+                                    "time_us": t_batch, "latency_us": t_lat, "algbw_gbps": algbw,
+                                    "busbw_gbps": algbw * factor, "wrong": wrong, "redop": comm.reduction(0),
+                                    "collective_mode": comm.collective_mode})
+            for name, peer in peers.items():
+                if name.startswith("torch.distributed"):
+                    dist = peer
+                    op = getattr(dist.ReduceOp, "AVG", None) if name == "torch.distributed" else None
+                    fn = (lambda ts=ts: dist.all_reduce(ts[0], op=op)) if op is not None else \
+                        (lambda ts=ts: (dist.all_reduce(ts[0]), ts[0].div_(n)))
+                else:
+                    cnccl, ccomms = peer
+                    cop = getattr(cnccl, "NCCL_AVG", None)
+
+                    def fn(cnccl=cnccl, ccomms=ccomms, cop=cop, ts=ts):
+                        cnccl.groupStart()
+                        for d, c in enumerate(ccomms):
+                            c.allReduce(ts[d].data_ptr(), ts[d].data_ptr(), count, cnccl.NCCL_FLOAT32,
+                                        cop if cop is not None else cnccl.NCCL_SUM, streams[d])
+                        cnccl.groupEnd()
+                        if cop is None:
+                            for t in ts:
+                                t.div_(n)
+                try:
+                    tb = host_us(fn, sync_all, a.iters, a.warmup, batched=True)
+                    tl = host_us(fn, sync_all, a.iters, a.warmup, batched=False)
+                    ab = size / (tb * 1e-6) / 1e9
+                    res["rows"].append({"contender": name, "size_bytes": count * 4, "count": count, "n": n,
+                                        "time_us": tb, "latency_us": tl, "algbw_gbps": ab, "busbw_gbps": ab * factor})
+                except Exception as e:
+                    res.setdefault("peer_errors", {})[name] = f"{type(e).__name__}: {e}"
+            del ts, bufs
+    finally:
+        if made_group:   # torch warns about, and may hang in, a group left to interpreter exit
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
 
 
 def bench_pinned(torch, a, res):
@@ -419,8 +435,17 @@ def plan(a):
     }
 
 
+def write_doc(out: Path, doc: dict) -> None:
+    """The JSON in one piece: a temporary file renamed over the old one, so a kill never leaves half."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text(json.dumps(doc, indent=2, default=str))
+    os.replace(tmp, out)
+
+
 def main(argv=None) -> int:
     a = parse_args(argv)
+    out = Path(a.out)
     doc = {"header": header(a.dry_run), "arguments": {k: v for k, v in vars(a).items()}, "sections": {}}
     if a.dry_run:
         for name in a.only:
@@ -439,7 +464,8 @@ def main(argv=None) -> int:
         doc["header"]["device"] = torch.cuda.get_device_name(0)
         copy_bw = None
         for name in a.only:
-            sec = doc["sections"][name] = {"status": "ok", "rows": []}
+            sec = doc["sections"][name] = {"status": "running", "rows": []}
+            write_doc(out, doc)   # a run killed in this section says where it stopped
             t0 = time.perf_counter()
             try:
                 if name == "copy" or (copy_bw is None and name in ("average", "pack")):
@@ -452,13 +478,14 @@ def main(argv=None) -> int:
                     bench_allreduce(torch, a, sec)
                 elif name == "pinned":
                     bench_pinned(torch, a, sec)
+                if sec["status"] == "running":   # a section may have said "skipped" itself
+                    sec["status"] = "ok"
             except Exception as e:  # one failing section must not cost the others
                 sec["status"], sec["reason"] = "error", f"{type(e).__name__}: {e}"
                 sec["traceback"] = traceback.format_exc()
             sec["seconds"] = time.perf_counter() - t0
-    out = Path(a.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(doc, indent=2, default=str))
+            write_doc(out, doc)
+    write_doc(out, doc)
     print(table(doc))
     print(f"wrote {out}")
     return 0 if all(s["status"] in ("ok", "skipped", "planned") for s in doc["sections"].values()) else 1

@@ -15,6 +15,7 @@ GPUs the pinned H2D/D2H bandwidth. Writes bench/results/trainer_<cpu|gpu>.json.
 
     python bench/trainer.py            # GPUs when visible (~100 M parameters), else 2 CPU towers (~8 M)
     python bench/trainer.py --quick    # smaller, fewer repetitions
+    python bench/trainer.py --budget-s 30   # fewer rounds when the machine is slower than planned
 """
 from __future__ import annotations
 
@@ -35,6 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import ncclavg  # noqa: E402
 from ncclavg.train.towers import default_devices, split_sizes  # noqa: E402
 from ncclavg.train.trainer import TowerTrainer  # noqa: E402
+
+MIN_REPS = 3   # timed rounds kept even past --budget-s: a median of fewer says little
 
 
 def wide_mlp(width: int, layers: int, classes: int = 10) -> nn.Module:
@@ -128,11 +131,19 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="TowerTrainer step time vs the torch offload loop")
     ap.add_argument("--quick", action="store_true", help="smaller model, fewer repetitions")
     ap.add_argument("--reps", type=int, default=None)
+    ap.add_argument("--budget-s", type=float, default=None,
+                    help="stop timing after the round that passes this many seconds since the start "
+                         f"(at least {MIN_REPS} rounds are timed); the JSON records the rounds done")
     ap.add_argument("--width", type=int, default=None, help="hidden width of the MLP")
     ap.add_argument("--layers", type=int, default=None, help="hidden layers of the MLP")
     ap.add_argument("--towers", type=int, default=None, help="CPU towers when there is no GPU (default 2)")
     ap.add_argument("--json", "--out", dest="out", default=None, help="JSON file (default bench/results/trainer_<cpu|gpu>.json)")
     args = ap.parse_args(argv)
+    started = time.perf_counter()
+    if args.reps is not None and args.reps < 1:
+        ap.error("--reps must be >= 1")
+    if args.budget_s is not None and not args.budget_s > 0:
+        ap.error("--budget-s must be > 0 seconds")
 
     devices = default_devices(cpu_towers=args.towers or 2)
     on_gpu = devices[0].type == "cuda"
@@ -165,7 +176,11 @@ def main(argv: list[str] | None = None) -> int:
         for fn in fns.values():
             fn()
     times: dict = {k: [] for k in fns}
-    for _ in range(reps):
+    cut_by_budget = False
+    for rep in range(reps):
+        if args.budget_s is not None and rep >= min(MIN_REPS, reps) and time.perf_counter() - started > args.budget_s:
+            cut_by_budget = True
+            break
         for k, fn in fns.items():
             t0 = time.perf_counter()
             out = fn()
@@ -193,7 +208,8 @@ def main(argv: list[str] | None = None) -> int:
                     "gpu_names": [torch.cuda.get_device_name(d) for d in devices] if on_gpu else []},
         "versions": {"ncclavg": ncclavg.__version__, "torch": torch.__version__,
                      "simd": ncclavg.build_info()["simd_level"], "nccl": ncclavg.build_info()["nccl"].get("version")},
-        "sizes": {"params": nparams, "width": width, "layers": layers, "batch": B, "towers": T, "reps": reps},
+        "sizes": {"params": nparams, "width": width, "layers": layers, "batch": B, "towers": T, "reps": reps,
+                  "reps_done": len(times["ncclavg_master_cpu"]), "cut_by_budget": cut_by_budget},
         "step_s": med, "phases_s": phases,
         "ratios": {"torch_offload_over_master_cpu": med["torch_offload"] / med["ncclavg_master_cpu"],
                    "master_device_over_master_cpu": med["ncclavg_master_device"] / med["ncclavg_master_cpu"]},

@@ -255,6 +255,7 @@ void NcclComm::abort_locked(const std::string& reason) {
   if (aborted_ || destroyed_) return;
   aborted_ = true;
   abort_reason_ = reason;
+  cuda::TeardownDeviceGuard guard(devices_.empty() ? 0 : devices_[0]);
   if (load_info().loaded) abort_comms_locked();
   release_cuda_locked();
 }
@@ -306,6 +307,7 @@ void NcclComm::release_cuda_locked() {
 
 void NcclComm::destroy() {
   // See Note [Teardown]. Wait outside the lock first (an abort on timeout is done by wait()).
+  cuda::TeardownDeviceGuard guard(devices_.empty() ? 0 : devices_[0]);  // the event queries too
   bool healthy = false;
   {
     std::lock_guard<std::mutex> lock(mu_);

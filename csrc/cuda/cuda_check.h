@@ -42,5 +42,31 @@ class DeviceGuard {
   int device_;
 };
 
+// DeviceGuard for teardown (abort, destroy, destructors), which must not throw: a device that cannot
+// be made current (a broken context) is ignored and the teardown goes on from where the thread is.
+// Without it, a thread that never chose a device (a finalizer, a helper thread dropping the last
+// reference) would have ncclCommDestroy/Abort, which save and restore the current device, and the
+// event and stream releases create the primary context of GPU 0 in every rank's process.
+class TeardownDeviceGuard {
+ public:
+  explicit TeardownDeviceGuard(int device) noexcept : device_(device) {
+    try {
+      prev_ = current_device_or_none();
+    } catch (...) {
+      prev_ = -1;
+    }
+    if (prev_ != device && cudaSetDevice(device) != cudaSuccess) cudaGetLastError();
+  }
+  ~TeardownDeviceGuard() {
+    if (prev_ >= 0 && prev_ != device_ && cudaSetDevice(prev_) != cudaSuccess) cudaGetLastError();
+  }
+  TeardownDeviceGuard(const TeardownDeviceGuard&) = delete;
+  TeardownDeviceGuard& operator=(const TeardownDeviceGuard&) = delete;
+
+ private:
+  int prev_ = -1;
+  int device_;
+};
+
 }  // namespace cuda
 }  // namespace ncclavg

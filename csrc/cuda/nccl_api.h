@@ -50,6 +50,9 @@ typedef struct {
   int splitShare;
 } ncclConfig_t;
 }
+// The size default_config() gives NCCL (44) stops before the struct's tail padding (to 48).
+static_assert(offsetof(ncclConfig_t, splitShare) + sizeof(int) == 44 && sizeof(ncclConfig_t) == 48,
+              "ncclConfig_t must have NCCL 2.18's x86-64 layout");
 
 namespace ncclavg {
 namespace nccl {
@@ -119,14 +122,17 @@ struct LoadInfo {
 };
 
 // NCCL_CONFIG_INITIALIZER for the layout above: every attribute "undefined" (NCCL picks its default),
-// magic and version set so that NCCL accepts the struct. Zeroed first: NCCL copies `size` bytes, the
-// tail padding included, so no byte it reads is left indeterminate. See Note [Non-blocking init and
+// magic and version set so that NCCL accepts the struct. Zeroed first, so that no byte NCCL copies is
+// left indeterminate. See Note [Non-blocking init and
 // abort] in comm.cpp for why ncclavg sets blocking = 0 for the init.
 inline ncclConfig_t default_config() {
   ncclConfig_t c;
   std::memset(&c, 0, sizeof(c));  // padding too: aggregate `{}` initialisation leaves it indeterminate
   const int undef = -2147483647 - 1;  // NCCL_CONFIG_UNDEF_INT (INT_MIN)
-  c.size = sizeof(ncclConfig_t);
+  // Only the fields of this layout: sizeof() would add the 4 bytes of tail padding after splitShare,
+  // which later releases read as trafficClass: 0 instead of "undefined" where NCCL does not reset it
+  // by `version` (2.26.x does not).
+  c.size = offsetof(ncclConfig_t, splitShare) + sizeof(c.splitShare);
   c.magic = 0xcafebeef;             // NCCL_API_MAGIC
   c.version = version_code(2, 18, 0);  // the release whose layout this struct mirrors
   c.blocking = undef;

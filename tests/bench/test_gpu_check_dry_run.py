@@ -97,6 +97,7 @@ def test_gpu_check_rejects_unknown_arguments():
     (["--sizes", "8,abc"], "abc"),
     (["--only", "copy,nope"], "--only"),
     (["--towers", "0"], "--towers"),
+    (["--init-timeout", "0"], "--init-timeout"),
 ])
 def test_gpu_bench_rejects_bad_arguments(args, message, tmp_path):
     r = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_bench.py"), "--dry-run", "--out",

@@ -73,7 +73,8 @@ def test_one_rank_runs_nccls_arithmetic(value, dtype, monkeypatch):
             assert np.array_equal(bits(t.cpu()), bits(want)), (value, dtype, size)
             # the reduce-scatter of one rank: the whole input is the output
             out = torch.empty_like(t)
-            seq = c.reduce_scatter_avg(as_buffers([x.to("cuda:0")]), as_buffers([out]), stream)
+            src = x.to("cuda:0")   # named: a Buffer holds only its pointer, NCCL reads it on its own stream
+            seq = c.reduce_scatter_avg(as_buffers([src]), as_buffers([out]), stream)
             c.stream_wait(stream, seq)
             c.wait(60.0, seq)
             assert np.array_equal(bits(out.cpu()), bits(want)), ("reduce_scatter", value, dtype, size)
