@@ -5,23 +5,19 @@ with ASan + UBSan, into a cache keyed on the sources; it drives every kernel thr
 point and compares bit for bit with the project's scalar CPU kernels, each case in three thread orders.
 No GPU and no ncclavg._C needed: only g++ and the CUDA headers.
 """
-import importlib.util
 import re
 import shutil
 import subprocess
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from _paths import ROOT, load_script
+
 EMU = ROOT / "csrc" / "cuda" / "emu"
 
 
 def _load_builder():
-    spec = importlib.util.spec_from_file_location("ncclavg_build_emu", EMU / "build_emu.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script(EMU / "build_emu.py", "ncclavg_build_emu")
 
 
 build_emu = _load_builder()

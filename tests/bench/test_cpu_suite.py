@@ -2,22 +2,18 @@
 table, and one quick end-to-end run on the local sweep. No timing assertions."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 import textwrap
 
 import pytest
 
-from _paths import ROOT
+from _paths import ROOT, load_script
 
 
 @pytest.fixture(scope="module")
 def suite():
-    spec = importlib.util.spec_from_file_location("cpu_suite", ROOT / "bench" / "cpu_suite.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script(ROOT / "bench" / "cpu_suite.py", "cpu_suite")
 
 
 def test_summary_from_times_and_from_ratios(suite):

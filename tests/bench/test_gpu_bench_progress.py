@@ -5,22 +5,18 @@ step's time limit interrupts it (an exception that is not an Exception, which no
 catches)."""
 from __future__ import annotations
 
-import importlib.util
 import json
 
 import pytest
 
-from _paths import ROOT
+from _paths import ROOT, load_script
 
 torch = pytest.importorskip("torch")
 
 
 @pytest.fixture
 def bench():
-    spec = importlib.util.spec_from_file_location("gpu_bench", ROOT / "bench" / "gpu_bench.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script(ROOT / "bench" / "gpu_bench.py", "gpu_bench")
 
 
 def test_each_section_is_on_disk_before_the_next_and_a_cut_run_names_where_it_stopped(bench, tmp_path,

@@ -3,7 +3,6 @@ missing optional package is a skip that names it (and the summary shows that rea
 import error stays an error."""
 from __future__ import annotations
 
-import importlib.util
 import os
 import shutil
 import subprocess
@@ -11,14 +10,11 @@ import sys
 
 import pytest
 
-from _paths import ROOT
+from _paths import ROOT, load_script
 
 
 def _load(name):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "bench" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script(ROOT / "bench" / f"{name}.py", name)
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,6 @@ rules of a GPU machine, the packing of the logs, and the compute-sanitizer refus
 build, no GPU."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -14,15 +13,12 @@ import textwrap
 
 import pytest
 
-from _paths import ROOT
+from _paths import ROOT, load_script
 
 
 @pytest.fixture(scope="module")
 def gc():
-    spec = importlib.util.spec_from_file_location("gpu_check_summary", ROOT / "bench" / "gpu_check_summary.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script(ROOT / "bench" / "gpu_check_summary.py", "gpu_check_summary")
 
 
 def steps(*spec):

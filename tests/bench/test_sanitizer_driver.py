@@ -3,21 +3,17 @@ check holds, a wrong kernel answer fails it (it is a test of results as well as 
 watches), and without a CUDA device it says "not run" in gpu_check.sh's way."""
 from __future__ import annotations
 
-import importlib.util
 
 import pytest
 
-from _paths import ROOT
+from _paths import ROOT, load_script
 
 pytest.importorskip("torch")
 
 
 @pytest.fixture
 def driver():
-    spec = importlib.util.spec_from_file_location("sanitizer_driver", ROOT / "bench" / "sanitizer_driver.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script(ROOT / "bench" / "sanitizer_driver.py", "sanitizer_driver")
 
 
 def test_every_check_holds_on_cpu_tensors(driver, capsys):

@@ -2,7 +2,6 @@
 shard_master rows or the note that this build has none), plus the pure helpers. No timing assertions."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -10,17 +9,14 @@ import sys
 
 import pytest
 
-from _paths import ROOT
+from _paths import ROOT, load_script
 
 SHAPES = ("1x4", "2x2", "4x1")
 
 
 @pytest.fixture(scope="module")
 def scale():
-    spec = importlib.util.spec_from_file_location("scale_bench", ROOT / "bench" / "scale.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script(ROOT / "bench" / "scale.py", "scale_bench")
 
 
 @pytest.fixture(scope="module")
@@ -82,9 +78,7 @@ def test_quick_run_has_every_shape_and_the_ddp_rows(quick_run):
 
 @pytest.mark.slow
 def test_quick_run_follows_the_cpu_suite_contract(quick_run):
-    spec = importlib.util.spec_from_file_location("cpu_suite", ROOT / "bench" / "cpu_suite.py")
-    suite = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(suite)
+    suite = load_script(ROOT / "bench" / "cpu_suite.py", "cpu_suite")
     result = quick_run[0]
     summary = suite.summary_rows(result, copy_gbps=10.0)
     mine = [r for r in result["rows"] if r["kind"] == "ncclavg"]

@@ -4,12 +4,11 @@ bad budgets and repetition counts are refused by name. Run in this process on a 
 sets torch's thread count: restored after each test)."""
 from __future__ import annotations
 
-import importlib.util
 import json
 
 import pytest
 
-from _paths import ROOT
+from _paths import ROOT, load_script
 
 torch = pytest.importorskip("torch")
 SMALL = ["--width", "64", "--layers", "2", "--towers", "2"]
@@ -17,9 +16,7 @@ SMALL = ["--width", "64", "--layers", "2", "--towers", "2"]
 
 @pytest.fixture
 def bench():
-    spec = importlib.util.spec_from_file_location("trainer_bench", ROOT / "bench" / "trainer.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_script(ROOT / "bench" / "trainer.py", "trainer_bench")
     threads = torch.get_num_threads()
     yield mod
     torch.set_num_threads(threads)
