@@ -258,11 +258,16 @@ def bench_allreduce(torch, a, res):
                     comms[name] = NcclComm.init_all([0], a.init_timeout)
             except Exception as e:  # e.g. an NCCL without ncclAvg / PreMulSum
                 res.setdefault("peer_errors", {})[name] = f"{type(e).__name__}: {e}"
+    import torch.distributed as dist
+
+    had_group = dist.is_available() and dist.is_initialized()
     try:
         allreduce_rows(torch, a, res, n, comms)
     finally:
         for c in comms.values():
             c.destroy()
+        if not had_group and dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()   # made for the torch rows: not left to interpreter exit
     torch.cuda.empty_cache()
 
 
@@ -277,14 +282,12 @@ def allreduce_rows(torch, a, res, n, comms):
             torch.cuda.synchronize(d)
 
     peers = {}
-    made_group = False
     if n == 1:
         try:
             import torch.distributed as dist
 
             if not dist.is_initialized():
                 dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
-                made_group = True
             peers["torch.distributed"] = dist   # ReduceOp.AVG where torch has it
             peers["torch.distributed sum+div_"] = dist   # all_reduce, then div_ (DDP's default hook)
         except Exception as e:  # recorded, not fatal
@@ -298,63 +301,57 @@ def allreduce_rows(torch, a, res, n, comms):
     except Exception as e:
         res.setdefault("peer_errors", {})["cupy.cuda.nccl"] = f"{type(e).__name__}: {e}"
 
-    try:
-        for size in a.sizes:
-            count = max(1, size // 4)
-            ts = [torch.empty((count,), device=f"cuda:{d}") for d in range(n)]
-            bufs = as_buffers(ts)
-            for name, comm in comms.items():
-                # #wrong: one fresh exact all-reduce (2, 4, ..., 2n average to n + 1 exactly for SUM+divide and
-                # for power-of-two n; a 1/n pre-multiply may round, hence the relative slack)
-                for d, t in enumerate(ts):
-                    t.fill_(2.0 * (d + 1))
+    for size in a.sizes:
+        count = max(1, size // 4)
+        ts = [torch.empty((count,), device=f"cuda:{d}") for d in range(n)]
+        bufs = as_buffers(ts)
+        for name, comm in comms.items():
+            # #wrong: one fresh exact all-reduce (2, 4, ..., 2n average to n + 1 exactly for SUM+divide and
+            # for power-of-two n; a 1/n pre-multiply may round, hence the relative slack)
+            for d, t in enumerate(ts):
+                t.fill_(2.0 * (d + 1))
+            comm.all_reduce_avg(bufs, streams)
+            comm.wait()
+            wrong = sum(int((t - (n + 1)).abs().gt(1e-6 * (n + 1)).sum().item()) for t in ts)
+
+            def ours(comm=comm, bufs=bufs, streams=streams):
                 comm.all_reduce_avg(bufs, streams)
-                comm.wait()
-                wrong = sum(int((t - (n + 1)).abs().gt(1e-6 * (n + 1)).sum().item()) for t in ts)
 
-                def ours(comm=comm, bufs=bufs, streams=streams):
-                    comm.all_reduce_avg(bufs, streams)
+            t_batch = host_us(ours, comm.wait, a.iters, a.warmup, batched=True)
+            t_lat = host_us(ours, comm.wait, a.iters, a.warmup, batched=False)
+            algbw = size / (t_batch * 1e-6) / 1e9
+            res["rows"].append({"contender": name, "size_bytes": count * 4, "count": count, "n": n,
+                                "time_us": t_batch, "latency_us": t_lat, "algbw_gbps": algbw,
+                                "busbw_gbps": algbw * factor, "wrong": wrong, "redop": comm.reduction(0),
+                                "collective_mode": comm.collective_mode})
+        for name, peer in peers.items():
+            if name.startswith("torch.distributed"):
+                dist = peer
+                op = getattr(dist.ReduceOp, "AVG", None) if name == "torch.distributed" else None
+                fn = (lambda ts=ts: dist.all_reduce(ts[0], op=op)) if op is not None else \
+                    (lambda ts=ts: (dist.all_reduce(ts[0]), ts[0].div_(n)))
+            else:
+                cnccl, ccomms = peer
+                cop = getattr(cnccl, "NCCL_AVG", None)
 
-                t_batch = host_us(ours, comm.wait, a.iters, a.warmup, batched=True)
-                t_lat = host_us(ours, comm.wait, a.iters, a.warmup, batched=False)
-                algbw = size / (t_batch * 1e-6) / 1e9
+                def fn(cnccl=cnccl, ccomms=ccomms, cop=cop, ts=ts):
+                    cnccl.groupStart()
+                    for d, c in enumerate(ccomms):
+                        c.allReduce(ts[d].data_ptr(), ts[d].data_ptr(), count, cnccl.NCCL_FLOAT32,
+                                    cop if cop is not None else cnccl.NCCL_SUM, streams[d])
+                    cnccl.groupEnd()
+                    if cop is None:
+                        for t in ts:
+                            t.div_(n)
+            try:
+                tb = host_us(fn, sync_all, a.iters, a.warmup, batched=True)
+                tl = host_us(fn, sync_all, a.iters, a.warmup, batched=False)
+                ab = size / (tb * 1e-6) / 1e9
                 res["rows"].append({"contender": name, "size_bytes": count * 4, "count": count, "n": n,
-                                    "time_us": t_batch, "latency_us": t_lat, "algbw_gbps": algbw,
-                                    "busbw_gbps": algbw * factor, "wrong": wrong, "redop": comm.reduction(0),
-                                    "collective_mode": comm.collective_mode})
-            for name, peer in peers.items():
-                if name.startswith("torch.distributed"):
-                    dist = peer
-                    op = getattr(dist.ReduceOp, "AVG", None) if name == "torch.distributed" else None
-                    fn = (lambda ts=ts: dist.all_reduce(ts[0], op=op)) if op is not None else \
-                        (lambda ts=ts: (dist.all_reduce(ts[0]), ts[0].div_(n)))
-                else:
-                    cnccl, ccomms = peer
-                    cop = getattr(cnccl, "NCCL_AVG", None)
-
-                    def fn(cnccl=cnccl, ccomms=ccomms, cop=cop, ts=ts):
-                        cnccl.groupStart()
-                        for d, c in enumerate(ccomms):
-                            c.allReduce(ts[d].data_ptr(), ts[d].data_ptr(), count, cnccl.NCCL_FLOAT32,
-                                        cop if cop is not None else cnccl.NCCL_SUM, streams[d])
-                        cnccl.groupEnd()
-                        if cop is None:
-                            for t in ts:
-                                t.div_(n)
-                try:
-                    tb = host_us(fn, sync_all, a.iters, a.warmup, batched=True)
-                    tl = host_us(fn, sync_all, a.iters, a.warmup, batched=False)
-                    ab = size / (tb * 1e-6) / 1e9
-                    res["rows"].append({"contender": name, "size_bytes": count * 4, "count": count, "n": n,
-                                        "time_us": tb, "latency_us": tl, "algbw_gbps": ab, "busbw_gbps": ab * factor})
-                except Exception as e:
-                    res.setdefault("peer_errors", {})[name] = f"{type(e).__name__}: {e}"
-            del ts, bufs
-    finally:
-        if made_group:   # torch warns about, and may hang in, a group left to interpreter exit
-            import torch.distributed as dist
-
-            dist.destroy_process_group()
+                                    "time_us": tb, "latency_us": tl, "algbw_gbps": ab, "busbw_gbps": ab * factor})
+            except Exception as e:
+                res.setdefault("peer_errors", {})[name] = f"{type(e).__name__}: {e}"
+        del ts, bufs
 
 
 def bench_pinned(torch, a, res):
