@@ -34,6 +34,15 @@ using namespace ncclavg;
 
 namespace {
 
+// A user call's tag from its two Python integers (Note [Call signatures] in csrc/cpu/shm_calls.cpp).
+cpu::ShmCallTag call_tag(uint64_t word, int64_t count) {
+  cpu::ShmCallTag t;
+  t.word = word;
+  t.count = count;
+  cpu::check_call_tag(t, "tag");
+  return t;
+}
+
 bool cuda_built() {
 #ifdef NCCLAVG_WITH_CUDA
   return true;
@@ -118,7 +127,8 @@ PYBIND11_MODULE(_C, m) {
   py::register_exception<NcclError>(m, "NcclError", PyExc_RuntimeError);
   py::register_exception<CudaError>(m, "CudaError", PyExc_RuntimeError);
   py::register_exception<TimeoutError>(m, "CommTimeoutError", PyExc_TimeoutError);
-  py::register_exception<cpu::ShmPeerError>(m, "ShmPeerError", PyExc_RuntimeError);
+  auto shm_peer_error = py::register_exception<cpu::ShmPeerError>(m, "ShmPeerError", PyExc_RuntimeError);
+  py::register_exception<cpu::ShmMismatchError>(m, "ShmMismatchError", shm_peer_error.ptr());
   py::register_exception_translator([](std::exception_ptr p) {
     try {
       if (p) std::rethrow_exception(p);
@@ -345,22 +355,53 @@ PYBIND11_MODULE(_C, m) {
              "Rank 0 creates the segment and opens the door `name`; the others join through it "
              "(Note [Shared-memory channel], Note [Segment without a name]).")
         .def("close_door", &ShmChannel::close_door, Release())
-        .def("all_reduce_sum", &ShmChannel::all_reduce_sum, py::arg("data"), py::arg("count"), py::arg("type"),
-             py::arg("timeout_s"), py::arg("mul") = 1.0, py::arg("div") = 1.0, Release())
-        .def("reduce_scatter_sum", &ShmChannel::reduce_scatter_sum, py::arg("inp"), py::arg("out"),
-             py::arg("count"), py::arg("type"), py::arg("timeout_s"), py::arg("mul") = 1.0, py::arg("div") = 1.0,
-             Release())
-        .def("all_gather", &ShmChannel::all_gather, py::arg("inp"), py::arg("out"), py::arg("count"),
-             py::arg("type"), py::arg("timeout_s"), Release())
-        .def("broadcast", &ShmChannel::broadcast, py::arg("data"), py::arg("count"), py::arg("type"),
-             py::arg("root"), py::arg("timeout_s"), Release())
-        .def("barrier", &ShmChannel::barrier, py::arg("timeout_s"), Release())
-        .def("abort", &ShmChannel::abort, py::arg("why"))
+        // tag, tag_count: the user's call (Note [Call signatures] in csrc/cpu/shm_calls.cpp)
+        .def("all_reduce_sum",
+             [](ShmChannel& c, uintptr_t data, int64_t count, int type, double timeout_s, double mul, double div,
+                uint64_t tag, int64_t tag_count) {
+               c.all_reduce_sum(data, count, type, timeout_s, mul, div, call_tag(tag, tag_count));
+             },
+             py::arg("data"), py::arg("count"), py::arg("type"), py::arg("timeout_s"), py::arg("mul") = 1.0,
+             py::arg("div") = 1.0, py::arg("tag") = 0, py::arg("tag_count") = 0, Release())
+        .def("reduce_scatter_sum",
+             [](ShmChannel& c, uintptr_t in, uintptr_t out, int64_t count, int type, double timeout_s, double mul,
+                double div, uint64_t tag, int64_t tag_count) {
+               c.reduce_scatter_sum(in, out, count, type, timeout_s, mul, div, call_tag(tag, tag_count));
+             },
+             py::arg("inp"), py::arg("out"), py::arg("count"), py::arg("type"), py::arg("timeout_s"),
+             py::arg("mul") = 1.0, py::arg("div") = 1.0, py::arg("tag") = 0, py::arg("tag_count") = 0, Release())
+        .def("all_gather",
+             [](ShmChannel& c, uintptr_t in, uintptr_t out, int64_t count, int type, double timeout_s, uint64_t tag,
+                int64_t tag_count) { c.all_gather(in, out, count, type, timeout_s, call_tag(tag, tag_count)); },
+             py::arg("inp"), py::arg("out"), py::arg("count"), py::arg("type"), py::arg("timeout_s"),
+             py::arg("tag") = 0, py::arg("tag_count") = 0, Release())
+        .def("broadcast",
+             [](ShmChannel& c, uintptr_t data, int64_t count, int type, int root, double timeout_s, uint64_t tag,
+                int64_t tag_count) { c.broadcast(data, count, type, root, timeout_s, call_tag(tag, tag_count)); },
+             py::arg("data"), py::arg("count"), py::arg("type"), py::arg("root"), py::arg("timeout_s"),
+             py::arg("tag") = 0, py::arg("tag_count") = 0, Release())
+        .def("barrier",
+             [](ShmChannel& c, double timeout_s, uint64_t tag, int64_t tag_count) {
+               c.barrier(timeout_s, call_tag(tag, tag_count));
+             },
+             py::arg("timeout_s"), py::arg("tag") = 0, py::arg("tag_count") = 0, Release())
+        .def("abort", &ShmChannel::abort, py::arg("why"), py::arg("mismatch") = false)
         .def("resident_slot_bytes", &ShmChannel::resident_slot_bytes, py::arg("r"))
         .def_property_readonly("rank", &ShmChannel::rank)
         .def_property_readonly("nranks", &ShmChannel::nranks)
         .def_property_readonly("slot_bytes", &ShmChannel::slot_bytes)
         .def_property_readonly("collectives", &ShmChannel::collectives);
+    m.def("shm_call_names", [] {
+      py::dict d;
+      d["collectives"] = cpu::shm_collective_names();
+      d["dtypes"] = cpu::shm_dtype_names();
+      d["ops"] = cpu::shm_op_names();
+      return d;
+    }, "The tables behind a call tag's codes (Note [Call signatures] in csrc/cpu/shm_calls.cpp).");
+    m.def("shm_describe_call", [](uint64_t tag, int64_t tag_count) {
+      const cpu::ShmCallTag t = call_tag(tag, tag_count);
+      return cpu::describe_call(t);
+    }, py::arg("tag"), py::arg("tag_count"), "A call tag in words, as the channel's errors give it.");
   }
 
 #ifdef NCCLAVG_WITH_CUDA

@@ -258,7 +258,8 @@ def check_bad_arguments(rank, world):
         (TypeError, "input_tensor", lambda: dist.reduce_scatter_tensor(torch.empty(2), torch.ones(2 * world).double())),
         (ValueError, "op", lambda: dist.all_reduce(torch.ones(2), op=R.BAND)),
         (ValueError, "tensor_list", lambda: dist.all_gather([torch.empty(2)], torch.ones(2))),
-        (TypeError, "dense tensors", lambda: dist.all_reduce(torch.ones(2).to_sparse())),
+        (TypeError, "dense tensors", lambda: dist.all_reduce(torch.ones(2, 2).to_sparse_csr())),
+        (ValueError, "op", lambda: dist.all_reduce(torch.ones(2).to_sparse(), op=R.MAX)),   # sparse: SUM only
     ]
     pg = dist.group.WORLD
     from torch._C._distributed_c10d import BroadcastOptions
@@ -289,9 +290,9 @@ def collectives_job(rank, world, port, layout=None):
     check_reduce_scatter_and_more(rank, world, gloo)
     check_async_and_functional(rank, world)
     check_bad_arguments(rank, world)
-    # a group over every rank shares the default group's lane (one channel per host)
+    # a group over every rank has a lane and a channel of its own (Note [One channel per group])
     again = dist.new_group()
-    assert again._lane is pg._lane
+    assert again._lane is not pg._lane and again.transport == pg.transport
     t = torch.ones(3)
     dist.all_reduce(t, group=again)
     assert same(t, torch.full((3,), float(world)))
@@ -427,16 +428,14 @@ def reinit_job(rank, world, port, files):
 
 
 def own_timeout_job(rank, world, port, outdir):
-    """Two groups with the same members share one lane and channel (Note [One channel per host, shared by
-    groups]), yet each collective keeps its own group's timeout: a group made with timeout=2 s gives up
-    after 2 s while the default group's is 60 s (Note [Per-collective deadlines])."""
+    """Each collective keeps its own group's timeout: a group made with timeout=2 s gives up after 2 s
+    while the default group's is 60 s (Note [Per-collective deadlines])."""
     import time
 
     from _fault_util import report
 
     init_backend(rank, world, port, timeout_s=60)
     short = dist.new_group(timeout=datetime.timedelta(seconds=2))
-    assert short._lane is dist.group.WORLD._lane
     dist.all_reduce(torch.ones(3), group=short)
     if rank == 1:
         time.sleep(6)   # late, not lost: its heartbeat goes on

@@ -121,6 +121,20 @@ def out_of_step(rank, world, name, slot, case, q):
     elif case == "scale":   # rank 0 sums, the others average
         div = 1.0 if rank == 0 else float(world)
         call = lambda: ch.all_reduce_sum(x.data_ptr(), 10, 0, 30.0, 1.0, div)   # noqa: E731
+    elif case.startswith("tag"):   # the same channel call, made for different user calls
+        from ncclavg.comm import calls
+
+        R = torch.distributed.ReduceOp
+        if case == "tag":
+            c = calls.make("all_reduce", torch.float32, R.MAX, count=10) if rank == 0 else \
+                calls.make("all_gather", torch.float32, count=10)
+        elif case == "tag_root":
+            c = calls.make("reduce", torch.float32, R.SUM, root=rank, count=10)
+        elif case == "tag_count":   # a list of 10 elements on the wire, 10 or 11 in the user's call
+            c = calls.make("all_reduce_coalesced", torch.float32, R.SUM, count=10 + rank)
+        else:
+            c = calls.make("barrier") if rank == 0 else calls.make("all_reduce", torch.float32, R.SUM, count=1)
+        call = lambda: ch.all_reduce_sum(x.data_ptr(), 10, 0, 30.0, 1.0, 1.0, c.tag, c.count)   # noqa: E731
     attempt(q, rank, call)
     # later rounds: all of them again (a rank that failed must not pair with its peers' next call)
     attempt(q, rank, lambda: ch.all_reduce_sum(x.data_ptr(), 10, 0, 30.0))

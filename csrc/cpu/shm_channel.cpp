@@ -81,7 +81,7 @@ namespace cpu {
 using namespace shm_detail;
 
 namespace {
-constexpr uint64_t kMagic = 0x6e63636c61767332ull;    // "ncclavs2"
+constexpr uint64_t kMagic = 0x6e63636c61767333ull;    // "ncclavs3"
 constexpr size_t kLinesOffset = 1024;
 // See Note [Waiting in the channel] for these two.
 constexpr std::chrono::microseconds kSpin{2};
@@ -141,7 +141,8 @@ struct ShmHeader {
   int32_t unused;
   int64_t slot_bytes;
   std::atomic<int32_t> abort_claim;   // first failing rank + 1 claims the reason
-  std::atomic<int32_t> aborted_by;    // rank + 1, published after the reason is written
+  std::atomic<int32_t> aborted_by;    // rank + 1, published after the reason and the kind are written
+  std::atomic<int32_t> abort_kind;    // ShmChannel::AbortKind
   alignas(64) std::atomic<uint32_t> wake_epoch;   // the futex word: bumped to wake sleepers
   std::atomic<int32_t> sleepers;                  // ranks asleep on it (or about to be)
   char abort_reason[512];
@@ -158,6 +159,9 @@ struct alignas(64) ShmRankLine {
   // (a reused pid has another): read only while waiting long, so on a line of their own.
   alignas(64) std::atomic<int32_t> pid;
   std::atomic<uint64_t> start_ticks;
+  // The exact values behind round seq's signature at [seq % 2]: wire count, user count, mul and div bits.
+  // Read by a peer only to describe a mismatch (Note [Call signatures] in shm_calls.cpp).
+  alignas(64) std::atomic<uint64_t> detail[2][4];
 };
 static_assert(offsetof(ShmRankLine, pid) == 64, "the round's state must fill exactly one cache line");
 
@@ -273,14 +277,36 @@ unsigned char* ShmChannel::slot(uint64_t seq, int r) const {
   return data_ + (2 * static_cast<size_t>(r) + (seq & 1)) * static_cast<size_t>(slot_bytes_);
 }
 
-void ShmChannel::abort(const std::string& why) {
+void ShmChannel::abort_as(const std::string& why, AbortKind kind) {
   local_abort_.store(true, std::memory_order_release);
   int32_t expected = 0;
   if (header_->abort_claim.compare_exchange_strong(expected, rank_ + 1)) {
     std::strncpy(header_->abort_reason, why.c_str(), sizeof(header_->abort_reason) - 1);
+    header_->abort_kind.store(kind, std::memory_order_relaxed);
     header_->aborted_by.store(rank_ + 1, std::memory_order_release);
   }
   wake_all();
+}
+
+// The error of a call that finds the channel aborted: a mismatch found by a peer is a mismatch here too.
+void ShmChannel::throw_aborted(const Call& call) {
+  failed_ = true;
+  const int by = header_->aborted_by.load(std::memory_order_acquire);
+  if (by == 0) throw ShmPeerError(std::string("shared-memory ") + call.op + ": aborted by this process");
+  const int who = by - 1 < nranks_ ? labels_[by - 1] : by - 1;
+  if (by - 1 == rank_ && header_->abort_kind.load(std::memory_order_relaxed) == kAbortMismatch) {
+    throw ShmMismatchError(header_->abort_reason);   // this rank's own finding, as it said it
+  }
+  const std::string text = std::string("shared-memory ") + call.op + ": the channel was aborted by rank " +
+                           std::to_string(who) + ": " + header_->abort_reason;
+  if (header_->abort_kind.load(std::memory_order_relaxed) == kAbortMismatch) throw ShmMismatchError(text);
+  throw ShmPeerError(text);
+}
+
+void ShmChannel::fail_mismatch(const std::string& why) {
+  failed_ = true;
+  abort_as(why, kAbortMismatch);
+  throw ShmMismatchError(why);
 }
 
 void ShmChannel::fail_all(const std::string& why, bool timeout) {
@@ -303,12 +329,7 @@ void ShmChannel::publish(Counter c, uint64_t seq) {
 }
 
 void ShmChannel::begin(Call& call) {
-  const int by = header_->aborted_by.load(std::memory_order_acquire);
-  if (by != 0) {
-    const int who = by - 1 < nranks_ ? labels_[by - 1] : by - 1;
-    throw ShmPeerError(std::string("shared-memory ") + call.op + ": the channel was aborted by rank " +
-                       std::to_string(who) + ": " + header_->abort_reason);
-  }
+  if (header_->aborted_by.load(std::memory_order_acquire) != 0) throw_aborted(call);
   if (failed_) throw ShmPeerError(std::string("shared-memory ") + call.op + ": the channel failed earlier");
   const int owner = line(rank_).pid.load(std::memory_order_relaxed);
   if (owner != current_pid()) {   // See Note [One owner per rank]
@@ -330,12 +351,7 @@ void ShmChannel::wait_for(Counter c, uint64_t target, int only_rank, const Call&
     enum { kSpinning, kYielding, kSleeping } phase = spin_ > Clock::duration::zero() ? kSpinning : kYielding;
     for (uint64_t i = 1; counter.load(std::memory_order_acquire) < target; ++i) {
       if (local_abort_.load(std::memory_order_acquire) || header_->aborted_by.load(std::memory_order_acquire)) {
-        failed_ = true;
-        const int by = header_->aborted_by.load(std::memory_order_acquire);
-        const int who = by > 0 && by - 1 < nranks_ ? labels_[by - 1] : by - 1;
-        throw ShmPeerError(by == 0 ? std::string("shared-memory ") + call.op + ": aborted by this process"
-                                   : std::string("shared-memory ") + call.op + ": the channel was aborted by rank " +
-                                         std::to_string(who) + ": " + header_->abort_reason);
+        throw_aborted(call);
       }
       if (phase != kSpinning) before_blocking();
       if (phase == kSpinning) {
@@ -382,29 +398,51 @@ void ShmChannel::wait_for(Counter c, uint64_t target, int only_rank, const Call&
   }
 }
 
+// A round's call in the user's terms when it has a user call, else in the channel's (Note [Call
+// signatures] in shm_calls.cpp).
+std::string ShmChannel::describe(const uint64_t* sig, const uint64_t* detail) const {
+  const int op = sig_op(sig[0]), root = sig_root(sig[0]);
+  const uint64_t user = sig_user_fields(sig[0]);
+  std::ostringstream d;
+  if (user != 0) {
+    // the root field is the wire root for a broadcast (a channel rank: name it as the group does)
+    const int user_root = op == kBroadcast && root >= 0 && root < nranks_ ? labels_[root] : root;
+    ShmCallTag tag;
+    tag.word = user | static_cast<uint64_t>(user_root + 1) << 24;
+    tag.count = static_cast<int64_t>(detail[1]);
+    return describe_call(tag);
+  }
+  d << op_name(op) << " of " << detail[0] << " " << type_name(sig_type(sig[0]));
+  if (op == kBroadcast) d << " from root " << (root >= 0 && root < nranks_ ? labels_[root] : root);
+  if (detail[2] != double_bits(1.0) || detail[3] != double_bits(1.0)) d << " (scaled)";
+  return d.str();
+}
+
 void ShmChannel::check_same_collective(const Call& call, uint64_t seq) {
-  auto describe = [this](const uint64_t* sig) {
-    std::ostringstream d;
-    const int op = static_cast<int>(sig[0] & 0xff);
-    d << op_name(op) << " of " << sig[1] << " " << type_name(static_cast<int>((sig[0] >> 8) & 0xff));
-    if (op == kBroadcast) {
-      const int root = static_cast<int>((sig[0] >> 16) & 0xffffff) - 1;
-      d << " from root " << (root >= 0 && root < nranks_ ? labels_[root] : root);
-    }
-    if ((sig[0] >> 40) != scale_hash(1.0, 1.0)) d << " (scaled)";
-    return d.str();
-  };
   for (int r = 0; r < nranks_; ++r) {
     if (r == rank_) continue;
     const uint64_t theirs[2] = {line(r).signature[seq & 1][0].load(std::memory_order_relaxed),
                                 line(r).signature[seq & 1][1].load(std::memory_order_relaxed)};
-    if (theirs[0] != call.sig[0] || theirs[1] != call.sig[1]) {
-      std::ostringstream os;
-      os << "shared-memory collectives out of step: rank " << labels_[rank_] << " called " << describe(call.sig)
-         << ", rank " << labels_[r] << " called " << describe(theirs)
-         << ": every rank must call the same collectives, with the same sizes, root and scale, in the same order";
-      fail_all(os.str(), false);
+    if (theirs[0] == call.sig[0] && theirs[1] == call.sig[1]) continue;
+    uint64_t mine_detail[4], their_detail[4];
+    for (int k = 0; k < 4; ++k) {
+      mine_detail[k] = line(rank_).detail[seq & 1][k].load(std::memory_order_relaxed);
+      their_detail[k] = line(r).detail[seq & 1][k].load(std::memory_order_relaxed);
     }
+    std::string mine = describe(call.sig, mine_detail), other = describe(theirs, their_detail);
+    if (mine == other) {   // the same user call, different channel calls (arguments that differ locally)
+      const uint64_t no_user_mine[2] = {call.sig[0] & ((uint64_t{1} << kSigCollectiveShift) - 1), 0};
+      const uint64_t no_user_theirs[2] = {theirs[0] & ((uint64_t{1} << kSigCollectiveShift) - 1), 0};
+      mine += " (channel: " + describe(no_user_mine, mine_detail) + ")";
+      other += " (channel: " + describe(no_user_theirs, their_detail) + ")";
+    }
+    std::ostringstream os;
+    os << "collectives out of step: rank " << labels_[rank_] << " called " << mine << ", rank " << labels_[r]
+       << " called " << other
+       << ": every rank must call the same collectives, with the same sizes, dtypes, ops and roots, in the same "
+          "order (shared-memory channel, round "
+       << seq << ")";
+    fail_mismatch(os.str());
   }
 }
 
@@ -413,7 +451,11 @@ uint64_t ShmChannel::post_round(Call& call, const std::function<void(unsigned ch
   const uint64_t seq = ++seq_;
   if (seq > 2) wait_for(kConsumed, seq - 2, -1, call, seq);
   fill(slot(seq, rank_));
-  for (int k = 0; k < 2; ++k) line(rank_).signature[seq & 1][k].store(call.sig[k], std::memory_order_relaxed);
+  ShmRankLine& mine = line(rank_);
+  for (int k = 0; k < 2; ++k) mine.signature[seq & 1][k].store(call.sig[k], std::memory_order_relaxed);
+  const uint64_t detail[4] = {static_cast<uint64_t>(call.count), static_cast<uint64_t>(call.tag.count),
+                              double_bits(call.mul), double_bits(call.div)};
+  for (int k = 0; k < 4; ++k) mine.detail[seq & 1][k].store(detail[k], std::memory_order_relaxed);
   publish(kPosted, seq);
   wait_for(kPosted, seq, -1, call, seq);
   check_same_collective(call, seq);

@@ -12,6 +12,8 @@
 #include <string>
 #include <vector>
 
+#include "shm_calls.h"
+
 namespace ncclavg {
 namespace cpu {
 
@@ -21,6 +23,11 @@ enum class ShmType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2, kFloat64 =
 // A peer process exited, or some process aborted the channel -> ncclavg.CommError in Python.
 struct ShmPeerError : std::runtime_error {
   using std::runtime_error::runtime_error;
+};
+// The ranks called different collectives (Note [Call signatures] in shm_calls.cpp): raised on every
+// rank, by its own check or through the abort of the rank that found it first.
+struct ShmMismatchError : ShmPeerError {
+  using ShmPeerError::ShmPeerError;
 };
 
 // What a waiting collective calls once, on its own thread, when its wait outlasts the first spin (Note
@@ -55,18 +62,24 @@ class ShmChannel {
 
   // Every collective is called by every rank in the same order, and returns or fails within timeout_s.
   // Pointers are host memory of count elements (of `type`), unless said otherwise. Sums are in rank
-  // order, accumulated in fp32 (fp64 for float64), rounded to `type`, then scaled by mul / div.
-  void all_reduce_sum(uintptr_t data, int64_t count, int type, double timeout_s, double mul = 1.0, double div = 1.0);
+  // order, accumulated in fp32 (fp64 for float64), rounded to `type`, then scaled by mul / div. `tag`:
+  // the user's call this channel call serves (Note [Call signatures] in shm_calls.cpp); ranks whose
+  // calls differ fail with ShmMismatchError naming both.
+  void all_reduce_sum(uintptr_t data, int64_t count, int type, double timeout_s, double mul = 1.0, double div = 1.0,
+                      ShmCallTag tag = {});
   // in: nranks * count elements; out (count): the sum of every rank's slice `rank`.
   void reduce_scatter_sum(uintptr_t in, uintptr_t out, int64_t count, int type, double timeout_s, double mul = 1.0,
-                          double div = 1.0);
+                          double div = 1.0, ShmCallTag tag = {});
   // in: count elements; out: nranks * count, rank r's input at r * count.
-  void all_gather(uintptr_t in, uintptr_t out, int64_t count, int type, double timeout_s);
-  void broadcast(uintptr_t data, int64_t count, int type, int root, double timeout_s);
-  void barrier(double timeout_s);
+  void all_gather(uintptr_t in, uintptr_t out, int64_t count, int type, double timeout_s, ShmCallTag tag = {});
+  void broadcast(uintptr_t data, int64_t count, int type, int root, double timeout_s, ShmCallTag tag = {});
+  // One round that moves nothing: a barrier, or the signature check of a call that moves its data
+  // another way (through gloo).
+  void barrier(double timeout_s, ShmCallTag tag = {});
 
-  // Makes this process's waits end now and tells the peers (their next wait raises ShmPeerError).
-  void abort(const std::string& why);
+  // Makes this process's waits end now and tells the peers (their next wait raises ShmPeerError, or
+  // ShmMismatchError when `mismatch`: the ranks' calls differ, found outside the channel).
+  void abort(const std::string& why, bool mismatch = false) { abort_as(why, mismatch ? kAbortMismatch : kAbortOther); }
 
   int rank() const { return rank_; }
   int nranks() const { return nranks_; }
@@ -78,6 +91,10 @@ class ShmChannel {
  private:
   struct Call;
   enum Counter { kPosted, kReduced, kConsumed };
+  enum AbortKind { kAbortOther = 1, kAbortMismatch = 2 };
+  void abort_as(const std::string& why, AbortKind kind);
+  [[noreturn]] void throw_aborted(const Call& call);
+  std::string describe(const uint64_t* sig, const uint64_t* detail) const;
   unsigned char* slot(uint64_t seq, int r) const;
   ShmRankLine& line(int r) const;
   void begin(Call& call);
@@ -87,6 +104,7 @@ class ShmChannel {
   void publish(Counter c, uint64_t seq);
   void wake_all();
   [[noreturn]] void fail_all(const std::string& why, bool timeout);
+  [[noreturn]] void fail_mismatch(const std::string& why);
 
   std::string name_;
   int rank_, nranks_;

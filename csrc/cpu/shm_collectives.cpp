@@ -37,18 +37,22 @@ void sum_into(ShmType t, unsigned char* out, unsigned char* out2, const unsigned
                 static_cast<float>(mul), static_cast<float>(div), 0, n);
 }
 
-// A call's description: its name, validated element type and timeout, and its signature.
+// A call's description: its name, validated element type and timeout, and its signature (Note [Call
+// signatures] in shm_calls.cpp): `root` is the wire root of a broadcast, -1 for the other ops (whose
+// root field then holds the user's root).
 template <class Call>
 Call make_call(const char* op, int op_id, int type, int root, int64_t count, double mul, double div,
-               double timeout_s) {
+               double timeout_s, const ShmCallTag& tag) {
   const ShmType t = checked_type(type);
   NCCLAVG_CHECK_ARG(!std::isnan(timeout_s) && timeout_s > 0, "timeout_s", "must be > 0, got ", timeout_s);
   NCCLAVG_CHECK_ARG(std::isfinite(mul) && std::isfinite(div) && div != 0, "mul/div",
                     "must be finite with div != 0, got ", mul, " / ", div);
-  Call c{op, t, count, mul, div, timeout_s, {}, {}};
-  c.sig[0] = static_cast<uint64_t>(op_id) | static_cast<uint64_t>(type) << 8 |
-             static_cast<uint64_t>(root + 1) << 16 | scale_hash(mul, div) << 40;
-  c.sig[1] = static_cast<uint64_t>(count);
+  check_call_tag(tag, "tag");
+  Call c{op, t, count, mul, div, tag, timeout_s, {}, {}};
+  const uint64_t root_field = static_cast<uint64_t>(op_id == kBroadcast ? root + 1 : tag.root() + 1);
+  c.sig[0] = static_cast<uint64_t>(op_id) | static_cast<uint64_t>(type) << 4 | root_field << kSigRootShift |
+             (tag.word & 0xffffff) << kSigCollectiveShift;
+  c.sig[1] = count_word(count, tag.count, mul, div);
   return c;
 }
 
@@ -56,8 +60,9 @@ Call make_call(const char* op, int op_id, int type, int root, int64_t count, dou
 int64_t slice_of(int64_t n, int nranks) { return ((n + nranks - 1) / nranks + 31) / 32 * 32; }
 }  // namespace
 
-void ShmChannel::all_reduce_sum(uintptr_t data, int64_t count, int type, double timeout_s, double mul, double div) {
-  Call call = make_call<Call>("all_reduce_sum", kAllReduce, type, -1, count, mul, div, timeout_s);
+void ShmChannel::all_reduce_sum(uintptr_t data, int64_t count, int type, double timeout_s, double mul, double div,
+                                ShmCallTag tag) {
+  Call call = make_call<Call>("all_reduce_sum", kAllReduce, type, -1, count, mul, div, timeout_s, tag);
   check_span(data, count, "data");
   begin(call);
   const int64_t es = static_cast<int64_t>(type_size(call.type));
@@ -97,8 +102,8 @@ void ShmChannel::all_reduce_sum(uintptr_t data, int64_t count, int type, double 
 }
 
 void ShmChannel::reduce_scatter_sum(uintptr_t in, uintptr_t out, int64_t count, int type, double timeout_s,
-                                    double mul, double div) {
-  Call call = make_call<Call>("reduce_scatter_sum", kReduceScatter, type, -1, count, mul, div, timeout_s);
+                                    double mul, double div, ShmCallTag tag) {
+  Call call = make_call<Call>("reduce_scatter_sum", kReduceScatter, type, -1, count, mul, div, timeout_s, tag);
   check_span(in, count, "in");
   check_span(out, count, "out");
   begin(call);
@@ -126,8 +131,8 @@ void ShmChannel::reduce_scatter_sum(uintptr_t in, uintptr_t out, int64_t count, 
   } while (off < count);
 }
 
-void ShmChannel::all_gather(uintptr_t in, uintptr_t out, int64_t count, int type, double timeout_s) {
-  Call call = make_call<Call>("all_gather", kAllGather, type, -1, count, 1.0, 1.0, timeout_s);
+void ShmChannel::all_gather(uintptr_t in, uintptr_t out, int64_t count, int type, double timeout_s, ShmCallTag tag) {
+  Call call = make_call<Call>("all_gather", kAllGather, type, -1, count, 1.0, 1.0, timeout_s, tag);
   check_span(in, count, "in");
   check_span(out, count, "out");
   begin(call);
@@ -149,9 +154,9 @@ void ShmChannel::all_gather(uintptr_t in, uintptr_t out, int64_t count, int type
   } while (off < count);
 }
 
-void ShmChannel::broadcast(uintptr_t data, int64_t count, int type, int root, double timeout_s) {
+void ShmChannel::broadcast(uintptr_t data, int64_t count, int type, int root, double timeout_s, ShmCallTag tag) {
   NCCLAVG_CHECK_ARG(root >= 0 && root < nranks_, "root", "must be in [0, ", nranks_, "), got ", root);
-  Call call = make_call<Call>("broadcast", kBroadcast, type, root, count, 1.0, 1.0, timeout_s);
+  Call call = make_call<Call>("broadcast", kBroadcast, type, root, count, 1.0, 1.0, timeout_s, tag);
   check_span(data, count, "data");
   begin(call);
   const int64_t es = static_cast<int64_t>(type_size(call.type));
@@ -170,8 +175,8 @@ void ShmChannel::broadcast(uintptr_t data, int64_t count, int type, int root, do
   } while (off < count);
 }
 
-void ShmChannel::barrier(double timeout_s) {
-  Call call = make_call<Call>("barrier", kBarrier, 0, -1, 0, 1.0, 1.0, timeout_s);
+void ShmChannel::barrier(double timeout_s, ShmCallTag tag) {
+  Call call = make_call<Call>("barrier", kBarrier, 0, -1, 0, 1.0, 1.0, timeout_s, tag);
   begin(call);
   const uint64_t seq = post_round(call, [](unsigned char*) {});
   publish(kConsumed, seq);

@@ -5,6 +5,7 @@
 #include <cstring>
 
 #include "../common/check.h"
+#include "shm_calls.h"
 #include "shm_channel.h"
 
 namespace ncclavg {
@@ -51,30 +52,48 @@ inline void check_span(uintptr_t ptr, int64_t count, const char* argname) {
   NCCLAVG_CHECK_ARG(count == 0 || ptr != 0, argname, "is null but count is ", count);
 }
 
-inline uint32_t float_bits(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof(u));
+inline uint64_t double_bits(double d) {
+  uint64_t u;
+  std::memcpy(&u, &d, sizeof(u));
   return u;
 }
 
-// 24 bits that tell two scales (mul, div) of a call apart (a signature has room for no more).
-inline uint64_t scale_hash(double mul, double div) {
-  const uint64_t h = (uint64_t{float_bits(static_cast<float>(mul))} * 0x9E3779B97F4A7C15ull) ^
-                     float_bits(static_cast<float>(div));
-  return (h * 0xC2B2AE3D27D4EB4Full) >> 40;
+// splitmix64's finalizer: every input bit moves every output bit.
+inline uint64_t mix64(uint64_t x) {
+  x += 0x9E3779B97F4A7C15ull;
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+  return x ^ (x >> 31);
 }
+
+// The count word of a round's signature: the wire count, XOR what else must agree but has no room of its
+// own (the user's count and the scale). See Note [Call signatures] in shm_calls.cpp.
+inline uint64_t count_word(int64_t count, int64_t user_count, double mul, double div) {
+  const uint64_t folded = mix64(mix64(mix64(static_cast<uint64_t>(user_count)) ^ double_bits(mul)) ^ double_bits(div));
+  return static_cast<uint64_t>(count) ^ folded;
+}
+
+// The fields of a round's first signature word: wire op | wire type << 4 | (root + 1) << 8 | the user's
+// collective << 28 | dtype << 36 | op << 44. The root is the wire root for a broadcast (channel rank),
+// else the user's (group rank), see Note [Call signatures].
+constexpr int kSigRootShift = 8, kSigCollectiveShift = 28;
+inline int sig_op(uint64_t w) { return static_cast<int>(w & 0xf); }
+inline int sig_type(uint64_t w) { return static_cast<int>((w >> 4) & 0xf); }
+inline int sig_root(uint64_t w) { return static_cast<int>((w >> kSigRootShift) & ShmCallTag::kRootMask) - 1; }
+inline uint64_t sig_user_fields(uint64_t w) { return w >> kSigCollectiveShift; }   // collective | dtype | op
 
 }  // namespace shm_detail
 
-// One collective call: its name, element type, size, scale, time limit and signature.
+// One collective call: its name, element type, size, scale, the user's call, time limit and signature.
 struct ShmChannel::Call {
   const char* op;
   ShmType type;
   int64_t count;
   double mul, div;
+  ShmCallTag tag;
   double timeout_s;
   shm_detail::Clock::time_point deadline;
-  uint64_t sig[2];   // op | type << 8 | (root + 1) << 16 | scale_hash << 40, count
+  uint64_t sig[2];   // see sig_op and count_word in shm_detail
 };
 
 }  // namespace cpu

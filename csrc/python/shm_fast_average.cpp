@@ -59,6 +59,12 @@ void ShmExec::release() {
   }
 }
 
+void ShmFastAverage::disable() {
+  enabled_ = false;
+  entries_.clear();
+  prepare_ = py::none();
+}
+
 ShmFastAverage::ShmFastAverage(cpu::ShmChannel* channel, ShmExec* exec, py::object prepare)
     : channel_(channel), exec_(exec), prepare_(std::move(prepare)), name_version_(py::str("_version")),
       name_data_ptr_(py::str("data_ptr")) {}
@@ -87,8 +93,8 @@ bool ShmFastAverage::run(py::handle tensors, double timeout_s) {
     py::object got = prepare_(py::handle(t));   // the general path's checks: they raise for bad input
     if (got.is_none()) return false;
     auto fields = got.cast<py::tuple>();
-    scratch = Entry{py::none(), 0, fields[0].cast<uintptr_t>(), fields[1].cast<int64_t>(), fields[2].cast<int>(),
-                    fields[3].cast<double>()};
+    scratch = Entry{py::none(),           0, fields[0].cast<uintptr_t>(), fields[1].cast<int64_t>(),
+                    fields[2].cast<int>(), fields[3].cast<double>(), fields[4].cast<uint64_t>()};
     PyObject* weak = PyWeakref_NewRef(t, nullptr);
     if (weak != nullptr && int_of(PyObject_GetAttr(t, name_version_.ptr()), &scratch.version)) {
       scratch.weak = py::reinterpret_steal<py::object>(weak);
@@ -109,7 +115,10 @@ bool ShmFastAverage::run(py::handle tensors, double timeout_s) {
   }
   try {
     ReleaseGilWhenBlocking gil;
-    channel_->all_reduce_sum(e->data, e->count, e->type, timeout_s, 1.0, e->div);
+    cpu::ShmCallTag tag;
+    tag.word = e->tag;
+    tag.count = e->count;
+    channel_->all_reduce_sum(e->data, e->count, e->type, timeout_s, 1.0, e->div, tag);
   } catch (...) {
     exec_->release();
     throw;

@@ -52,8 +52,9 @@ class ShmExec {
 };
 
 // comm.all_reduce_avg([t]) through `channel`, for tensors it has seen before. `prepare(t)` (Python:
-// the general path's checks) returns (data_ptr, numel, type code, divisor) or None for a tensor the
-// fast path must not take. Nothing may be outstanding on `exec` and its lock must be free, and the
+// the general path's checks) returns (data_ptr, numel, type code, divisor, call tag) or None for a
+// tensor the fast path must not take (the tag: the user call the channel checks, Note [Call
+// signatures] in csrc/cpu/shm_calls.cpp; its count is numel). Nothing may be outstanding on `exec` and its lock must be free, and the
 // communicator must not have disabled it (a failure or close()), else the call returns False and the
 // general path runs it in order (or says why it refuses).
 class ShmFastAverage {
@@ -61,7 +62,10 @@ class ShmFastAverage {
   ShmFastAverage(cpu::ShmChannel* channel, ShmExec* exec, py::object prepare);
   // True: done. False: the general path must run it. Raises what the channel raises.
   bool run(py::handle tensors, double timeout_s);
-  void disable() { enabled_ = false; }
+  // For good: also lets go of `prepare` and the cache, which would otherwise keep the communicator
+  // alive through a reference cycle that Python's collector cannot see into (prepare -> communicator
+  // -> this object -> prepare).
+  void disable();
   size_t cached() const { return entries_.size(); }
 
  private:
@@ -72,6 +76,7 @@ class ShmFastAverage {
     int64_t count;
     int type;
     double div;
+    uint64_t tag;
   };
   const Entry* lookup(PyObject* t);
 

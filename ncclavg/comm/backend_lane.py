@@ -43,6 +43,7 @@ from typing import Any, Callable, List, Optional
 import torch
 import torch.distributed as dist
 
+from .._ext import _C
 from ..errors import CommError
 
 WATCH_S = 0.2      # how often the watchdog looks at the running collective
@@ -61,16 +62,28 @@ class BackendTimeoutError(BackendError):
     is_timeout = True
 
 
+class BackendMismatchError(BackendError):
+    """The ranks called different collectives (or the same one with different sizes, dtypes, ops or
+    roots): raised on every rank, naming both calls."""
+
+
+def timed_out(what: str, timeout: float) -> str:
+    """A timeout's words: "timed out", which launchers and tools look for, and the limit."""
+    return f"{what} timed out: it did not complete within {timeout:g} s"
+
+
 class Job:
     """One collective: `run(job)` does it on the lane; `result` is what its future holds (the output
-    tensors); `what` names it in errors."""
+    tensors); `what` names it in errors; `call` (calls.Call) is the user's call every rank compares
+    (Note [Every call compared] in backend_cpu.py); `namer` names the lost rank after a timeout."""
 
-    __slots__ = ("run", "result", "what", "timeout", "namer", "deadline", "expired", "error", "event", "future",
-                 "__weakref__")
+    __slots__ = ("run", "result", "what", "timeout", "namer", "call", "deadline", "expired", "error", "event",
+                 "future", "__weakref__")
 
     def __init__(self, run: Callable[["Job"], None], result: Any, what: str, timeout: float,
-                 namer: Optional[Callable[[], str]] = None):
+                 namer: Optional[Callable[[], str]] = None, call: Any = None):
         self.run, self.result, self.what, self.timeout, self.namer = run, result, what, float(timeout), namer
+        self.call = call
         self.deadline: Optional[float] = None   # monotonic, set when the lane starts it
         self.expired: Optional[str] = None      # the watchdog's text, once past the deadline
         self.error: Optional[BaseException] = None
@@ -81,7 +94,7 @@ class Job:
         """Seconds left before the deadline (raises BackendTimeoutError when none are)."""
         left = (self.deadline or time.monotonic() + self.timeout) - time.monotonic()
         if left <= 0:
-            raise BackendTimeoutError(f"{self.what} did not complete within {self.timeout:g} s")
+            raise BackendTimeoutError(timed_out(self.what, self.timeout))
         return left
 
     def wait_gloo(self, work: Any) -> None:
@@ -162,7 +175,6 @@ class Lane:
         self.transport = transport
         self.label = label
         self.failure: Optional[str] = None
-        self.users = 0                 # process groups using this lane (backend_setup.py)
         self._lock = threading.Lock()
         self._queue: "queue.SimpleQueue[Optional[Job]]" = queue.SimpleQueue()
         self._pending = 0              # jobs submitted and not yet complete
@@ -238,7 +250,9 @@ class Lane:
                         self._start_threads()
                 self._current = job
                 try:
-                    job.run(job)
+                    # the in-place steps on the user's tensors (an nn.Parameter too) are not autograd's
+                    with torch.no_grad():
+                        job.run(job)
                 except BaseException as e:   # noqa: BLE001 (handed to the waiter)
                     error = self._failed(job, e)
                 finally:
@@ -252,30 +266,33 @@ class Lane:
                 self._idle.notify_all()
 
     def _failed(self, job: Job, e: BaseException) -> BaseException:
+        """The error a failed job raises, and the lane failed with it unless nothing was sent. Only a
+        timeout asks the heartbeats which rank was lost (it takes a moment): a mismatch names both
+        calls, a peer that exited or aborted the channel is named by the channel itself."""
         if isinstance(e, (ValueError, TypeError)) and job.expired is None and not isinstance(e, BackendError):
             return e   # a bad argument found on the lane: nothing was sent, the lane stays usable
         text = str(e).strip() or type(e).__name__
+        mismatch = isinstance(e, _C.ShmMismatchError)
+        timed_out_now = not mismatch and (job.expired is not None or bool(getattr(e, "is_timeout", False)) or
+                                          isinstance(e, (TimeoutError, _C.CommTimeoutError)))
         if job.expired is not None:
-            msg, timed_out = job.expired, True
-        else:
-            timed_out = bool(getattr(e, "is_timeout", False)) or "timed out" in text.lower() or \
-                "timeout" in text.lower()
+            msg = job.expired
+        elif timed_out_now:
             who = "" if "stopped responding" in text else (job.namer() if job.namer is not None else "")
-            if timed_out:
-                msg = f"{job.what} did not complete within {job.timeout:g} s{who} ({text})"
-            else:
-                msg = f"{job.what} failed{who}: {text}"
-        self._fail(msg)
-        cls = BackendTimeoutError if timed_out else BackendError
+            msg = f"{timed_out(job.what, job.timeout)}{who} ({text})"
+        else:   # a mismatch (both calls named), a peer that exited, an abort: the text says who
+            msg = f"{job.what} failed: {text}"
+        self._fail(msg, mismatch)
+        cls = BackendTimeoutError if timed_out_now else BackendMismatchError if mismatch else BackendError
         return cls(msg + "; the process group is unusable now")
 
-    def _fail(self, msg: str) -> None:
+    def _fail(self, msg: str, mismatch: bool = False) -> None:
         with self._lock:
             if self.failure is None:
                 self.failure = msg
         if self.transport is not None:
             try:
-                self.transport.abort(msg)   # the peers fail at their next wait instead of at their timeout
+                self.transport.abort(msg, mismatch)   # the peers fail at their next wait instead of at their timeout
             except Exception:   # noqa: BLE001 (an abort is best effort)
                 pass
 
@@ -288,7 +305,7 @@ class Lane:
             who = job.namer() if job.namer is not None else ""
             if self._current is not job:
                 continue   # it completed while the peers were looked at
-            job.expired = f"{job.what} did not complete within {job.timeout:g} s{who}"
+            job.expired = f"{timed_out(job.what, job.timeout)}{who}"
             self.transport.abort(job.expired)
 
     # ------------------------------------------------------------------ ending

@@ -2,16 +2,15 @@
 process group's CPU collectives use (shm.ShmTransport, chosen exactly as GlooCommunicator chooses it),
 shared by every group with the same members; and the heartbeats that name a lost rank.
 
-Note [One channel per host, shared by groups]
+Note [One channel per group]
 Each process group of the backend is created by torch (init_process_group, new_group, a DeviceMesh),
-every member calling the backend's creator at the same point. A group whose members are those of a
-group created before (new_group() over every rank, a one-dimensional DeviceMesh, the hook's group) gets
-the lane of that group, and with it its channel and its order: no second /dev/shm segment, no second
-worker. Sharing a channel means the collectives of those groups are one sequence, so every rank must
-issue them in the same order, as one NCCL stream of several communicators requires; each collective
-still has its own group's deadline (Note [Per-collective deadlines] in backend_lane.py). The lanes are
-keyed by the members' global ranks, which every member computes alike; a failed lane is never handed
-to a new group. A group with other members (a subgroup) sets up a channel of its own.
+every member calling the backend's creator at the same point, and each gets a lane and a host channel of
+its own, also when its members are those of an earlier group: torch lets two groups with the same
+members be used at the same time from different threads (DDP's reducer thread and the user's, pipeline
+schedules, FSDP's streams of collectives), each group's collectives in its own order, as gloo's
+separate connections allow. One channel shared by such groups would pair the collectives of one group
+on one rank with those of the other on another. A channel costs a segment of about 2 x processes x slot
+(Note [When the shared-memory channel is used] in shm.py), freed when its group is destroyed.
 
 The setup runs before torch has registered the group, so torch.distributed's functions cannot be used
 on it: the host identities travel through the group's store, and ShmTransport.connect, which speaks
@@ -31,7 +30,7 @@ from __future__ import annotations
 import datetime
 import threading
 import weakref
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
 import torch.distributed as dist
 from torch._C._distributed_c10d import (AllgatherOptions, AllreduceOptions, AllToAllOptions, BroadcastOptions,
@@ -126,7 +125,7 @@ class _Group:
 
 class _DistOverBackends:
     """The torch.distributed functions ShmTransport.connect and its several-hosts steps call, on gloo
-    backends the group made itself (Note [One channel per host, shared by groups]). Ranks are the
+    backends the group made itself (see the module's notes). Ranks are the
     group's ranks throughout."""
 
     ReduceOp = dist.ReduceOp
@@ -207,44 +206,17 @@ def connect_channel(store: Any, rank: int, size: int, gloo: Any, timeout: dateti
 
 
 # ---------------------------------------------------------------------------------------------- the lanes
-_LANES: Dict[tuple, Lane] = {}
-_LANES_LOCK = threading.Lock()
 _ALL_LANES: "weakref.WeakSet[Lane]" = weakref.WeakSet()
 
 
-def lane_for(members: Tuple[int, ...], store: Any, rank: int, size: int, gloo: Any,
-             timeout: datetime.timedelta) -> Lane:
-    """The lane of the groups whose members (global ranks) are `members`: the existing one, or a new
-    lane over a new channel (a collective). See Note [One channel per host, shared by groups]."""
-    key = (members, shm.setting())
-    with _LANES_LOCK:
-        lane = _LANES.get(key)
-        if lane is not None and lane.failure is None and not lane.closed:
-            lane.users += 1
-            return lane
+def lane_for(store: Any, rank: int, size: int, gloo: Any, timeout: datetime.timedelta) -> Lane:
+    """A new lane over a new host channel for one process group (a collective over the group). See Note
+    [One channel per group]."""
     transport = connect_channel(store, rank, size, gloo, timeout)
     lane = Lane(transport, label=f"{rank}of{size}")
-    lane.users = 1
-    with _LANES_LOCK:
-        _LANES[key] = lane
-        _ALL_LANES.add(lane)
+    _ALL_LANES.add(lane)
     return lane
-
-
-def release_lane(lane: Lane, timeout: float) -> None:
-    """A group that used `lane` is shut down: the last one closes it (its channel and threads), after
-    what was queued has finished (at most `timeout` s)."""
-    with _LANES_LOCK:
-        lane.users -= 1
-        last = lane.users <= 0
-        if last:
-            for key in [k for k, v in _LANES.items() if v is lane]:
-                del _LANES[key]
-    if last:
-        lane.close(timeout)
 
 
 def live_lanes() -> List[Lane]:
     return list(_ALL_LANES)
-
-

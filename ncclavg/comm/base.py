@@ -203,8 +203,10 @@ class Communicator:
         if devs is None:
             devs = [_default_process_device() if device is None else torch.device(device)]
         if devs[0].type == "cpu":
+            # any backend that runs CPU tensors: gloo, mpi, or ncclavg's own (whose groups then each get a
+            # channel of their own: Note [One channel per group] in backend_setup.py)
             backend = str(dist.get_backend(group)).lower()
-            if "gloo" not in backend and "mpi" not in backend:
+            if not any(name in backend for name in ("gloo", "mpi", "ncclavg")):
                 raise ValueError(f"device: cpu towers need a process group that runs CPU tensors, but this group's "
                                  f"backend is {backend!r}; pass group=torch.distributed.new_group(backend='gloo')")
             return _backend("gloo")(group, t, predivide, towers=len(devs))

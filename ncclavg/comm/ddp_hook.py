@@ -4,8 +4,8 @@ ncclavg's transports, whatever backend the DDP model was built over, with an opt
 Note [The DDP hook's engine]
 A hook gets DDP's process group. When it is a group of the `ncclavg` backend, the hook uses it as it is.
 Otherwise (DDP over gloo) `register` makes an `ncclavg` group over the same ranks (a collective, like the
-DDP constructor: every rank registers at the same point), which shares the host channel set up for any
-other group with those members (Note [One channel per host, shared by groups]). A CPU bucket is then one
+DDP constructor: every rank registers at the same point), with a host channel of its own (Note [One
+channel per group] in backend_setup.py). A CPU bucket is then one
 job on that group's lane (backend_lane.py): every step of it, compression included, runs on the lane's
 thread while backward goes on, and its torch future holds the bucket's one tensor, as DDP requires. A
 CUDA bucket goes through DDP's own group (NCCL), stream-ordered, the future completing after the last step.
@@ -28,7 +28,8 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from .backend_cpu import R
+from . import calls
+from .backend_math import R
 from .backend_lane import Job
 from .torch_backend import NAME, ProcessGroupNcclavg
 
@@ -72,7 +73,9 @@ def allreduce_hook(state, bucket):  # no annotations: DDP checks them, and this 
     if buf.device.type == "cuda":
         return _cuda_average(state, buf)
     engine = state.engine
-    return engine._submit("ddp hook average", None, [buf], buf, lambda job: _cpu_average(state, job, buf)).get_future()
+    call = calls.make("all_reduce", buf.dtype, dist.ReduceOp.AVG, count=buf.numel())   # DDP's bucket, averaged
+    return engine._submit("ddp hook average", None, [buf], buf, lambda job: _cpu_average(state, job, buf),
+                          call).get_future()
 
 
 def _cpu_average(state: HookState, job: Job, buf: torch.Tensor) -> None:

@@ -28,7 +28,9 @@ import torch
 
 from .._ext import _C
 from ..buffers import as_buffer
+from . import calls
 from .base import Communicator, Work, check_count, check_timeout
+from .calls import Call, average_call
 from .dist import _DistWork, _allgather_object_bounded, _debug_allgather_dist, _issue_dist, _wait_dist
 from .liveness import Liveness
 from .shm import ShmTransport, host_identity, supports as shm_supports
@@ -117,32 +119,37 @@ class GlooCommunicator(Communicator):
     # Each starts one SUM / gather / broadcast over the processes and returns a Work for _wait_dist:
     # through the shared-memory channel when there is one and it takes the dtype, else torch.distributed.
     # sync=True: the caller waits at once.
+    # `call`: the user's call, compared across the ranks by the channel (Note [Call signatures] in
+    # csrc/cpu/shm_calls.cpp); torch.distributed's path has no such check.
     def _sum(self, what: str, t: torch.Tensor, sync: bool = True, timeout: Optional[float] = None,
-             divisor: float = 1.0) -> Any:
+             divisor: float = 1.0, call: Optional[Call] = None) -> Any:
         """divisor != 1 (one-host channel only): the channel divides the sum in the same pass."""
         if self._shm is not None and shm_supports(t):
-            return _issue_dist(self, what, self._shm.all_reduce_sum, t, sync, timeout, divisor)
+            return _issue_dist(self, what, self._shm.all_reduce_sum, t, sync, timeout, divisor, call)
         assert divisor == 1.0, "only the shared-memory channel divides"
         return _issue_dist(self, what, self._dist.all_reduce, t, op=self._dist.ReduceOp.SUM, group=self.group,
                            async_op=True)
 
-    def _sum_scatter(self, what: str, out: torch.Tensor, inp: torch.Tensor, timeout: Optional[float] = None) -> Any:
+    def _sum_scatter(self, what: str, out: torch.Tensor, inp: torch.Tensor, timeout: Optional[float] = None,
+                     call: Optional[Call] = None) -> Any:
         if self._shm is not None and shm_supports(out) and shm_supports(inp):
-            return _issue_dist(self, what, self._shm.reduce_scatter_sum, out, inp, True, timeout)
+            return _issue_dist(self, what, self._shm.reduce_scatter_sum, out, inp, True, timeout, call)
         # See Note [Reduce-scatter as all_to_all]
         pieces = torch.empty(self.world_size * out.numel(), dtype=out.dtype)
         work = _issue_dist(self, what, self._dist.all_to_all_single, pieces, inp, group=self.group, async_op=True)
         return _ThenWork(work, lambda: _sum_pieces(pieces.view(self.world_size, -1), out))
 
-    def _from_rank_0(self, what: str, t: torch.Tensor, src: int, timeout: Optional[float] = None) -> Any:
+    def _from_rank_0(self, what: str, t: torch.Tensor, src: int, timeout: Optional[float] = None,
+                     call: Optional[Call] = None) -> Any:
         """Broadcast from the group's rank 0 (global rank `src`); the channel's ranks are the group's."""
         if self._shm is not None and shm_supports(t):
-            return _issue_dist(self, what, self._shm.broadcast, t, 0, True, timeout)
+            return _issue_dist(self, what, self._shm.broadcast, t, 0, True, timeout, call)
         return _issue_dist(self, what, self._dist.broadcast, t, src=src, group=self.group, async_op=True)
 
-    def _gather(self, what: str, out: torch.Tensor, inp: torch.Tensor, timeout: Optional[float] = None) -> Any:
+    def _gather(self, what: str, out: torch.Tensor, inp: torch.Tensor, timeout: Optional[float] = None,
+                call: Optional[Call] = None) -> Any:
         if self._shm is not None and shm_supports(out) and shm_supports(inp):
-            return _issue_dist(self, what, self._shm.all_gather, out, inp, True, timeout)
+            return _issue_dist(self, what, self._shm.all_gather, out, inp, True, timeout, call)
         return _issue_dist(self, what, self._all_gather, out, inp, group=self.group, async_op=True)
 
     def _scale(self, buf: Any, scale: float, divisor: float, dsts: Optional[list] = None) -> None:
@@ -187,7 +194,8 @@ class GlooCommunicator(Communicator):
         self._scale(bufs[0], scale, pre_div)
         # See Note [Division in the channel]: the same choice on every rank
         fused = self._fuses_division and not defer_scale and shm_supports(tensors[0])
-        work = self._sum(what, tensors[0], sync, timeout, post_div if fused else 1.0)
+        work = self._sum(what, tensors[0], sync, timeout, post_div if fused else 1.0,
+                         average_call(tensors[0]))
         if fused:
             post_div = 1.0
         if self.local_size == 1 and (post_div == 1.0 or defer_scale):
@@ -214,9 +222,10 @@ class GlooCommunicator(Communicator):
         limit = self._timeout_arg(timeout)
         what = self._what("reduce_scatter_avg", inputs, tag)
         self._debug_check("reduce_scatter_avg", inputs[0], debug_key, limit)
+        call = calls.make("Communicator.reduce_scatter_avg", inputs[0].dtype, count=inputs[0].numel())
         if self.local_size == 1 and self._uniform:   # one tower per process: straight into the output
             out = outputs[0].view(-1)
-            work = self._sum_scatter(what, out, inputs[0].reshape(-1), limit)
+            work = self._sum_scatter(what, out, inputs[0].reshape(-1), limit, call)
             _wait_dist(self, work, limit, what)
             self._scale(as_buffer(out, "outputs[0]"), 1.0, float(self.size))
             return
@@ -224,10 +233,10 @@ class GlooCommunicator(Communicator):
         acc = self._local_sum(inputs)
         if self._uniform:   # this process's towers' shards are one contiguous chunk of the same size
             mine = torch.empty(shard * self.local_size, dtype=torch.float32)
-            work = self._sum_scatter(what, mine, acc, limit)
+            work = self._sum_scatter(what, mine, acc, limit, call)
             first = 0
         else:               # chunks of different sizes: reduce everything, keep this process's part
-            work = self._sum(what, acc, True, limit)
+            work = self._sum(what, acc, True, limit, call=call)
             mine, first = acc, self.tower_offset * shard
         _wait_dist(self, work, limit, what)
         for t, out in enumerate(outputs):
@@ -242,16 +251,17 @@ class GlooCommunicator(Communicator):
         what = self._what("all_gather", inputs, tag)
         self._debug_check("all_gather", inputs[0], debug_key, limit)
         n = inputs[0].numel()
+        call = calls.make("Communicator.all_gather", inputs[0].dtype, count=n)
         widest = max(self.tower_counts)
         local = inputs[0].reshape(-1) if self.local_size == 1 else torch.cat([x.reshape(-1) for x in inputs])
         if self._uniform:
-            work = self._gather(what, outputs[0].view(-1), local, limit)
+            work = self._gather(what, outputs[0].view(-1), local, limit, call)
             _wait_dist(self, work, limit, what)
         else:   # gloo gathers equal sizes only: every process sends `widest` towers' worth, padded
             padded = torch.zeros(widest * n, dtype=local.dtype)
             padded[:local.numel()] = local
             gathered = torch.empty(self.world_size * widest * n, dtype=local.dtype)
-            work = self._gather(what, gathered, padded, limit)
+            work = self._gather(what, gathered, padded, limit, call)
             _wait_dist(self, work, limit, what)
             out, pos = outputs[0].view(-1), 0
             for p, count in enumerate(self.tower_counts):
@@ -282,7 +292,8 @@ class GlooCommunicator(Communicator):
             _C.average_(bufs, 0)
         scale, pre_div, post_div = self._sum_factors()
         self._scale(bufs[0], scale, pre_div)
-        work = self._sum_scatter(what, out.view(-1), tensors[0].reshape(-1), limit)
+        call = calls.make("Communicator.reduce_scatter_processes", tensors[0].dtype, count=n)
+        work = self._sum_scatter(what, out.view(-1), tensors[0].reshape(-1), limit, call)
         _wait_dist(self, work, limit, what)
         self._scale(as_buffer(out.view(-1), "out"), 1.0, post_div)
 
@@ -305,7 +316,8 @@ class GlooCommunicator(Communicator):
         limit = self._timeout_arg(timeout)
         what = self._what("all_gather_processes", [shard], tag)
         # the shard may be a view of an output (a tower's own slice): gather from a copy
-        work = self._gather(what, outputs[0].view(-1), shard.reshape(-1).clone(), limit)
+        call = calls.make("Communicator.all_gather_processes", shard.dtype, count=shard.numel())
+        work = self._gather(what, outputs[0].view(-1), shard.reshape(-1).clone(), limit, call)
         _wait_dist(self, work, limit, what)
         for o in outputs[1:]:
             o.view(-1).copy_(outputs[0].view(-1))
@@ -321,7 +333,8 @@ class GlooCommunicator(Communicator):
         if self.world_size == 1:
             return buf.tolist
         what = f"{self.transport} sum_over_processes of {buf.numel()} values (rank {self.rank} of {self.world_size})"
-        work = self._sum(what, buf, False, limit)   # overlaps the caller's work until finish()
+        call = calls.make("Communicator.sum_over_processes", buf.dtype, count=buf.numel())
+        work = self._sum(what, buf, False, limit, call=call)   # overlaps the caller's work until finish()
 
         def finish() -> list:
             _wait_dist(self, work, limit, what)
@@ -342,7 +355,8 @@ class GlooCommunicator(Communicator):
             by_dtype.setdefault(t.dtype, []).append(t)
         for group_tensors in by_dtype.values():
             flat = torch.cat([t.detach().reshape(-1).cpu() for t in group_tensors])
-            _wait_dist(self, self._from_rank_0(what, flat, src, limit), limit, what)
+            call = calls.make("Communicator.broadcast_tensors", flat.dtype, count=flat.numel())
+            _wait_dist(self, self._from_rank_0(what, flat, src, limit, call), limit, what)
             pos = 0
             with torch.no_grad():
                 for t in group_tensors:

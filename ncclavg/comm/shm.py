@@ -43,6 +43,7 @@ import torch
 
 from .._ext import _C
 from ..errors import CommError
+from .calls import Call, CallMismatchError, check_over_gloo
 
 TYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float64: 3}
 _SETTINGS = {"0": "off", "off": "off", "1": "on", "on": "on", "auto": "auto", "": "auto"}
@@ -140,7 +141,7 @@ class _ShmWork:
         if self._error is not None:
             # this rank's own deadline passed, or a peer exited / aborted the channel (a CommError here,
             # even when the peer's reason was its own timeout)
-            raise _failure(str(self._error), timed_out=isinstance(self._error, TimeoutError))
+            raise _failure(str(self._error), timed_out=isinstance(self._error, TimeoutError), like=self._error)
         return True
 
 
@@ -151,8 +152,24 @@ def _leaders_group(dist: Any, group: Any, leaders: list, timeout: float) -> Any:
                           use_local_synchronization=True)
 
 
-def _failure(text: str, timed_out: bool) -> RuntimeError:
-    e = RuntimeError(text)
+def _tag(call: Optional[Call]) -> tuple:
+    """The channel's (tag, tag_count) arguments of a user call (Note [Call signatures])."""
+    return (0, 0) if call is None else (call.tag, call.count)
+
+
+class _Raise:
+    """A work that fails with `error` when waited: an error of the leaders' check, told like step (2)'s."""
+
+    def __init__(self, error: BaseException):
+        self._error = error
+
+    def wait(self, timeout: Any = None) -> bool:
+        raise self._error
+
+
+def _failure(text: str, timed_out: bool, like: Optional[BaseException] = None) -> RuntimeError:
+    """The error a wait raises: a RuntimeError, or the mismatch error it was (the ranks' calls differ)."""
+    e = type(like)(text) if isinstance(like, _C.ShmMismatchError) else RuntimeError(text)
     e.is_timeout = timed_out   # read by dist._is_timeout
     return e
 
@@ -253,43 +270,54 @@ class ShmTransport:
         """The core channel when it alone connects every process (one host), for the fast path; else None."""
         return self._channel if self._hosts is None else None
 
+    # `call` (calls.Call): the user's call this collective serves, compared across the ranks in the same
+    # round (Note [Call signatures] in csrc/cpu/shm_calls.cpp); None: the channel's own signature only.
     def all_reduce_sum(self, t: torch.Tensor, sync: bool = False, timeout: Optional[float] = None,
-                       divisor: float = 1.0) -> _ShmWork:
+                       divisor: float = 1.0, call: Optional[Call] = None) -> _ShmWork:
         """divisor != 1: one host only (`channel` is not None); the channel divides in the same pass."""
         if self._hosts is not None:
             if divisor != 1.0:
                 raise ValueError("divisor: between hosts the channel does not divide")
-            return self._submit(self._across_all_reduce, (t,), (t,), sync, timeout)
+            return self._submit(self._across_all_reduce, (t,), (t,), sync, timeout, (call,))
         return self._submit(self._channel.all_reduce_sum, (t.data_ptr(), t.numel(), TYPE_CODES[t.dtype]), (t,),
-                            sync, timeout, (1.0, float(divisor)))
+                            sync, timeout, (1.0, float(divisor)) + _tag(call))
 
     def reduce_scatter_sum(self, out: torch.Tensor, inp: torch.Tensor, sync: bool = True,
-                           timeout: Optional[float] = None) -> _ShmWork:
+                           timeout: Optional[float] = None, call: Optional[Call] = None) -> _ShmWork:
         if self._hosts is not None:
-            return self._submit(self._across_reduce_scatter, (out, inp), (out, inp), sync, timeout)
+            return self._submit(self._across_reduce_scatter, (out, inp), (out, inp), sync, timeout, (call,))
         return self._submit(self._channel.reduce_scatter_sum,
                             (inp.data_ptr(), out.data_ptr(), out.numel(), TYPE_CODES[out.dtype]), (out, inp), sync,
-                            timeout)
+                            timeout, (1.0, 1.0) + _tag(call))
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor, sync: bool = True,
-                   timeout: Optional[float] = None) -> _ShmWork:
+                   timeout: Optional[float] = None, call: Optional[Call] = None) -> _ShmWork:
         if self._hosts is not None:
-            return self._submit(self._across_all_gather, (out, inp), (out, inp), sync, timeout)
+            return self._submit(self._across_all_gather, (out, inp), (out, inp), sync, timeout, (call,))
         return self._submit(self._channel.all_gather,
                             (inp.data_ptr(), out.data_ptr(), inp.numel(), TYPE_CODES[inp.dtype]), (out, inp), sync,
-                            timeout)
+                            timeout, _tag(call))
 
-    def broadcast(self, t: torch.Tensor, root: int, sync: bool = True, timeout: Optional[float] = None) -> _ShmWork:
+    def broadcast(self, t: torch.Tensor, root: int, sync: bool = True, timeout: Optional[float] = None,
+                  call: Optional[Call] = None) -> _ShmWork:
         if self._hosts is not None:
             if root != 0:
                 raise ValueError(f"root: between hosts only rank 0 broadcasts, got {root}")
-            return self._submit(self._across_broadcast, (t,), (t,), sync, timeout)
+            return self._submit(self._across_broadcast, (t,), (t,), sync, timeout, (call,))
         return self._submit(self._channel.broadcast, (t.data_ptr(), t.numel(), TYPE_CODES[t.dtype], int(root)),
-                            (t,), sync, timeout)
+                            (t,), sync, timeout, _tag(call))
 
-    def abort(self, why: str) -> None:
+    def check(self, call: Call, sync: bool = True, timeout: Optional[float] = None) -> _ShmWork:
+        """A round that moves nothing and compares `call` across every rank: before a step that moves the
+        call's data another way (gloo)."""
+        if self._hosts is not None:
+            return self._submit(self._across_check, (), (), sync, timeout, (call,))
+        return self._submit(self._channel.barrier, (), (), sync, timeout, _tag(call))
+
+    def abort(self, why: str, mismatch: bool = False) -> None:
+        """Ends every rank's wait on the channel with `why` (`mismatch`: the ranks' calls differ)."""
         if self._channel is not None:
-            self._channel.abort(why)
+            self._channel.abort(why, mismatch)
 
     def close(self) -> None:
         with self._lock:
@@ -321,9 +349,38 @@ class ShmTransport:
     # - broadcast is from rank 0, the leader of the first host.
     # A leader whose step (2) fails aborts its host's channel with the reason, so that its host's other
     # processes fail at once instead of waiting out the timeout.
+    # The user's call (Note [Call signatures] in csrc/cpu/shm_calls.cpp) is compared within each host by
+    # step (1)'s round, and between the hosts by the leaders (one all-gather of two words, before the
+    # first step (2) of the call); a leader that finds a difference aborts its host's channel with it, so
+    # every process of every host fails naming both calls.
     def _local(self, op: str, *args: Any) -> None:
         if self._channel is not None:
             getattr(self._channel, op)(*args)
+
+    def _host_step(self, call: Optional[Call], timeout: float, step: Callable[[], None]) -> None:
+        """Step (1), then (on a leader) the leaders' check of the call, which runs even when step (1)
+        failed: the other hosts' leaders then fail at once instead of at their timeout."""
+        try:
+            step()
+        except Exception as e:   # noqa: BLE001 (re-raised below)
+            self._leaders_check(call, timeout, ok=False)
+            raise e
+        self._leaders_check(call, timeout)
+
+    def _leaders_check(self, call: Optional[Call], timeout: float, ok: bool = True) -> None:
+        if call is None or call.checked or self._leaders is None:
+            return
+        backend = getattr(self._leaders, "backend", self._leaders)   # a _Group of the backend's setup, or a group
+        leaders = [h[0] for h in self._hosts]
+        try:
+            check_over_gloo(backend, call, leaders.index(self.rank), len(leaders), timeout, labels=leaders,
+                            where="between the hosts' leaders", ok=ok)
+        except CallMismatchError as e:
+            self.abort(str(e), mismatch=True)
+            raise
+        except Exception as e:   # noqa: BLE001 (re-raised as a step (2) failure, after the host is told)
+            if ok:
+                self._between_hosts("the calls' check", lambda: _Raise(e), timeout)
 
     def _between_hosts(self, what: str, start: Callable[[], Any], timeout: float) -> None:
         try:
@@ -335,23 +392,26 @@ class ShmTransport:
                 raise TimeoutError(why) from e
             raise RuntimeError(why) from e
 
-    def _across_all_reduce(self, t: torch.Tensor, timeout: float) -> None:
+    def _across_all_reduce(self, t: torch.Tensor, timeout: float, call: Optional[Call]) -> None:
         ptr, n, code = t.data_ptr(), t.numel(), TYPE_CODES[t.dtype]
-        self._local("all_reduce_sum", ptr, n, code, timeout)
+        self._host_step(call, timeout, lambda: self._local("all_reduce_sum", ptr, n, code, timeout, 1.0, 1.0,
+                                                           *_tag(call)))
         if self._leaders is not None:
             self._between_hosts("all_reduce", lambda: self._dist.all_reduce(
                 t, op=self._dist.ReduceOp.SUM, group=self._leaders, async_op=True), timeout)
-        self._local("broadcast", ptr, n, code, 0, timeout)
+        self._local("broadcast", ptr, n, code, 0, timeout, *_tag(call))
 
     def _host_order(self, per_rank: torch.Tensor) -> torch.Tensor:
         """per_rank: world_size blocks in rank order -> the same blocks grouped by host, hosts in order."""
         blocks = per_rank.view(self.world_size, -1)
         return torch.cat([blocks[h] for h in self._hosts]).reshape(-1)
 
-    def _across_reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, timeout: float) -> None:
+    def _across_reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, timeout: float,
+                               call: Optional[Call]) -> None:
         n, code = out.numel(), TYPE_CODES[out.dtype]
         host_sum = inp.reshape(-1).clone()
-        self._local("all_reduce_sum", host_sum.data_ptr(), host_sum.numel(), code, timeout)   # (1)
+        self._host_step(call, timeout, lambda: self._local(                                    # (1)
+            "all_reduce_sum", host_sum.data_ptr(), host_sum.numel(), code, timeout, 1.0, 1.0, *_tag(call)))
         mine = torch.empty(len(self._mine) * n, dtype=out.dtype)   # this host's ranks' slices, summed
         if self._leaders is not None:                                                          # (2)
             send = self._host_order(host_sum)
@@ -364,17 +424,22 @@ class ShmTransport:
             for part in parts[1:]:
                 acc += part
             mine.copy_(acc)
-        self._local("broadcast", mine.data_ptr(), mine.numel(), code, 0, timeout)               # (3)
+        self._local("broadcast", mine.data_ptr(), mine.numel(), code, 0, timeout, *_tag(call))   # (3)
         at = self._mine.index(self.rank) * n
         out.view(-1).copy_(mine[at:at + n])
 
-    def _across_all_gather(self, out: torch.Tensor, inp: torch.Tensor, timeout: float) -> None:
+    def _across_all_gather(self, out: torch.Tensor, inp: torch.Tensor, timeout: float,
+                           call: Optional[Call]) -> None:
         n, code = inp.numel(), TYPE_CODES[inp.dtype]
         mine = torch.empty(len(self._mine) * n, dtype=inp.dtype)
-        if self._channel is not None:                                                          # (1)
-            self._channel.all_gather(inp.data_ptr(), mine.data_ptr(), n, code, timeout)
-        else:
-            mine.copy_(inp.reshape(-1))
+
+        def gather_host() -> None:                                                             # (1)
+            if self._channel is not None:
+                self._channel.all_gather(inp.data_ptr(), mine.data_ptr(), n, code, timeout, *_tag(call))
+            else:
+                mine.copy_(inp.reshape(-1))
+
+        self._host_step(call, timeout, gather_host)
         flat = out.view(-1)
         if self._leaders is not None:                                                          # (2)
             got = torch.empty(self.world_size * n, dtype=inp.dtype)
@@ -387,14 +452,22 @@ class ShmTransport:
                 for r in members:
                     flat[r * n:(r + 1) * n] = got[at:at + n]
                     at += n
-        self._local("broadcast", flat.data_ptr(), flat.numel(), code, 0, timeout)              # (3)
+        self._local("broadcast", flat.data_ptr(), flat.numel(), code, 0, timeout, *_tag(call))   # (3)
 
-    def _across_broadcast(self, t: torch.Tensor, timeout: float) -> None:
+    def _across_broadcast(self, t: torch.Tensor, timeout: float, call: Optional[Call]) -> None:
+        if call is not None:   # (1): the host's ranks agree on the call before the hosts move data
+            self._host_step(call, timeout, lambda: self._local("barrier", timeout, *_tag(call)))
         if self._leaders is not None:
             src = self._dist.get_global_rank(self._group, 0) if self._group is not None else 0
             self._between_hosts("broadcast", lambda: self._dist.broadcast(
                 t, src=src, group=self._leaders, async_op=True), timeout)
-        self._local("broadcast", t.data_ptr(), t.numel(), TYPE_CODES[t.dtype], 0, timeout)
+        self._local("broadcast", t.data_ptr(), t.numel(), TYPE_CODES[t.dtype], 0, timeout, *_tag(call))
+
+    def _across_check(self, timeout: float, call: Call) -> None:
+        """(1) the host's ranks agree, (2) the leaders agree, (3) a round in which the host's other ranks
+        learn the leader's verdict (it aborts the channel on a mismatch)."""
+        self._host_step(call, timeout, lambda: self._local("barrier", timeout, *_tag(call)))
+        self._local("barrier", timeout, *_tag(call))
 
     # ------------------------------------------------------------------ execution
     def _submit(self, fn: Callable, args: tuple, keep: tuple, sync: bool, timeout: Optional[float],

@@ -21,9 +21,11 @@ sees the same collective, so ranks may mix the two freely. Measured with 2 proce
 """
 from __future__ import annotations
 
+import weakref
 from typing import Any, NoReturn, Optional
 
 from .._ext import _C
+from .calls import average_call
 from .dist import _is_timeout, _raise_failure
 from .shm import TYPE_CODES, supports
 
@@ -38,15 +40,18 @@ def fast_average(comm: Any, transport: Any) -> Any:
     closes. The checks of every call are the core's (_C.ShmFastAverage): the same in Python cost about
     twice the channel's own round."""
 
+    owner = weakref.ref(comm)   # not the communicator itself: see ShmFastAverage::disable
+
     def prepare(t: Any) -> Optional[tuple]:
-        """(data_ptr, numel, type code, divisor) of a tensor the fast path may take, else None."""
-        if comm.debug or comm._failure is not None or comm._closed:
+        """(data_ptr, numel, type code, divisor, call tag) of a tensor the fast path may take, else None."""
+        comm = owner()
+        if comm is None or comm.debug or comm._failure is not None or comm._closed:
             return None   # the general path checks the sequence (NCCLAVG_DEBUG) or says why it refuses
         comm._checked_buffers([t], "tensors")   # the general path's checks and errors
         scale, pre_div, post_div = comm._sum_factors()
         if scale != 1.0 or pre_div != 1.0 or not supports(t):
             return None
-        return (t.data_ptr(), t.numel(), TYPE_CODES[t.dtype], float(post_div))
+        return (t.data_ptr(), t.numel(), TYPE_CODES[t.dtype], float(post_div), average_call(t).tag)
 
     return _C.ShmFastAverage(transport.channel, transport._exec, prepare)
 

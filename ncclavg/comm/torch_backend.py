@@ -29,9 +29,11 @@ from torch._C._distributed_c10d import (AllgatherOptions, AllreduceCoalescedOpti
                                         AllToAllOptions, BarrierOptions, BroadcastOptions, GatherOptions, PrefixStore,
                                         ReduceOptions, ReduceScatterOptions, ScatterOptions)
 
-from . import backend_setup
-from .backend_cpu import CpuCollectives, R, red_kind
+from . import backend_setup, calls
+from .backend_cpu import CpuCollectives
 from .backend_lane import BackendError, BackendWork, Job, Lane
+from .backend_math import R, red_kind
+from .calls import Call
 
 NAME = "ncclavg"
 _INTEGER_OK = (R.SUM, R.AVG, R.MIN, R.MAX, R.PRODUCT, R.BAND, R.BOR, R.BXOR)
@@ -43,6 +45,15 @@ def _seconds(timeout: Any, default: float) -> float:
     if isinstance(timeout, datetime.timedelta) and timeout.total_seconds() > 0:
         return timeout.total_seconds()
     return default
+
+
+def _list_call(collective: str, tensors: List[torch.Tensor], op: Any = None) -> Call:
+    """The call of a collective over a list of tensors: their dtype and total count (or their bytes,
+    when the dtypes differ)."""
+    dtypes = {t.dtype for t in tensors}
+    if len(dtypes) == 1:
+        return calls.make(collective, dtypes.pop(), op, count=sum(t.numel() for t in tensors))
+    return calls.make(collective, torch.uint8, op, count=sum(t.numel() * t.element_size() for t in tensors))
 
 
 def _describe(tensors: List[torch.Tensor]) -> str:
@@ -64,10 +75,10 @@ class ProcessGroupNcclavg(dist.ProcessGroup):
         self._name = str(group_name)
         self._desc = "undefined"
         self._timeout = timeout.total_seconds()
-        members = tuple(global_ranks) if global_ranks else tuple(range(size))
+        self.global_ranks = list(global_ranks) if global_ranks else list(range(size))
         self._gloo = dist.ProcessGroupGloo(PrefixStore("gloo/", store), rank, size, timeout)
         self._liveness = backend_setup.GroupLiveness(PrefixStore("beat/", store), rank, size)
-        self._lane: Lane = backend_setup.lane_for(members, PrefixStore("lane/", store), rank, size, self._gloo, timeout)
+        self._lane: Lane = backend_setup.lane_for(PrefixStore("lane/", store), rank, size, self._gloo, timeout)
         self._cpu = CpuCollectives(self._lane.transport, self._gloo, rank, size)
         self._store = store
         self._nccl = self._nccl_options(timeout, backend_options)
@@ -113,6 +124,8 @@ class ProcessGroupNcclavg(dist.ProcessGroup):
         return f"ProcessGroupNcclavg(rank={self._rank}, size={self._size}, transport={self.transport})"
 
     # ------------------------------------------------------------------ checks and submission
+    # Every argument is checked here, on the caller's thread, before anything is queued: a bad call
+    # raises ValueError / TypeError naming the argument and leaves the group as it was (as gloo's does).
     def _what(self, op: str, tensors: List[torch.Tensor]) -> str:
         return (f"ncclavg {op} of {_describe(tensors)} (group {self._name or '?'}, rank {self._rank} of "
                 f"{self._size}, {self.transport})")
@@ -124,7 +137,7 @@ class ProcessGroupNcclavg(dist.ProcessGroup):
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"{argname}[{i}]: expected a torch.Tensor, got {type(t).__name__}")
             if t.layout != torch.strided:
-                raise TypeError(f"{argname}[{i}]: the ncclavg backend takes dense tensors, got {t.layout}")
+                raise TypeError(f"{argname}[{i}]: the ncclavg backend takes dense tensors here, got {t.layout}")
             if not t.is_contiguous():
                 raise ValueError(f"{argname}[{i}]: expected a contiguous tensor")
             kinds.add(t.device.type)
@@ -163,11 +176,12 @@ class ProcessGroupNcclavg(dist.ProcessGroup):
                 raise ValueError(f"{argname}[{i}]: expected {like.numel()} elements of {like.dtype}, got "
                                  f"{t.numel()} of {t.dtype}")
 
-    def _submit(self, op: str, opts: Any, tensors: List[torch.Tensor], result: Any, body: Any) -> BackendWork:
+    def _submit(self, op: str, opts: Any, tensors: List[torch.Tensor], result: Any, body: Any,
+                call: Optional[Call]) -> BackendWork:
         if self._shut:
             raise BackendError(f"ncclavg {op}: the process group was shut down")
         job = Job(body, result, self._what(op, tensors), _seconds(getattr(opts, "timeout", None), self._timeout),
-                  self._liveness.diagnose)
+                  self._liveness.diagnose, call)
         return self._lane.submit(job, inline=not getattr(opts, "asyncOp", True))
 
     def _nccl_group(self) -> Any:
@@ -179,10 +193,27 @@ class ProcessGroupNcclavg(dist.ProcessGroup):
     def allreduce(self, tensors: List[torch.Tensor], opts: Any = None) -> Any:
         opts = opts if opts is not None else AllreduceOptions()
         t = self._one(tensors, "tensors")
+        if isinstance(t, torch.Tensor) and t.layout == torch.sparse_coo:
+            return self._sparse_allreduce(t, tensors, opts)
         if self._device([t], "tensors") == "cuda":
             return self._nccl_group().allreduce(tensors, opts)
         op = self._op(opts.reduceOp, t)
-        return self._submit("allreduce", opts, [t], tensors, lambda job: self._cpu.allreduce(job, t, op))
+        return self._submit("allreduce", opts, [t], tensors, lambda job: self._cpu.allreduce(job, t, op),
+                            calls.make("all_reduce", t.dtype, op, count=t.numel()))
+
+    def _sparse_allreduce(self, t: torch.Tensor, tensors: List[torch.Tensor], opts: Any) -> Any:
+        if t.device.type == "cuda":
+            return self._nccl_group().allreduce(tensors, opts)
+        if t.device.type != "cpu":
+            raise ValueError(f"tensors: the ncclavg backend takes CPU and CUDA tensors, got {t.device.type}")
+        if red_kind(opts.reduceOp) != R.SUM:
+            raise ValueError(f"op: sparse all_reduce supports SUM only (as gloo's), got {red_kind(opts.reduceOp).name}")
+        dense = 1
+        for d in t.shape:
+            dense *= d
+        return self._submit("sparse allreduce", opts, [t], tensors,
+                            lambda job: self._cpu.sparse_allreduce(job, t),
+                            calls.make("sparse all_reduce", t.dtype, opts.reduceOp, count=dense))
 
     def allreduce_coalesced(self, tensors: List[torch.Tensor], opts: Any = None) -> Any:
         opts = opts if opts is not None else AllreduceCoalescedOptions()
@@ -192,7 +223,8 @@ class ProcessGroupNcclavg(dist.ProcessGroup):
             self._op(opts.reduceOp, t)
         op = opts.reduceOp
         return self._submit("allreduce_coalesced", opts, tensors, tensors,
-                            lambda job: self._cpu.allreduce_coalesced(job, list(tensors), op))
+                            lambda job: self._cpu.allreduce_coalesced(job, list(tensors), op),
+                            _list_call("all_reduce_coalesced", tensors, op))
 
     def reduce(self, tensors: List[torch.Tensor], opts: Any = None) -> Any:
         opts = opts if opts is not None else ReduceOptions()
@@ -200,7 +232,8 @@ class ProcessGroupNcclavg(dist.ProcessGroup):
         if self._device([t], "tensors") == "cuda":
             return self._nccl_group().reduce(tensors, opts)
         root, op = self._root(opts.rootRank), self._op(opts.reduceOp, t)
-        return self._submit("reduce", opts, [t], tensors, lambda job: self._cpu.reduce(job, t, root, op))
+        return self._submit("reduce", opts, [t], tensors, lambda job: self._cpu.reduce(job, t, root, op),
+                            calls.make("reduce", t.dtype, op, root, t.numel()))
 
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:
         opts = opts if opts is not None else ReduceScatterOptions()
@@ -209,7 +242,8 @@ class ProcessGroupNcclavg(dist.ProcessGroup):
         self._check_scatter_sizes(output, input)
         op = self._op(opts.reduceOp, output)
         return self._submit("reduce_scatter_single", opts, [input], output,
-                            lambda job: self._cpu.reduce_scatter_single(job, output, input, op))
+                            lambda job: self._cpu.reduce_scatter_single(job, output, input, op),
+                            calls.make("reduce_scatter_tensor", output.dtype, op, count=output.numel()))
 
     _reduce_scatter_base = reduce_scatter_single
 
@@ -239,8 +273,11 @@ class ProcessGroupNcclavg(dist.ProcessGroup):
         def body(job: Job) -> None:
             for o, i in zip(outputs, inputs):
                 self._cpu.reduce_scatter_single(job, o, i, op)
+            if not outputs:
+                self._cpu.barrier(job)
 
-        return self._submit("reduce_scatter_single_coalesced", opts, list(inputs), list(outputs), body)
+        return self._submit("reduce_scatter_single_coalesced", opts, list(inputs), list(outputs), body,
+                            _list_call("reduce_scatter_tensor_coalesced", outputs, op))
 
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 
@@ -258,7 +295,8 @@ class ProcessGroupNcclavg(dist.ProcessGroup):
             raise ValueError(f"input_list[{self._rank}]: expected {out.numel()} elements of {out.dtype} like output")
         op = self._op(opts.reduceOp, out)
         return self._submit("reduce_scatter", opts, inputs, outputs,
-                            lambda job: self._cpu.reduce_scatter(job, out, inputs, op))
+                            lambda job: self._cpu.reduce_scatter(job, out, inputs, op),
+                            calls.make("reduce_scatter", out.dtype, op, count=sum(x.numel() for x in inputs)))
 
     # ------------------------------------------------------------------ data movement
     def broadcast(self, tensors: List[torch.Tensor], opts: Any = None) -> Any:
@@ -267,7 +305,8 @@ class ProcessGroupNcclavg(dist.ProcessGroup):
         if self._device([t], "tensors") == "cuda":
             return self._nccl_group().broadcast(tensors, opts)
         root = self._root(opts.rootRank, "src")
-        return self._submit("broadcast", opts, [t], tensors, lambda job: self._cpu.broadcast(job, t, root))
+        return self._submit("broadcast", opts, [t], tensors, lambda job: self._cpu.broadcast(job, t, root),
+                            calls.make("broadcast", t.dtype, None, root, t.numel()))
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:
         opts = opts if opts is not None else AllgatherOptions()
@@ -275,7 +314,8 @@ class ProcessGroupNcclavg(dist.ProcessGroup):
             return self._nccl_group()._allgather_base(output, input, opts)
         self._check_gather_sizes(output, input)
         return self._submit("all_gather_single", opts, [input], output,
-                            lambda job: self._cpu.all_gather_single(job, output, input))
+                            lambda job: self._cpu.all_gather_single(job, output, input),
+                            calls.make("all_gather_into_tensor", input.dtype, count=input.numel()))
 
     _allgather_base = all_gather_single
 
@@ -303,8 +343,11 @@ class ProcessGroupNcclavg(dist.ProcessGroup):
         def body(job: Job) -> None:
             for o, i in zip(outputs, inputs):
                 self._cpu.all_gather_single(job, o, i)
+            if not inputs:
+                self._cpu.barrier(job)
 
-        return self._submit("all_gather_single_coalesced", opts, list(inputs), list(outputs), body)
+        return self._submit("all_gather_single_coalesced", opts, list(inputs), list(outputs), body,
+                            _list_call("all_gather_into_tensor_coalesced", inputs))
 
     allgather_into_tensor_coalesced = all_gather_single_coalesced
 
@@ -316,9 +359,10 @@ class ProcessGroupNcclavg(dist.ProcessGroup):
         outs = list(output_lists[0])
         if self._device([inp] + outs, "tensor_list") == "cuda":
             return self._nccl_group().allgather(output_lists, inputs, opts)
-        if any(o.dtype != inp.dtype for o in outs):
-            raise TypeError(f"tensor_list: expected tensors of {inp.dtype} like tensor")
-        return self._submit("allgather", opts, [inp], outs, lambda job: self._cpu.allgather(job, outs, inp))
+        # every output like the input, as gloo requires (an uneven all_gather is refused before anything moves)
+        self._same_size(outs, inp, "tensor_list")
+        return self._submit("allgather", opts, [inp], outs, lambda job: self._cpu.allgather(job, outs, inp),
+                            calls.make("all_gather", inp.dtype, count=inp.numel()))
 
     def allgather_coalesced(self, output_lists: List[List[torch.Tensor]], inputs: List[torch.Tensor],
                             opts: Any = None) -> Any:
@@ -327,12 +371,21 @@ class ProcessGroupNcclavg(dist.ProcessGroup):
             raise ValueError(f"output_tensor_lists: expected {self._size} lists of {len(inputs)} tensors")
         if self._device(list(inputs), "input_tensor_list") == "cuda":
             return self._nccl_group().allgather_coalesced(output_lists, inputs, opts)
+        for r, outs in enumerate(output_lists):
+            self._device(list(outs), f"output_tensor_lists[{r}]")
+            for k, (o, i) in enumerate(zip(outs, inputs)):
+                if o.dtype != i.dtype or o.numel() != i.numel():
+                    raise ValueError(f"output_tensor_lists[{r}][{k}]: expected {i.numel()} elements of {i.dtype} "
+                                     f"like input_tensor_list[{k}], got {o.numel()} of {o.dtype}")
 
         def body(job: Job) -> None:
             for k, inp in enumerate(inputs):
                 self._cpu.allgather(job, [output_lists[r][k] for r in range(self._size)], inp)
+            if not inputs:
+                self._cpu.barrier(job)
 
-        return self._submit("allgather_coalesced", opts, list(inputs), output_lists, body)
+        return self._submit("allgather_coalesced", opts, list(inputs), output_lists, body,
+                            _list_call("all_gather_coalesced", inputs))
 
     def gather(self, output_lists: List[List[torch.Tensor]], inputs: List[torch.Tensor], opts: Any = None) -> Any:
         opts = opts if opts is not None else GatherOptions()
@@ -344,7 +397,8 @@ class ProcessGroupNcclavg(dist.ProcessGroup):
         if self._device([inp] + outs, "gather_list") == "cuda":
             return self._nccl_group().gather(output_lists, inputs, opts)
         self._same_size(outs, inp, "gather_list")
-        return self._submit("gather", opts, [inp], outs, lambda job: self._cpu.gather(job, outs, inp, root))
+        return self._submit("gather", opts, [inp], outs, lambda job: self._cpu.gather(job, outs, inp, root),
+                            calls.make("gather", inp.dtype, None, root, inp.numel()))
 
     def scatter(self, outputs: List[torch.Tensor], input_lists: List[List[torch.Tensor]], opts: Any = None) -> Any:
         opts = opts if opts is not None else ScatterOptions()
@@ -357,7 +411,8 @@ class ProcessGroupNcclavg(dist.ProcessGroup):
             return self._nccl_group().scatter(outputs, input_lists, opts)
         self._same_size(inputs, out, "scatter_list")
         return self._submit("scatter", opts, [out], outputs,
-                            lambda job: self._cpu.scatter(job, out, inputs if self._rank == root else None, root))
+                            lambda job: self._cpu.scatter(job, out, inputs if self._rank == root else None, root),
+                            calls.make("scatter", out.dtype, None, root, out.numel()))
 
     def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, output_splits: List[int],
                           input_splits: List[int], opts: Any = None) -> Any:
@@ -366,8 +421,10 @@ class ProcessGroupNcclavg(dist.ProcessGroup):
             return self._nccl_group().alltoall_base(output, input, output_splits, input_splits, opts)
         if input.dtype != output.dtype:
             raise TypeError(f"output: expected {input.dtype} like input, got {output.dtype}")
+        even = not output_splits and not input_splits   # then every rank moves as much as the others
         return self._submit("all_to_all_single", opts, [input], output, lambda job: self._cpu.alltoall_single(
-            job, output, input, list(output_splits), list(input_splits)))
+            job, output, input, list(output_splits), list(input_splits)),
+            calls.make("all_to_all_single", input.dtype, count=input.numel() if even else 0))
 
     alltoall_base = all_to_all_single
 
@@ -378,13 +435,17 @@ class ProcessGroupNcclavg(dist.ProcessGroup):
         if self._device(list(outputs) + list(inputs), "output_tensor_list, input_tensor_list") == "cuda":
             return self._nccl_group().alltoall(outputs, inputs, opts)
         return self._submit("alltoall", opts, list(inputs), list(outputs),
-                            lambda job: self._cpu.alltoall(job, list(outputs), list(inputs)))
+                            lambda job: self._cpu.alltoall(job, list(outputs), list(inputs)),
+                            calls.make("all_to_all", inputs[0].dtype if inputs else None))
 
     def barrier(self, opts: Any = None) -> Any:
         opts = opts if opts is not None else BarrierOptions()
-        return self._submit("barrier", opts, [], [], lambda job: self._cpu.barrier(job))
+        return self._submit("barrier", opts, [], [], lambda job: self._cpu.barrier(job), calls.make("barrier"))
 
     def monitored_barrier(self, timeout: Any = None, wait_all_ranks: bool = False) -> None:
+        """gloo's monitored barrier on this group's inner gloo, once the queued collectives have finished.
+        (`torch.distributed.monitored_barrier` refuses every backend but gloo by name before it gets here:
+        call this method on the group instead.)"""
         self._lane.drain(self._timeout)
         t = timeout if isinstance(timeout, datetime.timedelta) else datetime.timedelta(seconds=self._timeout)
         self._gloo.monitored_barrier(t, wait_all_ranks)
@@ -419,7 +480,7 @@ class ProcessGroupNcclavg(dist.ProcessGroup):
 
     def barrier_free_marker(self) -> BackendWork:
         """A Work complete once every collective issued before it is (nothing is sent)."""
-        return self._submit("coalesced collectives", None, [], [], lambda job: None)
+        return self._submit("coalesced collectives", None, [], [], lambda job: None, None)
 
     def shutdown(self) -> None:
         """Lets the queued collectives finish (bounded), then stops this group's heartbeats; the lane and
@@ -428,7 +489,7 @@ class ProcessGroupNcclavg(dist.ProcessGroup):
             return
         self._shut = True
         self._liveness.close()
-        backend_setup.release_lane(self._lane, min(self._timeout, 30.0))
+        self._lane.close(min(self._timeout, 30.0))
 
     def abort(self) -> None:
         self._lane._fail(f"rank {self._rank}: the process group was aborted")

@@ -3,6 +3,7 @@ segment, no torch.distributed. Results are compared bit for bit with the arithme
 defines (Note [Shared-memory channel]: rank order, fp32 accumulation, one rounding), so no tolerance is
 involved; failures must name the peer and end within their bounds."""
 import os
+import sys
 
 import _shm_workers
 import pytest
@@ -40,6 +41,11 @@ MISMATCHES = {
     "root": (3, ("broadcast of 10 float32 from root 0", "broadcast of 10 float32 from root 1")),
     "zero": (2, ("all_reduce_sum of 0 float32", "all_reduce_sum of 10 float32")),
     "scale": (2, ("all_reduce_sum of 10 float32 (scaled)",)),
+    # the same bytes on the wire, different user calls (Note [Call signatures] in csrc/cpu/shm_calls.cpp)
+    "tag": (2, ("all_reduce(MAX) of 10 float32", "all_gather of 10 float32")),
+    "tag_root": (2, ("reduce(SUM) of 10 float32 to root 0", "reduce(SUM) of 10 float32 to root 1")),
+    "tag_count": (2, ("all_reduce_coalesced(SUM) of 10 float32", "all_reduce_coalesced(SUM) of 11 float32")),
+    "tag_barrier": (2, ("barrier", "all_reduce(SUM) of 1 float32")),
 }
 
 
@@ -51,9 +57,9 @@ def test_collectives_out_of_step_fail_on_every_rank(case):
     for rank, text, elapsed in msgs:
         first.setdefault(rank, []).append(text)
     for rank, (text, later) in first.items():
-        assert text.startswith("ShmPeerError") and "out of step" in text, (rank, text)
+        assert text.startswith("ShmMismatchError") and "out of step" in text, (rank, text)
         assert all(n in text for n in names) or "aborted by rank" in text, (rank, text)
-        assert later.startswith("ShmPeerError"), (rank, later)   # a failed channel stays failed
+        assert later.startswith("ShmMismatchError"), (rank, later)   # a failed channel stays failed, and says why
     assert any(all(n in t for n in names) for t, _ in first.values()), first
 
 
@@ -219,7 +225,7 @@ def test_fast_average_refuses_when_busy_or_disabled():
 
     def prepare(t):
         seen.append(t)
-        return (t.data_ptr(), t.numel(), 0, 2.0) if t.dtype == torch.float32 else None
+        return (t.data_ptr(), t.numel(), 0, 2.0, 0) if t.dtype == torch.float32 else None
 
     fast = _C.ShmFastAverage(ch, ex, prepare)
     x = torch.full((5,), 3.0)
@@ -237,3 +243,5 @@ def test_fast_average_refuses_when_busy_or_disabled():
     ex.release()
     fast.disable()
     assert not fast.run([x], 5.0)
+    # disabled for good: it lets go of prepare (and so of what prepare holds) and of its cache
+    assert fast.cached == 0 and sys.getrefcount(prepare) == 2

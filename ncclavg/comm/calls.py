@@ -1,0 +1,110 @@
+"""The user-level call a collective serves, in the form the shared-memory channel's signatures carry it
+(Note [Call signatures] in csrc/cpu/shm_calls.cpp): which collective, the user's dtype, the reduction,
+the root and the element count. Ranks whose calls differ fail with both calls named, on every rank,
+whichever transport moves the data: the channel compares the calls in the round that moves the data
+(or in a round of its own before a gloo step), and without a channel `check_over_gloo` exchanges them.
+
+The codes come from the core's tables (`_C.shm_call_names()`), so that one place says what they mean.
+"""
+from __future__ import annotations
+
+import datetime
+from typing import Any, Optional
+
+import torch
+
+from .._ext import _C
+
+_NAMES = _C.shm_call_names()
+_COLLECTIVES = {n: i for i, n in enumerate(_NAMES["collectives"]) if n}
+_DTYPES = {n: i for i, n in enumerate(_NAMES["dtypes"]) if n}
+_BYTES = _DTYPES["bytes"]
+_ROOT_LIMIT = 1 << 20   # the tag's root field (csrc/cpu/shm_calls.h)
+
+
+class Call:
+    """One user call: `tag` and `count` as the channel takes them (`tag_count`), `collective` its name.
+    `checked` is set once a step has compared it across the ranks (the later channel calls of the
+    same collective still carry it: comparing there is free)."""
+
+    __slots__ = ("tag", "count", "collective", "checked")
+
+    def __init__(self, tag: int, count: int, collective: str):
+        self.tag, self.count, self.collective, self.checked = tag, count, collective, False
+
+    def describe(self) -> str:
+        return describe(self.tag, self.count)
+
+    def __repr__(self) -> str:
+        return f"Call({self.describe()!r})"
+
+
+def dtype_code(dtype: Optional[torch.dtype]) -> tuple:
+    """(code, elements per element) of a torch dtype: a dtype the tables do not name is counted as bytes."""
+    if dtype is None:
+        return 0, 1
+    code = _DTYPES.get(str(dtype).replace("torch.", ""))
+    if code is not None:
+        return code, 1
+    return _BYTES, torch.empty(0, dtype=dtype).element_size()
+
+
+def make(collective: str, dtype: Optional[torch.dtype] = None, op: Any = None, root: Optional[int] = None,
+         count: int = 0) -> Call:
+    """The Call of `collective` (a name of the core's table) on `count` elements of `dtype`, with the
+    reduction `op` (a ReduceOp or RedOpType) and `root` (a group rank) where it has them."""
+    code, per = dtype_code(dtype)
+    op_code = 0 if op is None else int(getattr(op, "op", op)) + 1   # RedOpType value + 1
+    root_field = 0 if root is None else int(root) + 1
+    if not 0 <= root_field < _ROOT_LIMIT:
+        raise ValueError(f"root: must be in [0, {_ROOT_LIMIT - 1}), got {root}")
+    tag = _COLLECTIVES[collective] | code << 8 | op_code << 16 | root_field << 24
+    return Call(tag, int(count) * per, collective)
+
+
+def average_call(t: torch.Tensor) -> Call:
+    """Communicator.all_reduce_avg of `t`: the same call on its fast path (shm_fast.py) and its general one."""
+    return make("Communicator.all_reduce_avg", t.dtype, count=t.numel())
+
+
+def describe(tag: int, count: int) -> str:
+    """A call in words, as the channel's errors give it: "all_reduce(MAX) of 4 int32"."""
+    return _C.shm_describe_call(int(tag), int(count))
+
+
+def mismatch_text(rank: int, mine: tuple, other_rank: int, theirs: tuple, where: str) -> str:
+    """The error of ranks whose calls differ (the channel's words, Note [Call signatures])."""
+    return (f"collectives out of step: rank {rank} called {describe(*mine)}, rank {other_rank} called "
+            f"{describe(*theirs)}: every rank must call the same collectives, with the same sizes, dtypes, ops "
+            f"and roots, in the same order ({where})")
+
+
+class CallMismatchError(_C.ShmMismatchError):
+    """Ranks called different collectives, found by an exchange outside the channel (gloo)."""
+
+
+def check_over_gloo(gloo: Any, call: Call, rank: int, size: int, timeout: float, labels: Optional[list] = None,
+                    where: str = "gloo", ok: bool = True) -> None:
+    """Compares `call` across the ranks of the gloo backend `gloo` (one all-gather of three words each);
+    raises CallMismatchError naming this rank's call and the first that differs. `labels`: how errors
+    name gloo's ranks (the hosts' leaders: their group ranks). `ok=False`: this rank takes part only to
+    tell the others that its own step of the call failed (a host whose ranks disagree); it raises
+    nothing itself, its caller raises its own error."""
+    from torch._C._distributed_c10d import AllgatherOptions
+
+    mine = torch.tensor([call.tag, call.count, int(ok)], dtype=torch.int64)
+    rows = [torch.empty(3, dtype=torch.int64) for _ in range(size)]
+    gloo.allgather([rows], [mine], AllgatherOptions()).wait(datetime.timedelta(seconds=timeout))
+    if not ok:
+        return
+    names = labels if labels is not None else list(range(size))
+    for r, row in enumerate(rows):
+        if r == rank:
+            continue
+        if not int(row[2]):
+            raise CallMismatchError(f"{call.describe()} failed on the host of rank {names[r]} ({where}): its "
+                                    "processes' errors say why")
+        if not torch.equal(row[:2], mine[:2]):
+            raise CallMismatchError(mismatch_text(names[rank], (call.tag, call.count), names[r],
+                                                  (int(row[0]), int(row[1])), where))
+    call.checked = True
