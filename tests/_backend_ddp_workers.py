@@ -215,3 +215,36 @@ def checkpoint_job(rank, world, port, outdir):
     for a, b in zip(saved, (p.full_tensor() for p in other.parameters())):
         assert torch.equal(a, b)
     dist.barrier()
+
+
+class SparseNet(nn.Module):
+    """An embedding with sparse gradients (DDP then all-reduces them as sparse tensors) and a dense head."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(50, 6, sparse=True)
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, idx):
+        return self.head(self.emb(idx).mean(1))
+
+
+def sparse_ddp_job(rank, world, port):
+    """Stock DDP over an nn.Embedding(sparse=True) on ncclavg, against the same on gloo: the same weights
+    after each step (world 2: gloo and ncclavg both add the two ranks' gradients once, a + b)."""
+    init_backend(rank, world, port)
+    gloo = dist.new_group(backend="gloo")
+    torch.manual_seed(0)
+    model = SparseNet()
+    ref, ours = DDP(copy.deepcopy(model), process_group=gloo), DDP(copy.deepcopy(model))
+    opts = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (ref, ours)]
+    for step in range(3):
+        g = torch.Generator().manual_seed(100 * step + rank)
+        idx, y = torch.randint(0, 50, (8, 5), generator=g), torch.randint(0, 3, (8,), generator=g)
+        for m, opt in zip((ref, ours), opts):
+            opt.zero_grad()
+            nn.functional.cross_entropy(m(idx), y).backward()
+            opt.step()
+        for a, b in zip(state_of(ref.module), state_of(ours.module)):
+            assert torch.equal(a, b), (step, (a - b).abs().max())
+    dist.barrier()

@@ -1,6 +1,7 @@
 """Bodies of tests/comm/test_backend_lifecycle.py: groups with the same members used from several threads
 at once, tensors that require grad, ncclavg's Communicator over a group of the `ncclavg` backend, and
 communicators built and closed again and again (nothing may stay mapped or grow)."""
+import datetime
 import gc
 import os
 import threading
@@ -129,4 +130,32 @@ def create_close_job(rank, world, port, cycles, outdir):
     gc.collect()
     with open(os.path.join(outdir, f"rank{rank}.json"), "w") as f:
         json.dump({"mapped": mapped, "rss": rss, "after_gc": _channel_mappings() - baseline}, f)
+    dist.barrier()
+
+
+def barrier_timeout_job(rank, world, port, outdir, timeout_s):
+    """Only rank 0 enters a barrier of a group with a short timeout: it fails at the deadline, not before,
+    with a timeout's words (" timeout ", as gloo's and NCCL's errors say it, which torch's own tests and
+    launchers match), as a BackendTimeoutError."""
+    import re
+    import time
+
+    from _fault_util import report
+
+    init_backend(rank, world, port, timeout_s=60)
+    g = dist.new_group(timeout=datetime.timedelta(seconds=timeout_s))
+    if rank == 0:
+        t0 = time.monotonic()
+        try:
+            dist.barrier(group=g)
+            report(outdir, rank, type="none", msg="", elapsed=time.monotonic() - t0, matches=False)
+        except Exception as e:   # noqa: BLE001 (judged by the test)
+            report(outdir, rank, type=type(e).__name__, msg=str(e), elapsed=time.monotonic() - t0,
+                   matches=bool(re.search(" (Timed out|closed|timeout) ", str(e))))
+    else:
+        report(outdir, rank, type="none", msg="", elapsed=0.0, matches=False)
+    # the default group goes on (wait until rank 0 is done with its failed group first)
+    deadline = time.monotonic() + 60
+    while not os.path.exists(os.path.join(outdir, "rank0.json")) and time.monotonic() < deadline:
+        time.sleep(0.05)
     dist.barrier()

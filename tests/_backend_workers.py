@@ -166,6 +166,21 @@ def check_data_movement(rank, world, gloo):
     assert same(a, b)
 
 
+def check_sparse(rank, world, gloo):
+    """Sparse COO all_reduce (SUM), as gloo's: ranks with different nonzeros (and none at all on rank 0),
+    1-D and with a dense dimension; the result equals gloo's."""
+    for shape, dense in (((40,), ()), ((12, 3), (3,))):
+        g = torch.Generator().manual_seed(rank)
+        nnz = 0 if rank == 0 else 3 + rank
+        idx = torch.randint(0, shape[0], (1, nnz), generator=g)
+        vals = (torch.randint(-8, 8, (nnz,) + dense, generator=g) * 0.25)
+        x = torch.sparse_coo_tensor(idx, vals, shape)
+        ours, ref = x.clone(), x.clone()
+        dist.all_reduce(ours)
+        dist.all_reduce(ref, group=gloo)
+        assert ours.is_sparse and torch.equal(ours.to_dense(), ref.to_dense()), (shape, rank)
+
+
 def check_reduce_scatter_and_more(rank, world, gloo):
     for dtype in FLOATS + [torch.int32, torch.int64]:
         for op in (R.SUM, R.AVG, R.MAX, R.MIN):
@@ -288,6 +303,7 @@ def collectives_job(rank, world, port, layout=None):
     check_all_reduce(rank, world, gloo)
     check_data_movement(rank, world, gloo)
     check_reduce_scatter_and_more(rank, world, gloo)
+    check_sparse(rank, world, gloo)
     check_async_and_functional(rank, world)
     check_bad_arguments(rank, world)
     # a group over every rank has a lane and a channel of its own (Note [One channel per group])

@@ -44,8 +44,11 @@ def impostor_joins(rank, world, name, slot, q, gate):
 
 
 def other_user_joins(rank, world, name, slot, q):
-    """Rank 1 runs as user nobody (65534): the door refuses it."""
+    """Rank 1 runs as user nobody (65534): the door refuses it. What it runs after dropping to nobody is
+    imported before: the checkout may sit in a home directory only its owner can read (root's, 0700)."""
     if rank == 1:
+        from ncclavg import _C  # noqa: F401  (open_channel's import then finds it loaded)
+
         os.setgid(65534)
         os.setuid(65534)
         attempt(q, rank, lambda: open_channel(name, 1, 2, slot))

@@ -68,8 +68,9 @@ class BackendMismatchError(BackendError):
 
 
 def timed_out(what: str, timeout: float) -> str:
-    """A timeout's words: "timed out", which launchers and tools look for, and the limit."""
-    return f"{what} timed out: it did not complete within {timeout:g} s"
+    """A timeout's words, with " timeout " as gloo's and NCCL's say it (launchers, tools and torch's own
+    tests look for it), and the limit."""
+    return f"{what} did not complete within {timeout:g} s: the group's timeout expired"
 
 
 class Job:

@@ -43,7 +43,11 @@ def set_rng_state(state: dict, cuda_devices: Sequence[torch.device]) -> None:
 
 
 def seed_everything(seed: int, cuda_devices: Sequence[torch.device]) -> None:
+    """torch (CPU and the towers' GPUs), numpy's legacy global RNG and Python's `random` from the run's
+    seed: every RNG a checkpoint records starts from it, so two runs with one seed write the same bytes."""
     torch.manual_seed(seed)
+    np.random.seed(seed % (1 << 32))
+    random.seed(seed)
     for d in sorted({d.index for d in cuda_devices if d.type == "cuda"}):
         with torch.cuda.device(d):
             torch.cuda.manual_seed(seed)

@@ -66,3 +66,14 @@ def test_diagnosis_never_prints_from_its_thread(capsys):
         threading.excepthook = old
     assert "unknown" in text and not hooked
     assert capsys.readouterr().err == ""
+
+
+def test_a_barrier_times_out_at_its_deadline_with_a_timeouts_words(tmp_path, monkeypatch):
+    from _fault_util import read_reports
+
+    monkeypatch.setenv("NCCLAVG_SHM", "auto")
+    timeout = 2.0
+    run_ranks(W.barrier_timeout_job, 2, args=(str(tmp_path), timeout), timeout_s=120)
+    rep = read_reports(str(tmp_path), 2)[0]
+    assert rep["type"] == "BackendTimeoutError" and rep["matches"], rep
+    assert rep["elapsed"] >= timeout - 0.1, rep   # not before the deadline (torch's own test allows 0.1 s)

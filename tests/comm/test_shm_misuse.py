@@ -40,6 +40,31 @@ def test_another_user_is_refused():
     assert text.startswith("RuntimeError") and "refused rank 1: it belongs to user 0, not to user 65534" in text, text
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a process as another user")
+def test_another_user_is_refused_from_a_private_checkout(tmp_path):
+    """The same, with the package and the tests in a directory only root may enter (a checkout in root's
+    0700 home): the process that drops to nobody must need nothing from there afterwards. Its Python
+    starts without site (-S), so that no installed copy of the package can stand in for the private one."""
+    import ncclavg
+    import torch
+
+    home = tmp_path / "home"
+    home.mkdir(mode=0o700)
+    shutil.copytree(os.path.dirname(ncclavg.__file__), home / "ncclavg")
+    (home / "tests").mkdir()
+    for name in ("_shm_misuse_workers.py", "_shm_workers.py", "_shm_util.py"):
+        shutil.copy(os.path.join(TESTS, name), home / "tests" / name)
+    site = os.path.dirname(os.path.dirname(torch.__file__))   # torch and numpy, readable by everyone
+    code = (f"import sys; sys.path[:0] = [{str(home)!r}, {str(home / 'tests')!r}]; sys.path.append({site!r})\n"
+            "import _shm_misuse_workers as w\nfrom _shm_util import run\n"
+            f"print(run(w.other_user_joins, 2, {SLOT})[1][1])\n")
+    # from a directory without the package: sys.path[0] is the working directory
+    res = subprocess.run([sys.executable, "-S", "-c", code], capture_output=True, text=True, timeout=120,
+                         cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "refused rank 1: it belongs to user 0, not to user 65534" in res.stdout, res.stdout + res.stderr[-2000:]
+
+
 def test_a_creator_killed_during_setup_leaves_nothing_behind():
     ctx = mp.get_context("spawn")
     q = ctx.Queue()

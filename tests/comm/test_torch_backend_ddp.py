@@ -36,3 +36,7 @@ def test_fsdp2_on_ncclavg_matches_gloo(world):
 
 def test_distributed_checkpoint_and_object_collectives(tmp_path):
     run_ranks(W.checkpoint_job, 2, args=(str(tmp_path / "ckpt"),), timeout_s=240)
+
+
+def test_stock_ddp_with_sparse_gradients_matches_gloo():
+    run_ranks(W.sparse_ddp_job, 2, timeout_s=240)

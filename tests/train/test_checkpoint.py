@@ -77,3 +77,29 @@ def test_manager_keeps_newest_and_skips_corrupt(tmp_path):
     os.makedirs(tmp_path / "empty")
     with pytest.raises(ckpt.CheckpointError, match="no complete"):
         ckpt.resolve(tmp_path / "empty")
+
+
+def test_two_runs_with_one_seed_record_the_same_rng_states(tmp_path):
+    """The RNG states a checkpoint records come from the run's seed, not from whatever numpy's and
+    Python's global generators held before (unseeded, they differ from process to process)."""
+    import random
+
+    import numpy as np
+
+    import ncclavg
+    from ncclavg.train.data import TensorLoader, load_digits
+    from ncclavg.train.models import build_model
+
+    d = load_digits()
+    states = []
+    for k, path in enumerate((tmp_path / "a.ckpt", tmp_path / "b.ckpt")):
+        np.random.seed(1000 + k)   # what earlier code left in the global generators, different each time
+        random.seed(2000 + k)
+        tr = ncclavg.TowerTrainer(build_model("mlp", seed=0), devices=["cpu"], lr=3e-3, seed=7)
+        tr.fit(TensorLoader(d.x_train[:128], d.y_train[:128], batch_size=64, seed=1), epochs=1)
+        tr.save(str(path))
+        states.append(ckpt.load(str(path))["rng"])
+    a, b = states
+    assert torch.equal(a["torch"], b["torch"])
+    assert a["numpy"][0] == b["numpy"][0] and torch.equal(a["numpy"][1], b["numpy"][1]) and a["numpy"][2:] == b["numpy"][2:]
+    assert tuple(a["python"][1]) == tuple(b["python"][1])
