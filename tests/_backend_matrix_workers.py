@@ -262,6 +262,17 @@ def _calls(world):
                            lambda g: dist.reduce(torch.ones(4), dst=last, group=g)),
         "all_to_all_single 4 float32": (f"all_to_all_single of {4 * world} float32", lambda g: dist.all_to_all_single(
             torch.empty(4 * world), torch.ones(4 * world), group=g)),
+        # count 0 on one rank: each must still meet its peers' call (an early return used to skip it)
+        "broadcast 0 float32": ("broadcast of 0 float32 from root 0",
+                                lambda g: dist.broadcast(torch.ones(0), src=0, group=g)),
+        "all_gather_into_tensor 0 float32": ("all_gather_into_tensor of 0 float32", lambda g: dist.all_gather_into_tensor(
+            torch.empty(0), torch.ones(0), group=g)),
+        "all_gather_into_tensor 4 float32": ("all_gather_into_tensor of 4 float32", lambda g: dist.all_gather_into_tensor(
+            torch.empty(4 * world), torch.ones(4), group=g)),
+        "scatter 0 float32": ("scatter of 0 float32 from root 0", lambda g: dist.scatter(
+            torch.empty(0), first_only(g, [torch.ones(0)] * world), src=0, group=g)),
+        "reduce_scatter_tensor 0 float32": ("reduce_scatter_tensor(SUM) of 0 float32",
+                                            lambda g: dist.reduce_scatter_tensor(torch.empty(0), torch.ones(0), group=g)),
         "reduce_scatter_tensor 4 float32": ("reduce_scatter_tensor(SUM) of 4 float32",
                                             lambda g: dist.reduce_scatter_tensor(torch.empty(4), torch.ones(4 * world),
                                                                                  group=g)),
@@ -283,6 +294,10 @@ PAIRS_QUICK = [
     ("reduce to 0", "reduce to last"),
     ("all_to_all_single 4 float32", "barrier"),
     ("reduce_scatter_tensor 4 float32", "all_reduce MAX 4 float32"),
+    ("broadcast 0 float32", "broadcast float32 from 0"),
+    ("all_gather_into_tensor 0 float32", "all_gather_into_tensor 4 float32"),
+    ("scatter 0 float32", "scatter 4 float32"),
+    ("reduce_scatter_tensor 0 float32", "reduce_scatter_tensor 4 float32"),
 ]
 
 

@@ -273,6 +273,9 @@ def check_bad_arguments(rank, world):
         (TypeError, "input_tensor", lambda: dist.reduce_scatter_tensor(torch.empty(2), torch.ones(2 * world).double())),
         (ValueError, "op", lambda: dist.all_reduce(torch.ones(2), op=R.BAND)),
         (ValueError, "tensor_list", lambda: dist.all_gather([torch.empty(2)], torch.ones(2))),
+        # uneven outputs (gloo refuses them too): refused before anything moves, the group stays usable
+        (ValueError, "tensor_list", lambda: dist.all_gather([torch.empty(2)] * (world - 1) + [torch.empty(3)],
+                                                            torch.ones(2))),
         (TypeError, "dense tensors", lambda: dist.all_reduce(torch.ones(2, 2).to_sparse_csr())),
         (ValueError, "op", lambda: dist.all_reduce(torch.ones(2).to_sparse(), op=R.MAX)),   # sparse: SUM only
     ]

@@ -1,6 +1,6 @@
 """How the `ncclavg` torch.distributed backend (torch_backend.py) runs its CPU collectives: a Lane executes
-the collectives of every process group that shares one host channel, one after another in the order
-they were issued, each to completion; BackendWork is the torch `Work` handed back for each; the errors
+the collectives of one process group, one after another in the order they were issued, each to
+completion; BackendWork is the torch `Work` handed back for each; the errors
 a failed collective raises are torch's DistBackendError and ncclavg's CommError at once.
 
 Note [Backend lanes]
@@ -26,11 +26,11 @@ BackendError itself.
 
 Note [Per-collective deadlines]
 Every collective has a deadline: the `timeout` of its process group (or the per-call opts.timeout),
-from when the lane starts it. A gloo step waits at most until the deadline. A channel step runs on the
-lane's thread without a deadline of its own (the channel is shared by groups with different timeouts),
-so the lane's watchdog checks the running collective every WATCH_S: past its deadline, it names the lost
-rank (the group's heartbeats) and aborts the channel with that text, which ends this rank's wait at
-once and fails every peer's next wait with the same text.
+from when the lane starts it. A gloo step waits at most until the deadline; a channel step is given
+what is left of it as its own limit. As a second line, the lane's watchdog checks the running
+collective every WATCH_S: past its deadline, it names the lost rank (the group's heartbeats) and aborts
+the channel with that text, which ends this rank's wait at once and fails every peer's next wait with
+the same text.
 """
 from __future__ import annotations
 

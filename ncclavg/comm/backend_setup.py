@@ -1,6 +1,6 @@
 """Setting up the `ncclavg` torch.distributed backend's transports (torch_backend.py): the host channel a
 process group's CPU collectives use (shm.ShmTransport, chosen exactly as GlooCommunicator chooses it),
-shared by every group with the same members; and the heartbeats that name a lost rank.
+one per group; and the heartbeats that name a lost rank.
 
 Note [One channel per group]
 Each process group of the backend is created by torch (init_process_group, new_group, a DeviceMesh),
