@@ -159,3 +159,35 @@ def barrier_timeout_job(rank, world, port, outdir, timeout_s):
     while not os.path.exists(os.path.join(outdir, "rank0.json")) and time.monotonic() < deadline:
         time.sleep(0.05)
     dist.barrier()
+
+
+class _InnerNccl:
+    """Stands for the inner ProcessGroupNCCL (a CPU build of torch has none): records how it was ended."""
+
+    def __init__(self, log):
+        self.log = log
+
+    def shutdown(self):
+        self.log.append("shutdown")
+
+    def abort(self):
+        self.log.append("abort")
+
+
+def inner_nccl_ended_job(rank, world, port, outdir):
+    """destroy_process_group shuts the inner NCCL group down; abort() aborts it (then shuts it down)."""
+    import json
+
+    init_backend(rank, world, port)
+    log = []
+    g = dist.new_group()
+    g._nccl = _InnerNccl(log)
+    dist.destroy_process_group(g)
+    destroyed = list(log)
+    log.clear()
+    h = dist.new_group()
+    h._nccl = _InnerNccl(log)
+    h.abort()
+    with open(os.path.join(outdir, f"rank{rank}.json"), "w") as f:
+        json.dump({"destroyed": destroyed, "aborted": list(log)}, f)
+    dist.barrier()

@@ -482,18 +482,42 @@ class ProcessGroupNcclavg(dist.ProcessGroup):
         """A Work complete once every collective issued before it is (nothing is sent)."""
         return self._submit("coalesced collectives", None, [], [], lambda job: None, None)
 
+    def _made_nccl(self) -> Any:
+        """The inner ProcessGroupNCCL if a CUDA tensor made it, else None."""
+        return None if self._nccl is None or isinstance(self._nccl, tuple) else self._nccl
+
     def shutdown(self) -> None:
-        """Lets the queued collectives finish (bounded), then stops this group's heartbeats; the lane and
-        its channel stop with the last group that uses them (at exit at the latest)."""
+        """Lets the queued collectives finish (bounded), then stops this group's heartbeats, its lane and
+        channel, and shuts its inner NCCL group down (its communicators are destroyed now, not whenever
+        the collector gets to it)."""
         if self._shut:
             return
         self._shut = True
         self._liveness.close()
         self._lane.close(min(self._timeout, 30.0))
+        nccl = self._made_nccl()
+        if nccl is not None:
+            _end_inner(nccl, "shutdown")
 
     def abort(self) -> None:
+        """Fails every queued and later CPU collective of this group (and the peers' waits on its channel)
+        and aborts its inner NCCL group: a hung CUDA collective ends now, not at torch's watchdog."""
         self._lane._fail(f"rank {self._rank}: the process group was aborted")
+        nccl = self._made_nccl()
+        if nccl is not None:
+            _end_inner(nccl, "abort")
         self.shutdown()
+
+
+def _end_inner(group: Any, how: str) -> None:
+    """group.shutdown() or group.abort() on an inner group; a failure is a warning (the group is being
+    ended anyway), never an exception out of destroy_process_group."""
+    import warnings
+
+    try:
+        getattr(group, how)()
+    except Exception as e:   # noqa: BLE001 (reported, not raised)
+        warnings.warn(f"ncclavg: the inner NCCL group's {how}() failed: {e}", RuntimeWarning, stacklevel=3)
 
 
 def _create(dist_opts: Any, backend_options: Any) -> ProcessGroupNcclavg:

@@ -77,3 +77,11 @@ def test_a_barrier_times_out_at_its_deadline_with_a_timeouts_words(tmp_path, mon
     rep = read_reports(str(tmp_path), 2)[0]
     assert rep["type"] == "BackendTimeoutError" and rep["matches"], rep
     assert rep["elapsed"] >= timeout - 0.1, rep   # not before the deadline (torch's own test allows 0.1 s)
+
+
+def test_destroy_and_abort_reach_the_inner_nccl_group(tmp_path, monkeypatch):
+    monkeypatch.setenv("NCCLAVG_SHM", "auto")
+    run_ranks(W.inner_nccl_ended_job, 2, args=(str(tmp_path),), timeout_s=120)
+    for rank in range(2):
+        rep = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert rep == {"destroyed": ["shutdown"], "aborted": ["abort", "shutdown"]}, rep
