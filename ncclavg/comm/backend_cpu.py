@@ -60,9 +60,11 @@ class CpuCollectives:
 
     # ------------------------------------------------------------------ steps
     def _channel(self, job: Job, method: str, *args: Any, **kwargs: Any) -> None:
-        """One channel collective of this job, waited until the job's deadline."""
-        work = getattr(self.transport, method)(*args, sync=True, timeout=job.remaining(), call=job.call, **kwargs)
-        work.wait(datetime.timedelta(seconds=job.remaining() + 1.0))
+        """One channel collective of this job; the lane's watchdog ends it at the job's deadline (Note
+        [Per-collective deadlines] in backend_lane.py), the channel's own limit is the backstop."""
+        limit = job.channel_limit()
+        work = getattr(self.transport, method)(*args, sync=True, timeout=limit, call=job.call, **kwargs)
+        work.wait(datetime.timedelta(seconds=limit + 1.0))
         if job.call is not None:
             job.call.checked = True
 
@@ -72,8 +74,9 @@ class CpuCollectives:
         if call is None or call.checked:
             return
         if self.transport is not None:
-            work = self.transport.check(call, sync=True, timeout=job.remaining())
-            work.wait(datetime.timedelta(seconds=job.remaining() + 1.0))
+            limit = job.channel_limit()
+            work = self.transport.check(call, sync=True, timeout=limit)
+            work.wait(datetime.timedelta(seconds=limit + 1.0))
             call.checked = True
         else:
             check_over_gloo(self.gloo, call, self.rank, self.size, job.remaining())

@@ -26,11 +26,12 @@ BackendError itself.
 
 Note [Per-collective deadlines]
 Every collective has a deadline: the `timeout` of its process group (or the per-call opts.timeout),
-from when the lane starts it. A gloo step waits at most until the deadline; a channel step is given
-what is left of it as its own limit. As a second line, the lane's watchdog checks the running
-collective every WATCH_S: past its deadline, it names the lost rank (the group's heartbeats) and aborts
-the channel with that text, which ends this rank's wait at once and fails every peer's next wait with
-the same text.
+from when the lane starts it. A gloo step waits at most until the deadline. A channel step is ended
+by the lane's watchdog, which checks the running collective every WATCH_S: past its deadline, it names
+the lost rank (the group's heartbeats) and aborts the channel with that text, which ends this rank's
+wait at once and fails every peer's next wait with the same words: the user's call and the group's
+timeout, on every rank. The channel's own limit is a backstop BACKSTOP_S later (Job.channel_limit), so
+that its lower-level text ("all_reduce_sum timed out after 1.998 s") is not the one the peers read.
 """
 from __future__ import annotations
 
@@ -45,8 +46,12 @@ import torch.distributed as dist
 
 from .._ext import _C
 from ..errors import CommError
+from .liveness import DIAGNOSE_S
 
 WATCH_S = 0.2      # how often the watchdog looks at the running collective
+# after the deadline: the watchdog's next look, its naming of the lost rank (bounded by DIAGNOSE_S), and
+# a second of scheduling slack on a loaded machine
+BACKSTOP_S = WATCH_S + DIAGNOSE_S + 1.0
 
 
 class BackendError(dist.DistBackendError, CommError):
@@ -97,6 +102,11 @@ class Job:
         if left <= 0:
             raise BackendTimeoutError(timed_out(self.what, self.timeout))
         return left
+
+    def channel_limit(self) -> float:
+        """The limit a channel step of this job is given: the deadline plus BACKSTOP_S (Note
+        [Per-collective deadlines]); raises BackendTimeoutError past the deadline, as remaining()."""
+        return self.remaining() + BACKSTOP_S
 
     def wait_gloo(self, work: Any) -> None:
         """Waits for a gloo work until this job's deadline."""
@@ -267,22 +277,29 @@ class Lane:
                 self._idle.notify_all()
 
     def _failed(self, job: Job, e: BaseException) -> BaseException:
-        """The error a failed job raises, and the lane failed with it unless nothing was sent. Only a
-        timeout asks the heartbeats which rank was lost (it takes a moment): a mismatch names both
-        calls, a peer that exited or aborted the channel is named by the channel itself."""
+        """The error a failed job raises, and the lane failed with it unless nothing was sent. A mismatch
+        names both calls and the channel's own errors name the lost or aborting rank, so neither asks the
+        heartbeats; anything else (gloo's "connection closed", gloo's own timeout) asks them which rank
+        was lost (it takes a moment). A failure at or past the deadline is a timeout whatever raised it."""
         if isinstance(e, (ValueError, TypeError)) and job.expired is None and not isinstance(e, BackendError):
             return e   # a bad argument found on the lane: nothing was sent, the lane stays usable
         text = str(e).strip() or type(e).__name__
         mismatch = isinstance(e, _C.ShmMismatchError)
-        timed_out_now = not mismatch and (job.expired is not None or bool(getattr(e, "is_timeout", False)) or
+        # gloo's waits end at the deadline (Job.wait_gloo) or at gloo's own timeout, which starts later;
+        # the 10 ms allow for their millisecond clocks rounding down
+        past_deadline = job.deadline is not None and time.monotonic() >= job.deadline - 0.01
+        timed_out_now = not mismatch and (job.expired is not None or past_deadline or
+                                          bool(getattr(e, "is_timeout", False)) or
                                           isinstance(e, (TimeoutError, _C.CommTimeoutError)))
+        names_itself = mismatch or "stopped responding" in text or \
+            (isinstance(e, _C.ShmPeerError) and not timed_out_now)
+        who = "" if names_itself or job.namer is None else job.namer()
         if job.expired is not None:
             msg = job.expired
         elif timed_out_now:
-            who = "" if "stopped responding" in text else (job.namer() if job.namer is not None else "")
             msg = f"{timed_out(job.what, job.timeout)}{who} ({text})"
-        else:   # a mismatch (both calls named), a peer that exited, an abort: the text says who
-            msg = f"{job.what} failed: {text}"
+        else:   # a mismatch (both calls named), a peer that exited, an abort, a broken connection
+            msg = f"{job.what} failed{who}: {text}"
         self._fail(msg, mismatch)
         cls = BackendTimeoutError if timed_out_now else BackendMismatchError if mismatch else BackendError
         return cls(msg + "; the process group is unusable now")

@@ -45,7 +45,7 @@ def test_lost_peer_is_named_within_the_timeout(tmp_path, monkeypatch, world, vic
 
 
 @SLOW
-def test_each_group_keeps_its_own_timeout_on_a_shared_channel(tmp_path):
+def test_each_group_keeps_its_own_timeout(tmp_path):
     from _dist_util import run_ranks
 
     run_ranks(W.own_timeout_job, 2, args=(str(tmp_path),), timeout_s=120)
@@ -55,5 +55,5 @@ def test_each_group_keeps_its_own_timeout_on_a_shared_channel(tmp_path):
     # heartbeats (2.5 s at most) come on top
     assert early["type"] == "BackendTimeoutError" and "within 2 s" in early["msg"], early
     assert early["elapsed"] < 2 + 10, early
-    late = reports[1]   # arrives to find the channel aborted by rank 0, with rank 0's reason
+    late = reports[1]   # arrives to find the channel aborted by rank 0, with rank 0's words: the 2 s
     assert late["type"] in ("BackendError", "BackendTimeoutError") and "within 2 s" in late["msg"], late
