@@ -13,7 +13,9 @@ the group's inner gloo. A collective whose caller waits at once (async_op=False)
 thread when nothing is queued: no thread hop for the small synchronous calls of a training loop. Every
 CPU collective of a group goes through its lane, the gloo fallbacks too, so they complete in the
 order they were issued, as the ranks issued them (point-to-point calls do not: a recv that waits for a
-later send would block the lane, see torch_backend.py).
+later send would block the lane, see torch_backend.py). With a channel, the lane's order is the
+channel's: it holds the channel's own lock while a job runs and counts its queued jobs where the
+small-message fast path looks (Note [An order held by the caller] in shm.py; backend_fast.py).
 
 Note [Backend works and futures]
 torch hands a Work to its callers; DDP's reducer and the functional collectives call getFuture() and
@@ -180,7 +182,8 @@ class BackendWork(dist.Work):
 class Lane:
     """Runs jobs in order on one worker thread (or inline, see Note [Backend lanes]); the first failure
     fails every later job (a failed lane stays failed: the ranks no longer agree on what comes next).
-    `transport` is the host channel (shm.ShmTransport) of the groups that share this lane, or None."""
+    `transport` is the group's host channel (shm.ShmTransport), or None. `fast_paths`: objects with a
+    disable() (backend_fast.py) that the lane turns off when it fails or closes."""
 
     def __init__(self, transport: Any, label: str):
         self.transport = transport
@@ -191,7 +194,11 @@ class Lane:
         self._pending = 0              # jobs submitted and not yet complete
         self._idle = threading.Condition(self._lock)
         self._current: Optional[Job] = None
-        self._exec = threading.Lock()  # held while a job runs: one at a time, in the order submitted
+        # held while a job runs: one at a time, in the order submitted; with a channel, the channel's own
+        # native lock, which the fast path takes too (it also reads the count of queued jobs kept there)
+        self._exec: Any = transport.exec_lock if transport is not None else threading.Lock()
+        self._counted = transport.exec_lock if transport is not None else None
+        self.fast_paths: List[Any] = []
         self._worker: Optional[threading.Thread] = None
         self._watchdog: Optional[threading.Thread] = None
         self._stop = threading.Event()
@@ -219,8 +226,10 @@ class Lane:
                 refuse = None
                 run_here = inline and self._pending == 0
                 self._pending += 1
+                if self._counted is not None:
+                    self._counted.add_outstanding(1)
                 if run_here:
-                    self._exec.acquire()   # free: whoever holds it has a job pending
+                    self._exec.acquire()   # free, or held for a moment by a fast-path call (backend_fast.py)
                 else:
                     self._start_threads()
                     self._queue.put(job)
@@ -260,6 +269,8 @@ class Lane:
                     with self._lock:
                         self._start_threads()
                 self._current = job
+                if self.transport is not None:
+                    self.transport.held(True)
                 try:
                     # the in-place steps on the user's tensors (an nn.Parameter too) are not autograd's
                     with torch.no_grad():
@@ -268,11 +279,15 @@ class Lane:
                     error = self._failed(job, e)
                 finally:
                     self._current = None
+                    if self.transport is not None:
+                        self.transport.held(False)
         finally:
             self._exec.release()
         job._complete(error)
         with self._lock:
             self._pending -= 1
+            if self._counted is not None:
+                self._counted.add_outstanding(-1)
             if self._pending == 0:
                 self._idle.notify_all()
 
@@ -308,6 +323,7 @@ class Lane:
         with self._lock:
             if self.failure is None:
                 self.failure = msg
+        self._disable_fast_paths()
         if self.transport is not None:
             try:
                 self.transport.abort(msg, mismatch)   # the peers fail at their next wait instead of at their timeout
@@ -338,6 +354,10 @@ class Lane:
                 self._idle.wait(left)
         return True
 
+    def _disable_fast_paths(self) -> None:
+        for fast in self.fast_paths:
+            fast.disable()   # from now on every call takes the lane, which says why it refuses
+
     def close(self, timeout: float = 10.0) -> None:
         """Lets the queued jobs finish (at most `timeout` s), then stops the threads and the channel."""
         self.drain(timeout)
@@ -345,6 +365,7 @@ class Lane:
             if self._closed:
                 return
             self._closed = True
+        self._disable_fast_paths()
         self._stop.set()
         if self._worker is not None:
             self._queue.put(None)

@@ -158,13 +158,30 @@ def _tag(call: Optional[Call]) -> tuple:
 
 
 class _Raise:
-    """A work that fails with `error` when waited: an error of the leaders' check, told like step (2)'s."""
+    """A work that fails with `error` when waited: an error of the leaders' check, told like step (2)'s,
+    or of a collective that ran where it was called (Note [An order held by the caller])."""
 
     def __init__(self, error: BaseException):
         self._error = error
 
     def wait(self, timeout: Any = None) -> bool:
         raise self._error
+
+    def is_completed(self) -> bool:
+        return True
+
+
+class _Done:
+    """The work of a collective that ran where it was called (Note [An order held by the caller])."""
+
+    def wait(self, timeout: Any = None) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+
+_DONE = _Done()
 
 
 def _failure(text: str, timed_out: bool, like: Optional[BaseException] = None) -> RuntimeError:
@@ -200,6 +217,7 @@ class ShmTransport:
         self._queue: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
         self._worker: Optional[threading.Thread] = None
         self._closed = False
+        self._holder: Optional[int] = None   # the thread that holds `exec_lock` for its own order (held())
 
     # ------------------------------------------------------------------ setup
     @classmethod
@@ -470,9 +488,31 @@ class ShmTransport:
         self._local("barrier", timeout, *_tag(call))
 
     # ------------------------------------------------------------------ execution
+    # Note [An order held by the caller]
+    # The torch backend orders its group's collectives itself (backend_lane.Lane: one per group, and one
+    # channel per group): a second queue here would only add a thread hop and a Work per step. So its
+    # lane takes `exec_lock` (the lock the small-message fast path takes too), calls held(True) on the
+    # thread that runs the job, and every collective called on that thread then runs at once, here, and
+    # returns a work that is already done (or raises the channel's own error when waited). The lane
+    # also counts its queued jobs in `exec_lock.outstanding`, so a fast path never overtakes them.
+    @property
+    def exec_lock(self) -> Any:
+        """The native lock held while a collective runs (_C.ShmExec), and the count of those outstanding."""
+        return self._exec
+
+    def held(self, yes: bool) -> None:
+        """The calling thread holds exec_lock (yes) or no longer does: see Note [An order held by the caller]."""
+        self._holder = threading.get_ident() if yes else None
+
     def _submit(self, fn: Callable, args: tuple, keep: tuple, sync: bool, timeout: Optional[float],
-                after: tuple = ()) -> _ShmWork:
+                after: tuple = ()) -> Any:
         """Runs fn(*args, timeout, *after), inline or on the worker (shm_fast.py runs the fast path)."""
+        if self._holder is not None and self._holder == threading.get_ident():
+            try:
+                fn(*args, self._timeout if timeout is None else float(timeout), *after)
+            except BaseException as e:   # noqa: BLE001 (raised by the wait, as a queued call's would be)
+                return _Raise(e)
+            return _DONE
         work = _ShmWork(self, keep)
         call = (fn, args + (self._timeout if timeout is None else float(timeout),) + after)
         with self._lock:

@@ -31,9 +31,11 @@ from torch._C._distributed_c10d import (AllgatherOptions, AllreduceCoalescedOpti
 
 from . import backend_setup, calls
 from .backend_cpu import CpuCollectives
+from .backend_fast import DoneWork, fast_paths
 from .backend_lane import BackendError, BackendWork, Job, Lane
 from .backend_math import R, red_kind
 from .calls import Call
+from .shm_fast import CHANNEL_ERRORS
 
 NAME = "ncclavg"
 _INTEGER_OK = (R.SUM, R.AVG, R.MIN, R.MAX, R.PRODUCT, R.BAND, R.BOR, R.BXOR)
@@ -83,6 +85,8 @@ class ProcessGroupNcclavg(dist.ProcessGroup):
         self._store = store
         self._nccl = self._nccl_options(timeout, backend_options)
         self._shut = False
+        self._fast = fast_paths(self, self._lane.transport)   # Note [The backend's fast path]
+        self._lane.fast_paths.extend(self._fast.values())
 
     @staticmethod
     def _nccl_options(timeout: datetime.timedelta, backend_options: Any) -> Any:
@@ -191,6 +195,15 @@ class ProcessGroupNcclavg(dist.ProcessGroup):
 
     # ------------------------------------------------------------------ all-reduce family
     def allreduce(self, tensors: List[torch.Tensor], opts: Any = None) -> Any:
+        if self._fast and opts is not None and not opts.asyncOp:   # Note [The backend's fast path]
+            path = self._fast.get(opts.reduceOp.op)
+            if path is not None:
+                limit = _seconds(opts.timeout, self._timeout)
+                try:
+                    if path.run(tensors, limit):
+                        return DoneWork(tensors)
+                except CHANNEL_ERRORS as e:
+                    return self._fast_failed(tensors, opts, limit, e)
         opts = opts if opts is not None else AllreduceOptions()
         t = self._one(tensors, "tensors")
         if isinstance(t, torch.Tensor) and t.layout == torch.sparse_coo:
@@ -200,6 +213,14 @@ class ProcessGroupNcclavg(dist.ProcessGroup):
         op = self._op(opts.reduceOp, t)
         return self._submit("allreduce", opts, [t], tensors, lambda job: self._cpu.allreduce(job, t, op),
                             calls.make("all_reduce", t.dtype, op, count=t.numel()))
+
+    def _fast_failed(self, tensors: List[torch.Tensor], opts: Any, limit: float, e: BaseException) -> BackendWork:
+        """The failed Work of a fast-path all_reduce: the group fails as the lane's job would have."""
+        t = tensors[0]
+        job = Job(None, tensors, self._what("allreduce", [t]), limit, self._liveness.diagnose,
+                  calls.make("all_reduce", t.dtype, opts.reduceOp, count=t.numel()))
+        job._complete(self._lane._failed(job, e))
+        return BackendWork(job, self._lane)
 
     def _sparse_allreduce(self, t: torch.Tensor, tensors: List[torch.Tensor], opts: Any) -> Any:
         if t.device.type == "cuda":
