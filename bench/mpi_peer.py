@@ -9,6 +9,8 @@ Contenders, per process count P and element type:
                      Python layer's cost.
   MPICH              MPI_Allreduce(MPI_IN_PLACE, SUM) on the same buffer (no average: MPI has none).
   torch gloo         torch.distributed.all_reduce(x) (SUM) over gloo, loopback TCP.
+  torch ncclavg      torch.distributed.all_reduce(x) (SUM) on a group of the `ncclavg` backend: what
+                     DDP, FSDP and every torch.distributed user reaches (Note [The backend's fast path]).
 Timing rule (the same for all): for each size, rounds in which every contender runs once, in turn,
 the order rotating from round to round (so none always follows the same neighbour and its caches);
 before each contender's timed batch every rank passes MPI_Barrier and then the channel's barrier (see
@@ -41,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common  # noqa: E402  (puts an in-place built checkout first on sys.path)
 
 SIZES = [8, 64, 512, 4 << 10, 32 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
-CONTENDERS = ("ncclavg", "ncclavg channel", "MPICH", "torch gloo")
+CONTENDERS = ("ncclavg", "ncclavg channel", "MPICH", "torch gloo", "torch ncclavg")
 BATCH_S = 5e-3
 ROUNDS = 15
 
@@ -78,6 +80,8 @@ def worker(args: argparse.Namespace) -> None:
     comm = ncclavg.Communicator.from_torch_distributed(devices=["cpu"], timeout=120.0)
     assert comm.transport == "shm", comm.transport
     channel = comm._shm.channel
+    backend_group = dist.new_group(backend="ncclavg")
+    assert backend_group.transport == "shm", backend_group.transport
     np_dtypes = {torch.float32: np.float32, torch.float16: np.float16, torch.float64: np.float64}
 
     def sync() -> None:
@@ -101,6 +105,7 @@ def worker(args: argparse.Namespace) -> None:
                 "ncclavg channel": lambda: channel.all_reduce_sum(x.data_ptr(), n, TYPE_CODES[dtype], 120.0, 1.0, float(size)),
                 "MPICH": (lambda: world.Allreduce(MPI.IN_PLACE, mpi_buf, op=MPI.SUM)) if mpi_buf is not None else None,
                 "torch gloo": lambda: dist.all_reduce(x),
+                "torch ncclavg": lambda: dist.all_reduce(x, group=backend_group),
             }
             if calls["MPICH"] is not None:
                 try:
@@ -201,16 +206,17 @@ def launch(procs: int, args: argparse.Namespace) -> dict:
 
 def table(rows: list[dict]) -> list[str]:
     """One line per (P, dtype, size): each contender's time, ncclavg's ratio to MPICH and gloo."""
-    lines = ["| P | dtype | size | ncclavg us | channel us | MPICH us | gloo us | MPICH/ncclavg | gloo/ncclavg "
-             "| ncclavg busbw GB/s | copy GB/s |", "|" + "---|" * 11]
+    lines = ["| P | dtype | size | ncclavg us | channel us | torch ncclavg us | MPICH us | gloo us | "
+             "torch ncclavg/ncclavg | MPICH/ncclavg | gloo/ncclavg | ncclavg busbw GB/s | copy GB/s |", "|" + "---|" * 13]
     keys = sorted({(r["procs"], r["dtype"], r["size_bytes"]) for r in rows})
     for p, d, b in keys:
         got = {r["contender"]: r for r in rows if (r["procs"], r["dtype"], r["size_bytes"]) == (p, d, b)}
         t = {c: got[c]["time_us"] if c in got else None for c in CONTENDERS}
         fmt = lambda v: "-" if v is None else f"{v:.1f}"   # noqa: E731
         ratio = lambda c: "-" if t[c] is None else f"{t[c] / t['ncclavg']:.2f}x"   # noqa: E731
-        lines.append(f"| {p} | {d} | {human(b)} | {fmt(t['ncclavg'])} | {fmt(t['ncclavg channel'])} | {fmt(t['MPICH'])} "
-                     f"| {fmt(t['torch gloo'])} | {ratio('MPICH')} | {ratio('torch gloo')} "
+        lines.append(f"| {p} | {d} | {human(b)} | {fmt(t['ncclavg'])} | {fmt(t['ncclavg channel'])} "
+                     f"| {fmt(t['torch ncclavg'])} | {fmt(t['MPICH'])} | {fmt(t['torch gloo'])} "
+                     f"| {ratio('torch ncclavg')} | {ratio('MPICH')} | {ratio('torch gloo')} "
                      f"| {got['ncclavg']['busbw_gbps']:.2f} | {got['ncclavg']['copy_gbps']:.1f} |")
     return lines
 

@@ -73,6 +73,9 @@ class CpuCollectives:
         call = job.call
         if call is None or call.checked:
             return
+        if self.size == 1:   # nothing to compare a call with
+            call.checked = True
+            return
         if self.transport is not None:
             limit = job.channel_limit()
             work = self.transport.check(call, sync=True, timeout=limit)

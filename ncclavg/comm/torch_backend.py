@@ -34,6 +34,7 @@ from .backend_cpu import CpuCollectives
 from .backend_fast import DoneWork, fast_paths
 from .backend_lane import BackendError, BackendWork, Job, Lane
 from .backend_math import R, red_kind
+from .base import LazyText
 from .calls import Call
 from .shm_fast import CHANNEL_ERRORS
 
@@ -58,12 +59,8 @@ def _list_call(collective: str, tensors: List[torch.Tensor], op: Any = None) -> 
     return calls.make(collective, torch.uint8, op, count=sum(t.numel() * t.element_size() for t in tensors))
 
 
-def _describe(tensors: List[torch.Tensor]) -> str:
-    if not tensors:
-        return "no tensors"
-    t = tensors[0]
-    n = sum(x.numel() for x in tensors)
-    return f"{n} x {str(t.dtype).replace('torch.', '')}"
+def _describe(count: int, dtype: Optional[torch.dtype]) -> str:
+    return "no tensors" if dtype is None else f"{count} x {str(dtype).replace('torch.', '')}"
 
 
 class ProcessGroupNcclavg(dist.ProcessGroup):
@@ -130,8 +127,16 @@ class ProcessGroupNcclavg(dist.ProcessGroup):
     # ------------------------------------------------------------------ checks and submission
     # Every argument is checked here, on the caller's thread, before anything is queued: a bad call
     # raises ValueError / TypeError naming the argument and leaves the group as it was (as gloo's does).
-    def _what(self, op: str, tensors: List[torch.Tensor]) -> str:
-        return (f"ncclavg {op} of {_describe(tensors)} (group {self._name or '?'}, rank {self._rank} of "
+    def _what(self, op: str, tensors: List[torch.Tensor]) -> LazyText:
+        """'ncclavg allreduce of 3 x float32 (group 0, rank 1 of 2, shm)', written out only when an error
+        needs it (the facts are taken now: a message must not keep a tensor alive)."""
+        if not tensors:
+            return LazyText(self._what_text, op, 0, None)
+        count = tensors[0].numel() if len(tensors) == 1 else sum(x.numel() for x in tensors)
+        return LazyText(self._what_text, op, count, tensors[0].dtype)
+
+    def _what_text(self, op: str, count: int, dtype: Optional[torch.dtype]) -> str:
+        return (f"ncclavg {op} of {_describe(count, dtype)} (group {self._name or '?'}, rank {self._rank} of "
                 f"{self._size}, {self.transport})")
 
     def _device(self, tensors: List[torch.Tensor], argname: str) -> str:
