@@ -7,7 +7,6 @@ machine sends it back: the summary, the benchmarks' files and one archive of the
 the same machinery are test_gpu_check_script.py and test_gpu_check_summary.py."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import shutil
