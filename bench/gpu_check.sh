@@ -260,7 +260,7 @@ EOF
 # gpu_check_summary.py picks those lines out into gpu_check.json.
 nccl_init_log() {
   if ((DRY)); then
-    echo "NCCL init: not run in a dry run (would run: NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,ENV, one NcclComm on cuda:0)"
+    echo "nccl_init: not run in a dry run (would run: NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,ENV, one NcclComm on cuda:0)"
     return 0
   fi
   NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,ENV timeout --kill-after=2 20 "$PY" - <<'EOF'
@@ -268,7 +268,7 @@ import ncclavg.comm  # noqa: F401  (the NCCL_RUNTIME_CONNECT default: Note [Sett
 from ncclavg import _ext
 NcclComm = _ext.nccl_comm_class()
 c = NcclComm.init_all([0], 15.0)
-print("NCCL init: done; collective_mode", c.collective_mode, "|", c.collective_mode_reason, flush=True)
+print("nccl_init: done; collective_mode", c.collective_mode, "|", c.collective_mode_reason, flush=True)
 c.destroy()
 EOF
 }

@@ -329,16 +329,17 @@ MAX_INIT_LINES = 4
 
 def _init_facts(text: str) -> dict:
     """{topic: [NCCL's lines about it] or "not printed"} and the communicator's mode, from the info log."""
-    if "NCCL init:" not in text:
-        return {}
-    facts: dict = {}
+    # gpu_check.sh's own line ("nccl_init: done; ..." or "nccl_init: not run ..."), named so that
+    # _info_facts' "NCCL <version>" does not take it
+    said = [ln[len("nccl_init: "):][:MESSAGE_CHARS] for ln in text.splitlines() if ln.startswith("nccl_init: ")]
     nccl_lines = [ln.split("NCCL INFO", 1)[1].strip() for ln in text.splitlines() if "NCCL INFO" in ln]
-    for topic, rx in _INIT_TOPICS.items():
-        hits = list(dict.fromkeys(ln[:MESSAGE_CHARS] for ln in nccl_lines if rx.search(ln)))
-        facts[topic] = hits[:MAX_INIT_LINES] or "not printed"
-    for line in text.splitlines():
-        if line.startswith("NCCL init: "):
-            facts["result"] = line[len("NCCL init: "):][:MESSAGE_CHARS]
+    if not said and not nccl_lines:
+        return {}
+    facts: dict = {"result": said[-1] if said else "no result line: the init did not finish"}
+    if nccl_lines:   # NCCL ran and logged: every mode is either named by its lines or said to be absent
+        for topic, rx in _INIT_TOPICS.items():
+            hits = list(dict.fromkeys(ln[:MESSAGE_CHARS] for ln in nccl_lines if rx.search(ln)))
+            facts[topic] = hits[:MAX_INIT_LINES] or "not printed"
     return facts
 
 
@@ -391,7 +392,8 @@ def print_table(doc: dict, out: Path) -> None:
     if init:
         said = "; ".join(f"{k}: {v if isinstance(v, str) else v[0]}" for k, v in init.items() if k != "result")
         print(f"  init:   {init.get('result', '?')}"[:200])
-        print(f"          {said}"[:200])
+        if said:
+            print(f"          {said}"[:200])
     t = (doc.get("tests") or {}).get("counts")
     if t:
         print(f"  tests:  {t['total']} collected, {t['passed']} passed, {t['failed']} failed, {t['error']} errors, "

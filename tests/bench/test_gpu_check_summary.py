@@ -296,7 +296,7 @@ def test_outcomes_of_every_pytest_process_are_merged_and_the_nccl_init_picked_ou
         "h200:1:1 [0] NCCL INFO NCCL_RUNTIME_CONNECT set by environment to 0\n"
         "h200:1:1 [0] NCCL INFO CUMEM support enabled\n"
         "h200:1:1 [0] NCCL INFO cuMem host allocations enabled\n"
-        "NCCL init: done; collective_mode blocking | ncclCommSplit (config.blocking = 1) ...\n")
+        "nccl_init: done; collective_mode blocking | ncclCommSplit (config.blocking = 1) ...\n")
     out = tmp_path / "out"
     out.mkdir()
     assert gc.finish(out, keep, dry=False, seconds=60, budget=345) == 0
@@ -311,3 +311,10 @@ def test_outcomes_of_every_pytest_process_are_merged_and_the_nccl_init_picked_ou
     assert init["result"].startswith("done; collective_mode blocking")
     with tarfile.open(out / "logs.tar.gz") as tar:
         assert {"junit/tests_test_a.xml", "junit/tests_test_b.xml"} <= set(tar.getnames())
+
+
+def test_a_dry_run_names_no_nccl_mode(gc):
+    text = "NCCL            2.28.9 (libnccl.so.2)\nnccl_init: not run in a dry run (would run: ...)\n"
+    assert gc._init_facts(text) == {"result": "not run in a dry run (would run: ...)"}
+    assert gc._info_facts(text)["nccl"].startswith("2.28.9")   # the init's own line is not the NCCL version
+    assert gc._init_facts("nothing here\n") == {}
