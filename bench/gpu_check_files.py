@@ -19,7 +19,8 @@ started and not ended is recorded as hung or crashed, and the group runs again w
 already has an outcome, and that one, deselected. The outcomes go to DIR/<group>.xml as junit XML
 (pytest's own when the session finished; made from the progress file otherwise), which
 gpu_check_summary.py reads. A group that cannot start before the step's deadline is "not run": its
-file is listed as skipped with that reason, and the exit status says the step did not run whole.
+file is listed as skipped with that reason, and the exit status says the step did not run whole; so is
+a test still running at the deadline that had not reached its own hang limit (cut by time, not failed).
 
 Only the standard library. Exit status: 0 when every group ran and nothing failed, 1 when a test failed,
 hung or crashed, NOT_RUN_RC (86, last line "not run: ...") when nothing failed but a group was cut for time.
@@ -179,12 +180,13 @@ class Runner:
             print(f"-- {name} (attempt {attempt}, {left:.0f}s left){' ' + g['label'] if g['label'] else ''}: "
                   f"{' '.join(cmd[3:])}", flush=True)
             self.child = subprocess.Popen(cmd, cwd=self.cwd, env=env, start_new_session=True)
+            at_deadline = False
             try:
                 rc = self.child.wait(timeout=max(1.0, self.deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 self.stop_child()
                 rc = self.child.wait()
-                rc = "killed at the step's deadline"
+                at_deadline = True
             self.child = None
             ended, open_, finished = read_progress(progress)
             if finished and xml.exists():
@@ -203,10 +205,17 @@ class Runner:
                                    f"(exit status {rc}) outside any test"))
                 break
             culprit, was_hung = open_[-1]
-            why = (f"hung: no result within {self.test_timeout:g}s; its process was ended and the rest rerun" if was_hung
-                   else f"crashed or killed: the pytest process ended ({rc}) while it ran; the rest rerun")
-            cases.append(case(culprit, "error", why))
             deselect.append(culprit)
+            if at_deadline and not was_hung:   # cut by time before its own limit: not run, not failed
+                why = "not run: the step's time ran out while it ran (before its own hang limit)"
+                cases.append(case(culprit, "skipped", why))
+                self.cut += 1
+                self.cut_names.append(name)
+                print(f"-- {name}: {culprit}: {why}", flush=True)
+                continue   # the loop finds no time left and records the rest as not run
+            why = (f"hung: no result within {self.test_timeout:g}s; its process was ended and the rest rerun" if was_hung
+                   else f"crashed: the pytest process ended (exit status {rc}) while it ran; the rest rerun")
+            cases.append(case(culprit, "error", why))
             print(f"-- {name}: {culprit}: {why}", flush=True)
         self.failed += sum(any(ch.tag in ("failure", "error") for ch in c) for c in cases)
         write_junit(self.out / f"{name}.xml", cases)

@@ -61,7 +61,7 @@ def test_a_hung_and_a_crashed_test_cost_only_themselves(files, summary, tmp_path
     assert outcome["tests/test_mixed.py::test_b_hangs"][0] == "error"
     assert outcome["tests/test_mixed.py::test_b_hangs"][1].startswith("hung: no result within 3s")
     assert outcome["tests/test_mixed.py::test_c_crashes"][0] == "error"
-    assert outcome["tests/test_mixed.py::test_c_crashes"][1].startswith("crashed or killed")
+    assert outcome["tests/test_mixed.py::test_c_crashes"][1].startswith("crashed: the pytest process ended")
     assert outcome["tests/test_mixed.py::test_e_fails"] == ("failed", "AssertionError: one is not two")
     assert runner.failed == 3 and runner.cut == 0
 
@@ -96,3 +96,17 @@ def test_the_groups_cover_every_gpu_test_file_and_the_forced_reruns(files):
             assert (ROOT / path).is_file() and (not test or f"def {test}(" in (ROOT / path).read_text())
     with pytest.raises(ValueError, match="kind"):
         files.groups("nope")
+
+
+def test_a_test_cut_by_the_steps_deadline_is_not_run_not_failed(files, summary, tmp_path):
+    proj, out = _project(tmp_path), tmp_path / "out"
+    out.mkdir()
+    # the hang limit (60 s) is beyond the step's deadline (12 s from now, 4 s of them kept for the end)
+    runner = files.Runner(out, time.monotonic() + 12, test_timeout=60, python=sys.executable, cwd=proj)
+    runner.run_group({"name": "cut", "args": ["tests/test_mixed.py::test_a", "tests/test_mixed.py::test_b_hangs"],
+                      "env": {}, "label": ""})
+    outcome = {c["id"]: (c["outcome"], c.get("message", "")) for c in summary.parse_junit(out / "cut.xml")["cases"]}
+    assert outcome["tests/test_mixed.py::test_a"][0] == "passed"
+    assert outcome["tests/test_mixed.py::test_b_hangs"] == (
+        "skipped", "not run: the step's time ran out while it ran (before its own hang limit)")
+    assert runner.failed == 0 and runner.cut >= 1
