@@ -162,7 +162,7 @@ class Runner:
             left = self.deadline - time.monotonic()
             if left < START_S:
                 why = f"not run: the step's time ran out ({left:.0f}s left) before {name} could " + \
-                      ("start" if attempt == 0 else "rerun the tests after the hung one")
+                      ("start" if attempt == 0 else "run the rest of its tests (if any were left)")
                 cases.append(case(g["args"][-1] if attempt == 0 else f"{g['args'][-1]}::(the rest of {name})",
                                   "skipped", why))
                 self.cut += 1
