@@ -1,20 +1,25 @@
 #!/usr/bin/env bash
 # bench/gpu_check.sh: everything ncclavg needs checked on a GPU machine, in two calls that fit a 15-minute
-# lease with room to rerun the first (the machine's start takes 1-2 minutes of it).
+# lease with room to rerun the first (the machine's start takes 2-3 minutes of it: 180 + 2 x 345 <= 900).
 #
-#   bench/gpu_check.sh [--part core]  the core call, <= 320 s: build for sm_90 in place (NCCLAVG_CUDA=1),
-#                                 info (environment report + `ncclavg info`), tests (`pytest -m gpu`),
-#                                 bench (bench/gpu_bench.py: kernels, copies, one-rank NCCL)
-#   bench/gpu_check.sh --part extra   the optional second call while the machine is warm, <= 270 s: the
+#   bench/gpu_check.sh [--part core]  the core call, <= 345 s: build for sm_90 in place (NCCLAVG_CUDA=1),
+#                                 info (environment report, `ncclavg info`, one NCCL init logged with
+#                                 NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,ENV), tests (`pytest -m gpu`, one
+#                                 process per test file: bench/gpu_check_files.py), forced (the ordering
+#                                 and Work-lifetime tests again with NCCLAVG_TEST_REDUCTION=sum_divide:2,
+#                                 then premulsum:2, so that they test something on one rank), bench
+#                                 (bench/gpu_bench.py: kernels, copies, one-rank NCCL)
+#   bench/gpu_check.sh --part extra   the optional second call while the machine is warm, <= 240 s: the
 #                                 build again (objects reused: a link only), info, trainer (bench/trainer.py
-#                                 on CUDA towers), sweep (`ncclavg bench --backend nccl`), sanitizer
-#                                 (compute-sanitizer memcheck over bench/sanitizer_driver.py), wheel (pip
-#                                 wheel --no-build-isolation, reusing the build's objects)
-#   bench/gpu_check.sh --part all     both in one call (on a machine of your own), <= 480 s
+#                                 on CUDA towers), sanitizer (compute-sanitizer memcheck over
+#                                 bench/sanitizer_driver.py). The wheel build needs no GPU (.ci/run builds
+#                                 and tests the wheel) and a sweep over one tower measures nothing that
+#                                 gpu_bench.py's one-rank rows do not: neither takes lease time.
+#   bench/gpu_check.sh --part all     both in one call (on a machine of your own), <= 450 s
 #   ... --dry-run                 the same steps without a GPU: the build (CUDA when a toolkit is here) into
-#                                 a scratch folder, import + info of that build, the GPU tests (they skip),
-#                                 gpu_bench.py --dry-run, the trainer and sweep on CPU towers, the sanitizer
-#                                 driver on CPU tensors and the refusal detector, and a real wheel
+#                                 a scratch folder, import + info of that build, the GPU tests and the
+#                                 forced reruns (they skip), gpu_bench.py --dry-run, the trainer on CPU
+#                                 towers, the sanitizer driver on CPU tensors and the refusal detector
 #   ... --plan                    prints the steps, their limits and the budget arithmetic, runs nothing
 #
 # Assumes the machine's python3 ($PYTHON) already has torch, cupy, pybind11 and an NCCL, and that nothing
@@ -29,11 +34,11 @@
 #
 # Output: only what comes back from a GPU machine's $OUT (at most 8 files, 16 MiB each, plain names) is
 # left in $OUT (default ./gpu-out/<part>; files of an earlier run there are replaced):
-#   gpu_check.json   the part, steps, per-test outcomes, device, versions, the RESULT line
-#   logs.tar.gz      logs/<step>.log, steps.tsv, pytest-gpu.xml (junit)
-#   the benchmarks' own files: gpu_bench.json (core); trainer_gpu.json, bench-nccl.json, bench-nccl.png
-#   (extra); dry run: trainer_cpu.json, bench-local.json, bench-local.png in their place
-# Scratch (the dry build, the wheel, logs before packing) lives in a temp folder that is removed at exit.
+#   gpu_check.json   the part, steps, per-test outcomes, device, versions, the NCCL init's modes, RESULT
+#   logs.tar.gz      logs/<step>.log, steps.tsv, junit/<group>.xml and .jsonl (one per pytest process)
+#   the benchmarks' own files: gpu_bench.json (core); trainer_gpu.json (extra); dry run: trainer_cpu.json
+#   in its place
+# Scratch (the dry build, logs before packing) lives in a temp folder that is removed at exit.
 # The script checks $OUT against those rules at the end. The last lines printed are the table and one
 # RESULT line: "all steps passed", "incomplete: not run: ..." or "FAILED: ...", followed by
 # "; N GPU tests skipped (k: reason; ...)" when GPU tests skipped (what they test was not checked).
@@ -47,7 +52,7 @@ while [[ $# -gt 0 ]]; do
     --plan) PLAN=1 ;;
     --part) [[ $# -ge 2 ]] || { echo "gpu_check.sh: --part needs core, extra or all" >&2; exit 2; }; PART=$2; shift ;;
     --part=*) PART=${1#--part=} ;;
-    -h|--help) sed -n '2,42p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,/^set -u/p' "$0" | sed '$d'; exit 0 ;;
     *) echo "gpu_check.sh: unknown argument '$1' (use --part core|extra|all, --dry-run, --plan)" >&2; exit 2 ;;
   esac
   shift
@@ -60,13 +65,17 @@ done
 # a dry run. The extra part builds too: after the core call the objects are there and only the link runs;
 # on a fresh machine it is the whole build.
 case "$PART" in
-  core)  STEPS=(build info tests bench);                         GPU_BUDGET=320 DRY_BUDGET=500 ;;
-  extra) STEPS=(build info trainer sweep sanitizer wheel);       GPU_BUDGET=270 DRY_BUDGET=550 ;;
-  all)   STEPS=(build info tests bench trainer sweep sanitizer wheel); GPU_BUDGET=480 DRY_BUDGET=750 ;;
+  core)  STEPS=(build info tests forced bench);                     GPU_BUDGET=345 DRY_BUDGET=620 ;;
+  extra) STEPS=(build info trainer sanitizer);                      GPU_BUDGET=240 DRY_BUDGET=470 ;;
+  all)   STEPS=(build info tests forced bench trainer sanitizer);   GPU_BUDGET=450 DRY_BUDGET=720 ;;
   *) echo "gpu_check.sh: --part must be core, extra or all, got '$PART'" >&2; exit 2 ;;
 esac
-declare -A GPU_LIMIT=([build]=75 [info]=20 [tests]=140 [bench]=55 [trainer]=45 [sweep]=30 [sanitizer]=40 [wheel]=25)
-declare -A DRY_LIMIT=([build]=300 [info]=40 [tests]=90 [bench]=30 [trainer]=60 [sweep]=30 [sanitizer]=30 [wheel]=60)
+# tests: 11 test files, each a pytest process (torch's import and a CUDA context each, ~3-4 s on the
+# H200 machine) plus their tests; a hung test costs its TEST_TIMEOUT_S, not the step. forced: 2
+# processes of 3 tests each. info: the environment report, `ncclavg info` and one NCCL init.
+declare -A GPU_LIMIT=([build]=70 [info]=30 [tests]=140 [forced]=30 [bench]=50 [trainer]=45 [sanitizer]=40)
+declare -A DRY_LIMIT=([build]=300 [info]=40 [tests]=150 [forced]=60 [bench]=30 [trainer]=60 [sanitizer]=30)
+TEST_TIMEOUT_S=60
 if ((DRY)); then BUDGET=${GPU_CHECK_BUDGET_S:-$DRY_BUDGET}; else BUDGET=${GPU_CHECK_BUDGET_S:-$GPU_BUDGET}; fi
 RESERVE_S=25   # kept out of the plan: nvidia-smi at the start (<= 10 s), END_S, and the steps' overheads
 END_S=12       # kept at the end, at run time: the summary and the packing (a few seconds)
@@ -108,7 +117,7 @@ OUT_DIR=$(cd "$OUT_DIR" && pwd)
 # What an earlier run (this layout or the older one) left in $OUT, so that the check at the end counts
 # this run's files only.
 rm -rf "$OUT_DIR"/{gpu_check.json,logs.tar.gz,gpu_bench.json,trainer_gpu.json,bench-nccl.json,bench-nccl.png} \
-  "$OUT_DIR"/{trainer_cpu.json,bench-local.json,bench-local.png,logs,steps.tsv,pytest-gpu.xml,dry-stage,dry-lib,wheel}
+  "$OUT_DIR"/{trainer_cpu.json,bench-local.json,bench-local.png,logs,steps.tsv,pytest-gpu.xml,junit,dry-stage,dry-lib,wheel}
 SCRATCH=$(mktemp -d "${TMPDIR:-/tmp}/gpu_check.XXXXXX") || exit 1
 trap 'rm -rf "$SCRATCH"' EXIT
 KEEP=$SCRATCH/keep   # what goes into logs.tar.gz
@@ -206,7 +215,7 @@ EOF
 
 # The dry run builds into a scratch folder and imports that build from a staged copy of the package, so
 # the checkout's own build (the one its tests use) is left alone. Its objects stay in build/gpu_check/
-# (ignored), so a second dry run, and the wheel step, compile nothing.
+# (ignored), so a second dry run compiles nothing.
 STAGE="$SCRATCH/dry-stage"
 if ((DRY)); then BUILD_TEMP="$ROOT/build/gpu_check/temp-dry" CUDA_MODE=${NCCLAVG_CUDA:-auto}
 else BUILD_TEMP="$ROOT/build/gpu_check/temp" CUDA_MODE=1; fi
@@ -241,20 +250,38 @@ EOF
   else
     "$PY" -m ncclavg info || rc=1
   fi
+  echo
+  nccl_init_log || rc=1
   return $rc
 }
+# One NCCL init (a one-rank NcclComm on GPU 0) with NCCL's own INIT and ENV lines: which memory mode
+# (cuMem, cuMem host allocations), runtime connect and direct mode this NCCL takes on this machine, which
+# decide how an abort ends (Note [Connections inside the bounded init] in csrc/cuda/comm_init.cpp);
+# gpu_check_summary.py picks those lines out into gpu_check.json.
+nccl_init_log() {
+  if ((DRY)); then
+    echo "nccl_init: not run in a dry run (would run: NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,ENV, one NcclComm on cuda:0)"
+    return 0
+  fi
+  NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,ENV timeout --kill-after=2 20 "$PY" - <<'EOF'
+import ncclavg.comm  # noqa: F401  (the NCCL_RUNTIME_CONNECT default: Note [Setting NCCL_RUNTIME_CONNECT once])
+from ncclavg import _ext
+NcclComm = _ext.nccl_comm_class()
+c = NcclComm.init_all([0], 15.0)
+print("nccl_init: done; collective_mode", c.collective_mode, "|", c.collective_mode_reason, flush=True)
+c.destroy()
+EOF
+}
 do_tests() {
-  # A test module of another area that cannot be imported here must not stop the GPU tests, one that needs
-  # a missing optional package is a skip (bench/gpu_check_pytest.py, from a folder of its own so that
-  # bench/'s scripts cannot shadow test imports), and one hung test must not take the whole step
-  # (pytest-timeout, when installed: its thread method, since a test stuck in C++ with the GIL released
-  # never sees a signal). -rA puts every outcome in the log, so a step killed at its limit still says
-  # which tests had passed.
-  local extra=()
-  "$PY" -c "import pytest_timeout" 2> /dev/null && extra+=(--timeout=60 --timeout-method=thread)
-  mkdir -p "$SCRATCH/plugins" && cp bench/gpu_check_pytest.py "$SCRATCH/plugins/" || return 1
-  PYTHONPATH="$SCRATCH/plugins:$PYTHONPATH" "$PY" -m pytest -m gpu -q -rA -p no:cacheprovider -p gpu_check_pytest \
-    --continue-on-collection-errors "${extra[@]}" --junitxml="$KEEP/pytest-gpu.xml" -o junit_family=xunit1 tests
+  # One pytest process per test file (bench/gpu_check_files.py): a hung or crashed test costs that test
+  # (Note [A hung test costs that test]), a test module that cannot be imported costs that module, one
+  # that needs a missing optional package is a skip (bench/gpu_check_pytest.py). The outcomes land in
+  # junit/<file>.xml; -rA puts them in the log too, so a step killed at its limit still says which passed.
+  "$PY" bench/gpu_check_files.py tests --out "$KEEP/junit" --test-timeout "$TEST_TIMEOUT_S"
+}
+do_forced() {
+  # The stream-ordering and Work-lifetime tests with a forced reduction: see bench/gpu_check_files.py.
+  "$PY" bench/gpu_check_files.py forced --out "$KEEP/junit" --test-timeout "$TEST_TIMEOUT_S"
 }
 do_bench() {
   if ((DRY)); then "$PY" bench/gpu_bench.py --dry-run --out "$OUT_DIR/gpu_bench.json"
@@ -263,19 +290,6 @@ do_bench() {
 do_trainer() {
   if ((DRY)); then "$PY" bench/trainer.py --quick --json "$OUT_DIR/trainer_cpu.json"
   else "$PY" bench/trainer.py --budget-s 30 --json "$OUT_DIR/trainer_gpu.json"; fi   # within its 45 s
-}
-do_sweep() {
-  local name plot=()
-  if ((DRY)); then name=bench-local; else name=bench-nccl; fi
-  "$PY" -c "import matplotlib" 2> /dev/null && plot=(--plot "$OUT_DIR/$name.png")
-  if ((DRY)); then
-    # On CPU towers, small: checks the arguments and the outputs.
-    "$PY" -m ncclavg bench --backend local --towers 2 -b 8 -e 64K --quiet --json "$OUT_DIR/$name.json" "${plot[@]}"
-  else
-    # Every 4th power of two and 0.25 s per point and contender: 13 sizes x 4 contenders fit the limit.
-    "$PY" -m ncclavg bench --backend nccl --towers 1 --compare -b 8 -e 256M -f 4 --budget 0.25 --quiet \
-      --json "$OUT_DIR/$name.json" "${plot[@]}"
-  fi
 }
 sanitizer_path() { command -v compute-sanitizer || echo "${CUDA_HOME:-/usr/local/cuda}/bin/compute-sanitizer"; }
 do_sanitizer() {
@@ -323,32 +337,8 @@ do_sanitizer() {
   fi
   return "$rc"
 }
-do_wheel() {
-  # pip builds in the checkout; this config sends setuptools' build and egg-info folders to scratch and
-  # points it at the build step's objects, so only the link runs again.
-  mkdir -p "$SCRATCH/wheel-egg" || return 1
-  cat > "$SCRATCH/wheel.cfg" <<EOF
-[build]
-build_base = $SCRATCH/wheel-build
-build_temp = $BUILD_TEMP
-[egg_info]
-egg_base = $SCRATCH/wheel-egg
-EOF
-  DIST_EXTRA_CONFIG="$SCRATCH/wheel.cfg" NCCLAVG_CUDA=$CUDA_MODE NCCLAVG_CUDA_ARCHS=$ARCHS \
-    "$PY" -m pip wheel --no-build-isolation --no-deps --no-index -w "$SCRATCH/wheel" . || return 1
-  "$PY" - "$SCRATCH"/wheel/ncclavg-*.whl <<'EOF'
-import sys, zipfile
-names = zipfile.ZipFile(sys.argv[1]).namelist()
-print(sys.argv[1].rsplit("/", 1)[-1], len(names), "files")
-need = ["ncclavg/__init__.py", "ncclavg/comm/__init__.py", "ncclavg/train/__init__.py", "ncclavg/bench/__init__.py"]
-missing = [n for n in need if n not in names] + ([] if any(n.startswith("ncclavg/_C") for n in names) else ["ncclavg/_C*.so"])
-print("missing from the wheel:", ", ".join(missing) if missing else "nothing")
-sys.exit(1 if missing else 0)
-EOF
-}
-
-export DRY PY STAGE OUT_DIR ROOT ARCHS SCRATCH KEEP BUILD_TEMP CUDA_MODE NOT_RUN_RC
-export -f env_report do_build do_info do_tests do_bench do_trainer do_sweep sanitizer_path do_sanitizer do_wheel
+export DRY PY STAGE OUT_DIR ROOT ARCHS SCRATCH KEEP BUILD_TEMP CUDA_MODE NOT_RUN_RC TEST_TIMEOUT_S
+export -f env_report do_build do_info nccl_init_log do_tests do_forced do_bench do_trainer sanitizer_path do_sanitizer
 
 MODE=""; ((DRY)) && MODE=" --dry-run"
 echo "gpu_check.sh --part $PART$MODE: $ROOT -> $OUT_DIR (budget ${BUDGET}s)"

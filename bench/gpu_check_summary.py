@@ -5,8 +5,9 @@
     python bench/gpu_check_summary.py check OUT        # does OUT come back whole from a GPU machine?
     python bench/gpu_check_summary.py refused LOG      # did compute-sanitizer refuse the device?
 
-`finish` reads what the steps left in KEEP (steps.tsv, logs/<step>.log, pytest-gpu.xml), writes
-OUT/gpu_check.json (the part, steps, per-test outcomes, device, versions, the RESULT line) and OUT/logs.tar.gz (all
+`finish` reads what the steps left in KEEP (steps.tsv, logs/<step>.log, the junit XML of every pytest
+process in junit/*.xml, and pytest-gpu.xml of the older one-process layout), writes OUT/gpu_check.json
+(the part, steps, per-test outcomes, device, versions, the NCCL init's modes, the RESULT line) and OUT/logs.tar.gz (all
 of KEEP, each file capped so the archive stays under the size that comes back), checks OUT against the
 rules of what comes back, and prints the table and, last, one RESULT line. Exit status: 0 when every step
 ran and passed and OUT comes back whole, NOT_ALL_PASSED (10) when not; anything else means the helper
@@ -172,6 +173,28 @@ def _collect_reason(text: str) -> str:
     return errors[-1] if errors else text
 
 
+def parse_junit_files(paths: list[Path]) -> dict | None:
+    """parse_junit over several files (one per pytest process), merged; None when there is none."""
+    parts = [r for r in (parse_junit(p) for p in paths) if r is not None]
+    if not parts:
+        return None
+    counts = dict.fromkeys(("passed", "failed", "error", "skipped", "total"), 0)
+    cases, errors = [], []
+    for r in parts:
+        if "error" in r and "counts" not in r:
+            errors.append(r["error"])
+            continue
+        for k in counts:
+            counts[k] += r["counts"][k]
+        cases.extend(r["cases"])
+    if len(cases) > MAX_CASES:
+        cases = [c for c in cases if c["outcome"] != "passed"][:MAX_CASES]
+    doc: dict = {"counts": counts, "cases": cases}
+    if errors:
+        doc["unreadable"] = errors
+    return doc
+
+
 def parse_junit(path: Path) -> dict | None:
     """{counts: {passed, failed, error, skipped, total}, cases: [{id, outcome, message?}]} from a pytest
     junit XML; passed cases carry no message. None when the file is missing or unreadable."""
@@ -296,6 +319,30 @@ def _info_facts(text: str) -> dict:
     return facts
 
 
+# What NCCL's INIT/ENV lines say about the modes that decide how an abort ends (the info step's one init):
+# cuMem and cuMem host allocations, runtime connect, direct mode. NCCL's wording changes between releases,
+# so every line that names one is kept as it is, and a mode no line names is said to be not printed.
+_INIT_TOPICS = {"cuMem": re.compile(r"cumem(?!.?host)", re.I), "cuMem host": re.compile(r"cumem.?host", re.I),
+                "runtime connect": re.compile(r"runtime.?conn", re.I), "directMode": re.compile(r"direct.?mode", re.I)}
+MAX_INIT_LINES = 4
+
+
+def _init_facts(text: str) -> dict:
+    """{topic: [NCCL's lines about it] or "not printed"} and the communicator's mode, from the info log."""
+    # gpu_check.sh's own line ("nccl_init: done; ..." or "nccl_init: not run ..."), named so that
+    # _info_facts' "NCCL <version>" does not take it
+    said = [ln[len("nccl_init: "):][:MESSAGE_CHARS] for ln in text.splitlines() if ln.startswith("nccl_init: ")]
+    nccl_lines = [ln.split("NCCL INFO", 1)[1].strip() for ln in text.splitlines() if "NCCL INFO" in ln]
+    if not said and not nccl_lines:
+        return {}
+    facts: dict = {"result": said[-1] if said else "no result line: the init did not finish"}
+    if nccl_lines:   # NCCL ran and logged: every mode is either named by its lines or said to be absent
+        for topic, rx in _INIT_TOPICS.items():
+            hits = list(dict.fromkeys(ln[:MESSAGE_CHARS] for ln in nccl_lines if rx.search(ln)))
+            facts[topic] = hits[:MAX_INIT_LINES] or "not printed"
+    return facts
+
+
 def _bench_facts(out: Path) -> dict:
     facts: dict = {}
     bench = out / "gpu_bench.json"
@@ -320,9 +367,13 @@ def summarize(out: Path, keep: Path, dry: bool, seconds: int, budget: int, part:
                  "seconds": seconds, "budget_s": budget, "steps": steps}
     info_log = keep / "logs" / "info.log"
     if info_log.exists():
-        doc.update(_info_facts(info_log.read_text(errors="replace")))
+        text = info_log.read_text(errors="replace")
+        doc.update(_info_facts(text))
+        init = _init_facts(text)
+        if init:
+            doc["nccl_init"] = init
     doc.update(_bench_facts(out))
-    tests = parse_junit(keep / "pytest-gpu.xml")
+    tests = parse_junit_files(sorted((keep / "junit").glob("*.xml")) + [keep / "pytest-gpu.xml"])
     if tests is not None:
         doc["tests"] = tests
     return doc
@@ -337,6 +388,12 @@ def print_table(doc: dict, out: Path) -> None:
         print(f"  device: {doc['device']}")
     if doc.get("nccl"):
         print(f"  NCCL:   {doc['nccl']}")
+    init = doc.get("nccl_init")
+    if init:
+        said = "; ".join(f"{k}: {v if isinstance(v, str) else v[0]}" for k, v in init.items() if k != "result")
+        print(f"  init:   {init.get('result', '?')}"[:200])
+        if said:
+            print(f"          {said}"[:200])
     t = (doc.get("tests") or {}).get("counts")
     if t:
         print(f"  tests:  {t['total']} collected, {t['passed']} passed, {t['failed']} failed, {t['error']} errors, "

@@ -4,6 +4,7 @@ from __future__ import annotations
 import glob
 import os
 import sys
+import threading
 
 try:
     from . import _C  # noqa: F401  (the compiled core)
@@ -53,11 +54,49 @@ def require_nccl() -> dict:
     return info
 
 
+# Note [Setting NCCL_RUNTIME_CONNECT once]
+# Blocking collectives want NCCL's connections made inside the bounded init (Note [Connections inside the
+# bounded init] in csrc/cuda/comm_init.cpp), i.e. NCCL_RUNTIME_CONNECT=0 before NCCL's first communicator.
+# Changing the environment is a race with every thread that reads it (setenv vs getenv is undefined
+# behaviour, and NCCL's and torch's threads read it), so it is done once per process, from Python, at
+# the earliest point that says NCCL communicators are coming: the import of ncclavg.comm (which the
+# Communicator, the `ncclavg` torch backend and the DDP hook all import), or the first
+# nccl_comm_class() of code that uses the core's NcclComm without it. Never at `import ncclavg` (a
+# program that uses only the core's ops and optimizers with torch's own NCCL is left alone), never from
+# the C++ init (any thread, any time). What it does to torch: NCCL reads the variable once per process,
+# so torch's own NCCL communicators made later in this process (DDP over nccl, the `ncclavg` backend's
+# inner NCCL group) also connect at init, with every algorithm's buffers; docs/building.md says so.
+# A user value of the variable (0 or 1) is never touched: set NCCL_RUNTIME_CONNECT=1 to keep NCCL's lazy
+# connections everywhere (collective_mode_reason then names the risk). With
+# NCCLAVG_NCCL_COLLECTIVES=nonblocking, or a value the init will refuse, nothing is set.
+RUNTIME_CONNECT_ENV = "NCCL_RUNTIME_CONNECT"
+_runtime_connect_lock = threading.Lock()
+_runtime_connect_done = False
+
+
+def default_nccl_runtime_connect() -> bool:
+    """Sets NCCL_RUNTIME_CONNECT=0 when it is unset and collectives are blocking, the first time it is
+    called in this process; later calls do nothing. See Note [Setting NCCL_RUNTIME_CONNECT once].
+    Returns True when this call set the variable."""
+    global _runtime_connect_done
+    with _runtime_connect_lock:
+        if _runtime_connect_done:
+            return False
+        _runtime_connect_done = True
+        if os.environ.get("NCCLAVG_NCCL_COLLECTIVES", "") not in ("", "blocking"):
+            return False
+        if RUNTIME_CONNECT_ENV in os.environ:
+            return False
+        os.environ[RUNTIME_CONNECT_ENV] = "0"
+        return True
+
+
 def nccl_comm_class():
     """`_C.NcclComm`, after making sure NCCL is loaded (the loader must see the wheel locations first).
 
     Raises NcclError with the install hint when no NCCL is found, and CudaError when this build of
     ncclavg has no CUDA part. The nccl backend of `Communicator` creates its communicators through this."""
+    default_nccl_runtime_connect()   # before any NCCL communicator: See Note [Setting NCCL_RUNTIME_CONNECT once]
     require_nccl()
     if not hasattr(_C, "NcclComm"):
         raise _C.CudaError(

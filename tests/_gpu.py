@@ -95,3 +95,27 @@ def assert_close_to_mean(out: np.ndarray, ref: np.ndarray, inputs_absmax: np.nda
     bad = np.flatnonzero(err > bound)
     assert bad.size == 0, (f"{what}: {bad.size} elements off the float64 mean, first at {bad[0]}: "
                            f"got {out[bad[0]]!r}, want {ref[bad[0]]!r} (bound {bound[bad[0]]:.3g})")
+
+
+def forced_divisor() -> int:
+    """The divisor of the reduction NCCLAVG_TEST_REDUCTION forces on communicators made in this process
+    (Note [Forcing the reduction in tests] in csrc/cuda/comm_collectives.cpp), or 0 when the average is
+    the plain one. bench/gpu_check.sh reruns the ordering and Work-lifetime tests with sum_divide:2 and
+    premulsum:2, so that on one rank the "average" x/2 differs from its input and a missing order shows."""
+    import os
+
+    value = os.environ.get("NCCLAVG_TEST_REDUCTION", "")
+    if not value:
+        return 0
+    from ncclavg import _C
+
+    kind, divisor = _C.nccl_parse_test_reduction(value)
+    return int(divisor)   # 0 for a kind without one: the size, the plain average
+
+
+def expected_average(values, size: int) -> float:
+    """What an averaging collective over ranks holding `values` gives under the forced reduction: the
+    sum divided by its divisor (exact for the small integers and powers of two the tests use), else the
+    mean over `size` ranks."""
+    d = forced_divisor()
+    return sum(values) / (d or size)

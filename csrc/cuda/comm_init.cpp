@@ -65,27 +65,28 @@ namespace nccl {
 // NCCL >= 2.22 connects an algorithm's peers lazily, at its first collective (NCCL_RUNTIME_CONNECT=1,
 // the default), and in blocking mode that happens inside the collective's blocking ncclGroupEnd, which
 // waits for the peers with no limit while holding mu_ (which abort() needs too): a peer that dies
-// between init and the first collective would hang that call for good. So before its first init,
-// ncclavg sets NCCL_RUNTIME_CONNECT=0 when the variable is unset and blocking collectives are asked for:
-// every connection is then made during the init and the split, which run under the init's deadline and
-// can be aborted. The cost is memory: all algorithms' buffers are set up at init (the non-blocking
-// parent's too), whether or not a collective uses them. NCCL reads the variable once per process, at
-// its first communicator: when torch (or anything) made one before ncclavg's first init, or the user
-// set NCCL_RUNTIME_CONNECT=1, connections stay lazy, and collective_mode_reason says so.
+// between init and the first collective would hang that call for good. So ncclavg sets
+// NCCL_RUNTIME_CONNECT=0 when the variable is unset and blocking collectives are asked for: every
+// connection is then made during the init and the split, which run under the init's deadline and can be
+// aborted. The cost is memory: all algorithms' buffers are set up at init (the non-blocking parent's
+// too), whether or not a collective uses them. NCCL reads the variable once per process, at its first
+// communicator: when torch (or anything) made one before ncclavg's first init, or the user set
+// NCCL_RUNTIME_CONNECT=1, connections stay lazy, and collective_mode_reason says so. The variable is set
+// in Python, once per process, when ncclavg.comm is imported (Note [Setting NCCL_RUNTIME_CONNECT once] in
+// ncclavg/_ext.py), never here: an init may run on any thread, and setenv while another thread reads
+// the environment (NCCL's and torch's threads do) is undefined behaviour.
 
 namespace {
 
 constexpr const char* kModeEnv = "NCCLAVG_NCCL_COLLECTIVES";
 
 // True unless NCCLAVG_NCCL_COLLECTIVES=nonblocking; any other value than blocking/nonblocking is an error.
-// Blocking: See Note [Connections inside the bounded init] for the NCCL_RUNTIME_CONNECT default set here.
+// Reads the environment only: See Note [Connections inside the bounded init] for where the
+// NCCL_RUNTIME_CONNECT default of blocking collectives is set.
 bool blocking_requested() {
   const char* env = std::getenv(kModeEnv);
   const std::string v = env ? env : "";
-  if (v.empty() || v == "blocking") {
-    setenv("NCCL_RUNTIME_CONNECT", "0", /*overwrite=*/0);
-    return true;
-  }
+  if (v.empty() || v == "blocking") return true;
   if (v == "nonblocking") return false;
   detail::fail<ArgError>(__FILE__, __LINE__, "environment variable ", kModeEnv,
                          ": must be 'blocking' or 'nonblocking' (See Note [Blocking collectives after a bounded "

@@ -14,11 +14,17 @@ What it may import: the core (`ncclavg.ops`, `buffers`, `_ext`, `errors`, ...) a
 `ncclavg.train` or `ncclavg.bench`.
 Where to start reading: base.py's `Communicator`, then local.py, the simplest backend.
 """
-from .base import CompletedWork, Communicator, Work, default_timeout, register_backend
-from .dist import end_process
-from .gloo import GlooCommunicator
-from .local import LocalCommunicator
-from .nccl import NcclCommunicator
+from .._ext import default_nccl_runtime_connect
+
+# First, before anything here can make an NCCL communicator: See Note [Setting NCCL_RUNTIME_CONNECT once]
+# in ncclavg/_ext.py.
+default_nccl_runtime_connect()
+
+from .base import CompletedWork, Communicator, Work, default_timeout, register_backend  # noqa: E402
+from .dist import end_process  # noqa: E402
+from .gloo import GlooCommunicator  # noqa: E402
+from .local import LocalCommunicator  # noqa: E402
+from .nccl import NcclCommunicator  # noqa: E402
 
 # See Note [Backend table] in base.py.
 for _cls in (LocalCommunicator, GlooCommunicator, NcclCommunicator):

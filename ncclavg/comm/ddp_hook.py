@@ -8,7 +8,9 @@ DDP constructor: every rank registers at the same point), with a host channel of
 channel per group] in backend_setup.py). A CPU bucket is then one
 job on that group's lane (backend_lane.py): every step of it, compression included, runs on the lane's
 thread while backward goes on, and its torch future holds the bucket's one tensor, as DDP requires. A
-CUDA bucket goes through DDP's own group (NCCL), stream-ordered, the future completing after the last step.
+CUDA bucket goes through the same `ncclavg` group, whose CUDA half is NCCL (Note [A ProcessGroup, not a
+Backend] in torch_backend.py), stream-ordered, the future completing after the last step: never through
+DDP's own group, which may be gloo (no ReduceOp.AVG there, and no fast path for CUDA tensors).
 
 Note [Low-precision wire with fp32 accumulation]
 wire="bfloat16" or "float16" sends the bucket in that dtype but adds in float32. Through one host's
@@ -120,7 +122,8 @@ def _sum_by_shards(low: torch.Tensor, world: int, all_to_all: Any, all_gather: A
 
 
 def _cuda_average(state: HookState, buf: torch.Tensor) -> torch.futures.Future:
-    group, world = state.group, state.size
+    # The engine, not DDP's group: See Note [The DDP hook's engine].
+    group, world = state.engine, state.size
     flat = buf.view(-1)
     wire = state.wire
     if wire is None or wire == buf.dtype:

@@ -272,6 +272,11 @@ class GpuOffloadEngine:
 
     def load_master_state(self, state: dict) -> None:
         check_master_state(state, self.plan)
+        # The last step's H2D copies (non-blocking, on the copy streams) may still be reading the pinned
+        # host_params that copy_out overwrites below: the towers' current streams waited for them, the host
+        # did not. So the host waits for every copy stream first.
+        for cs in self.copy_streams:
+            cs.synchronize()
         self.master.load_state_dict(state)
         for b in range(len(self.plan.buckets)):
             numel = self.plan.buckets[b].numel

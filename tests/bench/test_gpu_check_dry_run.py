@@ -1,13 +1,12 @@
 """bench/gpu_check.sh --dry-run walks every step of the GPU check without a GPU, in the GPU run's two
 calls (--part core, then --part extra) and their order: the CUDA build (when a toolkit is here) into a
-scratch folder, import + info of that build, the GPU tests collected and run (they skip), gpu_bench.py
---dry-run (JSON marked dry_run), the trainer and the sweep on CPU towers, the sanitizer driver on CPU
-tensors and the refusal detector, and a wheel that reuses the build's objects. $OUT is left as a GPU
-machine sends it back: the summary, the benchmarks' files and one archive of the logs. The fast tests of
-the same machinery are test_gpu_check_script.py and test_gpu_check_summary.py."""
+scratch folder, import + info of that build, the GPU tests collected and run one process per file (they
+skip) and the forced-reduction reruns, gpu_bench.py --dry-run (JSON marked dry_run), the trainer on CPU
+towers, the sanitizer driver on CPU tensors and the refusal detector. $OUT is left as a GPU machine sends
+it back: the summary, the benchmarks' files and one archive of the logs. The fast tests of the same
+machinery are test_gpu_check_script.py, test_gpu_check_files.py and test_gpu_check_summary.py."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import shutil
@@ -18,10 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from _paths import ROOT
+from _paths import ROOT, load_script
 
-PARTS = {"core": ["build", "info", "tests", "bench"],
-         "extra": ["build", "info", "trainer", "sweep", "sanitizer", "wheel"]}
+PARTS = {"core": ["build", "info", "tests", "forced", "bench"],
+         "extra": ["build", "info", "trainer", "sanitizer"]}
 
 
 def toolkit_present() -> bool:
@@ -64,25 +63,27 @@ def test_gpu_check_dry_run_walks_both_calls(tmp_path):
     bench = json.loads((out / "gpu_bench.json").read_text())
     assert bench["header"]["dry_run"] is True
     assert set(bench["sections"]) == {"copy", "average", "pack", "allreduce", "pinned"}
-    ids = [c["id"] for c in doc["tests"]["cases"]]   # per-test outcomes, from the junit XML
+    ids = [c["id"] for c in doc["tests"]["cases"]]   # per-test outcomes, from the junit XML of each process
     assert any(i.startswith("tests/comm/test_gpu_nccl.py::") for i in ids)
     assert any(i.startswith("tests/test_gpu_average.py::") for i in ids)
+    for reduction in ("sum_divide:2", "premulsum:2"):   # the forced reruns, labelled
+        assert f"tests/comm/test_gpu_nccl.py::test_ordering_after_the_callers_stream_and_before_the_readers " \
+               f"[NCCLAVG_TEST_REDUCTION={reduction}]" in ids
     assert doc["tests"]["counts"]["total"] == len(ids) and doc["tests"]["counts"]["failed"] == 0
-    assert names == {f"logs/{s}.log" for s in PARTS["core"]} | {"steps.tsv", "pytest-gpu.xml"}
+    files = load_script(ROOT / "bench" / "gpu_check_files.py", "gpu_check_files")
+    groups = [g["name"] for g in files.groups("tests") + files.groups("forced")]
+    assert names == ({f"logs/{s}.log" for s in PARTS["core"]} | {"steps.tsv"} | {f"junit/{g}.xml" for g in groups}
+                     | {f"junit/{g}.jsonl" for g in groups})
+    assert "nccl_init: not run in a dry run" in log["info"]
     if toolkit_present():
         assert "cuda_built True" in log["info"] and "NcclComm True" in log["info"], log["info"]
 
     # the extra call: no tests, so no count of skipped ones
     stdout, out, doc, names, log = dry_run(tmp_path, "extra")
     assert stdout.rstrip().splitlines()[-1] == "  RESULT: all steps passed" and "tests" not in doc
-    plot = importlib.util.find_spec("matplotlib") is not None
-    want = {"gpu_check.json", "logs.tar.gz", "trainer_cpu.json", "bench-local.json"}
-    assert {p.name for p in out.iterdir()} == want | ({"bench-local.png"} if plot else set())
-    sweep = json.loads((out / "bench-local.json").read_text())
-    assert sweep["rows"] and all(row["wrong"] == 0 for row in sweep["rows"])
+    assert {p.name for p in out.iterdir()} == {"gpu_check.json", "logs.tar.gz", "trainer_cpu.json"}
     assert json.loads((out / "trainer_cpu.json").read_text())
     assert names == {f"logs/{s}.log" for s in PARTS["extra"]} | {"steps.tsv"}
-    assert "missing from the wheel: nothing" in log["wheel"]
     assert "not supported here" in log["sanitizer"] and ", 0 wrong" in log["sanitizer"]
 
 

@@ -280,3 +280,41 @@ def test_skipped_gpu_tests_are_counted_with_their_reasons(gc):
     assert gc.verdict(steps(("build", "pass")), tests=none) == (True, "all steps passed")
     ok, text = gc.verdict(steps(("tests", "fail")), tests=tests)
     assert not ok and text.startswith("FAILED: tests; 5 GPU tests skipped (3: needs NCCL")
+
+
+def test_outcomes_of_every_pytest_process_are_merged_and_the_nccl_init_picked_out(gc, tmp_path):
+    keep = _keep(tmp_path, "info\tpass\t0\t3\t30\t\ntests\tpass\t0\t50\t140\t\n")
+    (keep / "pytest-gpu.xml").unlink()
+    (keep / "junit").mkdir()
+    for name, outcome in (("a", ""), ("b", '<skipped message="needs 2 CUDA devices"/>')):
+        (keep / "junit" / f"tests_test_{name}.xml").write_text(
+            f'<testsuites><testsuite><testcase classname="tests.test_{name}" name="test_x" file="tests/test_{name}.py">'
+            f'{outcome}</testcase></testsuite></testsuites>')
+    (keep / "logs" / "info.log").write_text(
+        "NCCL            2.28.9 (libnccl.so.2)\n"
+        "h200:1:1 [0] NCCL INFO cudaDriverVersion 13000\n"
+        "h200:1:1 [0] NCCL INFO NCCL_RUNTIME_CONNECT set by environment to 0\n"
+        "h200:1:1 [0] NCCL INFO CUMEM support enabled\n"
+        "h200:1:1 [0] NCCL INFO cuMem host allocations enabled\n"
+        "nccl_init: done; collective_mode blocking | ncclCommSplit (config.blocking = 1) ...\n")
+    out = tmp_path / "out"
+    out.mkdir()
+    assert gc.finish(out, keep, dry=False, seconds=60, budget=345) == 0
+    doc = json.loads((out / "gpu_check.json").read_text())
+    assert doc["tests"]["counts"] == {"passed": 1, "failed": 0, "error": 0, "skipped": 1, "total": 2}
+    assert [c["id"] for c in doc["tests"]["cases"]] == ["tests/test_a.py::test_x", "tests/test_b.py::test_x"]
+    assert doc["result"] == "all steps passed; 1 GPU tests skipped (1: needs 2 CUDA devices)"
+    init = doc["nccl_init"]
+    assert init["runtime connect"] == ["NCCL_RUNTIME_CONNECT set by environment to 0"]
+    assert init["cuMem"] == ["CUMEM support enabled"] and init["cuMem host"] == ["cuMem host allocations enabled"]
+    assert init["directMode"] == "not printed"   # said, never guessed
+    assert init["result"].startswith("done; collective_mode blocking")
+    with tarfile.open(out / "logs.tar.gz") as tar:
+        assert {"junit/tests_test_a.xml", "junit/tests_test_b.xml"} <= set(tar.getnames())
+
+
+def test_a_dry_run_names_no_nccl_mode(gc):
+    text = "NCCL            2.28.9 (libnccl.so.2)\nnccl_init: not run in a dry run (would run: ...)\n"
+    assert gc._init_facts(text) == {"result": "not run in a dry run (would run: ...)"}
+    assert gc._info_facts(text)["nccl"].startswith("2.28.9")   # the init's own line is not the NCCL version
+    assert gc._init_facts("nothing here\n") == {}
