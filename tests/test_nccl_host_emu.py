@@ -1,0 +1,142 @@
+"""The NCCL host logic (NcclComm: csrc/cuda/comm*.cpp, nccl_api.cpp) run on the CPU, over the emulated
+CUDA runtime and the stand-in NCCL of csrc/cuda/emu (docs/cuda_emulation.md, "The host logic on the CPU").
+
+Each case runs one scenario of the harness in its own process, with the faults of the stand-in chosen by
+environment variables. The harness is built from the csrc/ of THIS checkout with ASan + UBSan, into the
+pytest cache; the stand-in once per NCCL feature set (Note [Stand-in feature sets] in build_host.py).
+No GPU and no ncclavg._C needed: only g++ and the CUDA headers.
+"""
+import pytest
+
+from _paths import ROOT, load_script
+
+EMU = ROOT / "csrc" / "cuda" / "emu"
+build_host = load_script(EMU / "build_host.py", "ncclavg_build_host")
+
+
+def _skip_reason():
+    if build_host.build_emu.find_cxx() is None:
+        return "no g++ on PATH: the host-logic harness is compiled with g++"
+    inc, why = build_host.build_emu.find_cuda_include()
+    return None if inc is not None else f"no CUDA headers ({why}); set CUDA_HOME to a CUDA toolkit"
+
+
+pytestmark = pytest.mark.skipif(_skip_reason() is not None, reason=_skip_reason() or "")
+
+NONBLOCKING = {"NCCLAVG_NCCL_COLLECTIVES": "nonblocking"}
+# (scenario, extra environment): every scenario of the harness at least once (see
+# test_every_scenario_runs). The faults are the stand-in's NCCLEMU_* variables (nccl_standin.h).
+CASES = {
+    "init_all_properties": ("init_all_properties", {}),
+    "init_all_properties-nonblocking": ("init_all_properties", NONBLOCKING),
+    "init_arguments": ("init_arguments", {}),
+    "bad_collective_mode": ("bad_collective_mode_names_the_variable", {}),
+    "init_rank_threads": ("init_rank_threads", {}),
+    "init_ranks_processes_2_2": ("init_ranks_processes_2_2", {}),
+    "init_ranks_processes_1_2": ("init_ranks_processes_1_2", {}),
+    "init_peer_never_starts": ("init_peer_never_starts", {}),
+    "init_slow_is_polled": ("init_slow_is_polled", {"NCCLEMU_INIT_DELAY_S": "0.3"}),
+    "split_fails": ("split_failure_is_an_error", {"NCCLEMU_SPLIT": "fail"}),
+    "split_gives_no_comm": ("split_failure_is_an_error", {"NCCLEMU_SPLIT": "null"}),
+    "all_reduce_reductions": ("all_reduce_reductions", {}),
+    "all_reduce_reductions-nonblocking": ("all_reduce_reductions", NONBLOCKING),
+    "forced-avg": ("all_reduce_reductions", {"NCCLAVG_TEST_REDUCTION": "avg"}),
+    "forced-premulsum:3": ("all_reduce_reductions", {"NCCLAVG_TEST_REDUCTION": "premulsum:3"}),
+    "forced-sum_divide:3": ("all_reduce_reductions", {"NCCLAVG_TEST_REDUCTION": "sum_divide:3"}),
+    "reduce_scatter_and_all_gather": ("reduce_scatter_and_all_gather", {}),
+    "reduce_scatter_and_all_gather-nonblocking": ("reduce_scatter_and_all_gather", NONBLOCKING),
+    "ordering": ("ordering_after_the_callers_stream_and_before_the_readers", {}),
+    "ordering-nonblocking": ("ordering_after_the_callers_stream_and_before_the_readers", NONBLOCKING),
+    "bad_input": ("bad_input_names_the_argument_and_keeps_the_comm_usable", {}),
+    "several_threads": ("collectives_from_several_threads", {}),
+    "error_at_the_call": ("enqueue_error_is_reported_and_the_comm_stays_usable", {"NCCLEMU_FAIL_CALL": "1"}),
+    "error_at_group_end": ("enqueue_error_is_reported_and_the_comm_stays_usable", {"NCCLEMU_FAIL_GROUPEND": "1"}),
+    "wait_done_pending": ("wait_done_pending", {"NCCLEMU_SLOW_COLLECTIVE_S": "0.3"}),
+    "abort": ("abort_then_every_call_says_so", {}),
+    "destroy": ("destroy_and_refuse", {"NCCLEMU_SLOW_COLLECTIVE_S": "0.1"}),
+    "peer_hangs": ("timeout_when_a_peer_hangs", {"NCCLEMU_HANG": "1:1"}),
+    "peer_hangs-nonblocking": ("timeout_when_a_peer_hangs", {"NCCLEMU_HANG": "1:1", **NONBLOCKING}),
+    "peer_skips": ("timeout_when_a_peer_skips_the_collective", {}),
+    "async_error": ("async_error_aborts", {"NCCLEMU_ASYNC_ERROR_AFTER_S": "0.1:0", "NCCLEMU_SLOW_COLLECTIVE_S": "1"}),
+    "abort_ends_a_wait": ("abort_from_another_thread_ends_a_wait", {}),
+}
+# The scenarios that take every version gate: run against each stand-in feature set.
+VERSIONED = ("init_all_properties", "all_reduce_reductions", "init_peer_never_starts", "peer_hangs", "wait_done_pending",
+             "reduce_scatter_and_all_gather")
+
+
+@pytest.fixture(scope="module")
+def cache(request, tmp_path_factory):
+    c = getattr(request.config, "cache", None)
+    return c.mkdir("nccl_host_emu") if c is not None else tmp_path_factory.mktemp("nccl_host_emu")
+
+
+_built = {}
+
+
+def _harness(cache, api=build_host.DEFAULT_API, sanitize="address", mutations=None):
+    key = (api, sanitize, repr(mutations))
+    if key not in _built:
+        _built[key] = build_host.build(ROOT, cache, sanitize=sanitize, api=api, mutations=mutations, jobs=2)
+    return _built[key]
+
+
+def _run(cache, scenario, env, api=build_host.DEFAULT_API, sanitize="address", mutations=None):
+    exe, lib = _harness(cache, api, sanitize, mutations)
+    return build_host.run(exe, lib, scenario, env=env, sanitize=sanitize)
+
+
+def _report(r):
+    return f"rc={r.returncode}\n--- stdout\n{r.stdout[-6000:]}\n--- stderr\n{r.stderr[-6000:]}"
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_host_logic(cache, case):
+    scenario, env = CASES[case]
+    r = _run(cache, scenario, env)
+    assert r.returncode == 0 and f"PASS {scenario}" in r.stdout, _report(r)
+
+
+@pytest.mark.parametrize("api", [a for a in build_host.API_LEVELS if a != build_host.DEFAULT_API])
+@pytest.mark.parametrize("case", VERSIONED)
+def test_host_logic_on_each_nccl_feature_set(cache, case, api):
+    scenario, env = CASES[case]
+    r = _run(cache, scenario, env, api=api)
+    assert r.returncode == 0 and f"PASS {scenario}" in r.stdout, _report(r)
+
+
+def test_every_scenario_runs(cache):
+    exe, _ = _harness(cache)
+    listed = set(build_host.scenarios(exe))
+    run = {s for s, _ in CASES.values()} | {s for s, _ in PLANTED_SCENARIOS}
+    assert listed <= run, f"scenarios no test runs: {sorted(listed - run)}"
+    assert run <= listed, f"scenarios the harness lacks: {sorted(run - listed)}"
+
+
+# Planted defects: (source relative to csrc/, old text, new text, scenario, env, what the run must show).
+PLANTED = {
+    # the timeout path that raises without aborting: the peers' kernels would stay stuck
+    "timeout_without_abort": ("cuda/comm.cpp", "        abort_locked(reason);\n        throw TimeoutError(",
+                              "        throw TimeoutError(", "timeout_when_a_peer_hangs", {"NCCLEMU_HANG": "1:1"},
+                              "the timeout path did not abort"),
+    # a non-blocking group end whose ncclInProgress is not polled: the done event is recorded before NCCL
+    # enqueued the collective, so wait() returns early and the data are wrong (or NCCL is called in progress)
+    "group_end_not_polled": ("cuda/comm_collectives.cpp", "if (in_progress) poll_ready_locked(deadline, p.what + \" (enqueue)\");",
+                             "", "all_reduce_reductions", NONBLOCKING, "FAIL all_reduce_reductions"),
+    # the comm stream not ordered after the caller's stream: the collective reads the input too early
+    "no_ordering_event": ("cuda/comm_collectives.cpp", "NCCLAVG_CUDA_CHECK(cudaStreamWaitEvent(d.stream, d.ready, 0));", "",
+                          "ordering_after_the_callers_stream_and_before_the_readers", {}, "the reader's copy"),
+    # an init whose ncclInProgress is not polled: the communicators are used before they exist
+    "init_not_polled": ("cuda/comm_init.cpp", "if (nonblocking_init) poll_ready_locked(deadline, what);", "",
+                        "init_slow_is_polled", {"NCCLEMU_INIT_DELAY_S": "0.3"}, "FAIL init_slow_is_polled"),
+}
+PLANTED_SCENARIOS = [(v[3], v[4]) for v in PLANTED.values()]
+QUICK_PLANTED = ("timeout_without_abort",)
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=() if n in QUICK_PLANTED else pytest.mark.slow)
+                                  for n in sorted(PLANTED)])
+def test_a_planted_defect_fails_the_host_logic(cache, name):
+    path, old, new, scenario, env, shows = PLANTED[name]
+    r = _run(cache, scenario, env, mutations={path: [(old, new)]})
+    assert r.returncode != 0 and shows in r.stdout + r.stderr, _report(r)
