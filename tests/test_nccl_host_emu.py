@@ -24,6 +24,8 @@ def _skip_reason():
 pytestmark = pytest.mark.skipif(_skip_reason() is not None, reason=_skip_reason() or "")
 
 NONBLOCKING = {"NCCLAVG_NCCL_COLLECTIVES": "nonblocking"}
+# rank 1 freezes in its first collective, and an abort waits until every peer closed (NCCL's proxy join)
+FROZEN_PEER_HOLDS_ABORT = {"NCCLEMU_ABORT_BLOCKS": "1", "NCCLEMU_HANG": "1:1"}
 # (scenario, extra environment): every scenario of the harness at least once (see
 # test_every_scenario_runs). The faults are the stand-in's NCCLEMU_* variables (nccl_standin.h).
 CASES = {
@@ -59,6 +61,16 @@ CASES = {
     "peer_skips": ("timeout_when_a_peer_skips_the_collective", {}),
     "async_error": ("async_error_aborts", {"NCCLEMU_ASYNC_ERROR_AFTER_S": "0.1:0", "NCCLEMU_SLOW_COLLECTIVE_S": "1"}),
     "abort_ends_a_wait": ("abort_from_another_thread_ends_a_wait", {}),
+    # the teardown and threading cases of csrc/cuda/emu/host_faults.cpp
+    "abort_held_by_a_frozen_peer": ("abort_held_by_a_frozen_peer_is_bounded", FROZEN_PEER_HOLDS_ABORT),
+    "capture_elsewhere": ("capture_in_another_thread_survives_the_watchdog", {"NCCLEMU_SLOW_COLLECTIVE_S": "0.2"}),
+    "no_context_on_gpu0": ("no_context_on_a_device_the_comm_does_not_use", {}),
+    "sticky_cuda_error": ("sticky_cuda_error_aborts", {"NCCLEMU_SLOW_COLLECTIVE_S": "0.3"}),
+    "destroy_vs_enqueue": ("destroy_refuses_collectives_enqueued_meanwhile", {"NCCLEMU_SLOW_COLLECTIVE_S": "0.005"}),
+}
+# waits kTeardownWaitMaxS (10 s) by design: with the slow tests
+SLOW_CASES = {
+    "destructor_wait_is_bounded": ("destructor_wait_is_bounded", {"NCCLEMU_HANG": "1:1"}),
 }
 # The scenarios that take every version gate: run against each stand-in feature set.
 VERSIONED = ("init_all_properties", "all_reduce_reductions", "init_peer_never_starts", "peer_hangs", "wait_done_pending",
@@ -90,9 +102,9 @@ def _report(r):
     return f"rc={r.returncode}\n--- stdout\n{r.stdout[-6000:]}\n--- stderr\n{r.stderr[-6000:]}"
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("case", sorted(CASES) + [pytest.param(c, marks=pytest.mark.slow) for c in sorted(SLOW_CASES)])
 def test_host_logic(cache, case):
-    scenario, env = CASES[case]
+    scenario, env = {**CASES, **SLOW_CASES}[case]
     r = _run(cache, scenario, env)
     assert r.returncode == 0 and f"PASS {scenario}" in r.stdout, _report(r)
 
@@ -108,7 +120,7 @@ def test_host_logic_on_each_nccl_feature_set(cache, case, api):
 def test_every_scenario_runs(cache):
     exe, _ = _harness(cache)
     listed = set(build_host.scenarios(exe))
-    run = {s for s, _ in CASES.values()} | {s for s, _ in PLANTED_SCENARIOS}
+    run = {s for s, _ in [*CASES.values(), *SLOW_CASES.values(), *PLANTED_SCENARIOS]}
     assert listed <= run, f"scenarios no test runs: {sorted(listed - run)}"
     assert run <= listed, f"scenarios the harness lacks: {sorted(run - listed)}"
 
@@ -129,9 +141,37 @@ PLANTED = {
     # an init whose ncclInProgress is not polled: the communicators are used before they exist
     "init_not_polled": ("cuda/comm_init.cpp", "if (nonblocking_init) poll_ready_locked(deadline, what);", "",
                         "init_slow_is_polled", {"NCCLEMU_INIT_DELAY_S": "0.3"}, "FAIL init_slow_is_polled"),
+    # the abort run under mu_ (joined at once): a frozen peer holds it, the timeout is never raised
+    "abort_under_the_lock": ("cuda/comm.cpp", "  }).detach();\n}", "  }).join();\n}",
+                             "abort_held_by_a_frozen_peer_is_bounded", FROZEN_PEER_HOLDS_ABORT,
+                             "FAIL abort_held_by_a_frozen_peer_is_bounded"),
+    # event queries in the caller's (global) capture mode: another thread's capture is invalidated
+    "queries_break_a_capture": ("cuda/comm.cpp", "  RelaxedCapture relaxed;\n", "",
+                                "capture_in_another_thread_survives_the_watchdog", {"NCCLEMU_SLOW_COLLECTIVE_S": "0.2"},
+                                "the watchdog failed during another thread's capture"),
+    # a capturing stream accepted: the collective becomes graph nodes no host wait can see
+    "capturing_stream_accepted": ("cuda/comm_collectives.cpp", "  check_not_capturing(after);", "",
+                                  "capture_in_another_thread_survives_the_watchdog",
+                                  {"NCCLEMU_SLOW_COLLECTIVE_S": "0.2"}, "did not throw"),
+    # the destructor waits the communicator's full timeout (600 s) for a dead peer
+    "destructor_waits_the_timeout": ("cuda/comm.cpp", "destroy_within(std::min(timeout_s_, kTeardownWaitMaxS));",
+                                     "destroy_within(timeout_s_);", "destructor_wait_is_bounded", {"NCCLEMU_HANG": "1:1"},
+                                     "FAIL destructor_wait_is_bounded"),
+    # pending() queries events with no device guard: a context on cuda:0 from a fresh thread
+    "pending_without_guard": ("cuda/comm.cpp", "    cuda::DeviceGuard guard(devices_[0]);  // See Note [Device guard "
+                              "without a current context]\n    prune_locked();\n    return ops_.size();",
+                              "    prune_locked();\n    return ops_.size();", "no_context_on_a_device_the_comm_does_not_use",
+                              {}, "pending made a context on cuda:0"),
+    # a sticky CUDA error raised without aborting: destroy() later flushes NCCL on a broken context
+    "sticky_error_without_abort": ("cuda/comm.cpp", "        abort_locked(reason);\n        detail::fail<CudaError>",
+                                   "        detail::fail<CudaError>", "sticky_cuda_error_aborts",
+                                   {"NCCLEMU_SLOW_COLLECTIVE_S": "0.3"}, "left the communicator usable"),
+    # destroy() that does not refuse new collectives first: one enqueued meanwhile is destroyed in flight
+    "destroy_without_closing": ("cuda/comm.cpp", "    closing_ = true;", "", "destroy_refuses_collectives_enqueued_meanwhile",
+                                {"NCCLEMU_SLOW_COLLECTIVE_S": "0.005"}, "FAIL destroy_refuses_collectives_enqueued_meanwhile"),
 }
 PLANTED_SCENARIOS = [(v[3], v[4]) for v in PLANTED.values()]
-QUICK_PLANTED = ("timeout_without_abort",)
+QUICK_PLANTED = ("timeout_without_abort", "sticky_error_without_abort")
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=() if n in QUICK_PLANTED else pytest.mark.slow)

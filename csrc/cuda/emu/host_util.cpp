@@ -42,11 +42,12 @@ void fail_now(const std::string& why) {
 Registration::Registration(const char* name, Scenario s, double budget_s) { registry()[name] = Entry{s, budget_s}; }
 
 DeviceMemory::DeviceMemory(int device, size_t numel, DType dtype) : numel_(numel), dtype_(dtype), device_(device) {
+  const bool had = ncclavg_emu::has_context();  // restore only a device the thread chose: no context on 0
   int prev = 0;
   cudaGetDevice(&prev);
   cudaSetDevice(device);
   if (cudaMalloc(&p_, numel * ncclavg::dtype_size(dtype)) != cudaSuccess) fail("cudaMalloc failed");
-  cudaSetDevice(prev);
+  if (had) cudaSetDevice(prev);
   for (size_t i = 0; i < numel; ++i) set(i, 0.0f);
 }
 
