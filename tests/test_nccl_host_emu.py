@@ -128,8 +128,8 @@ def test_every_scenario_runs(cache):
 # Planted defects: (source relative to csrc/, old text, new text, scenario, env, what the run must show).
 PLANTED = {
     # the timeout path that raises without aborting: the peers' kernels would stay stuck
-    "timeout_without_abort": ("cuda/comm.cpp", "        abort_locked(reason);\n        throw TimeoutError(",
-                              "        throw TimeoutError(", "timeout_when_a_peer_hangs", {"NCCLEMU_HANG": "1:1"},
+    "timeout_without_abort": ("cuda/comm.cpp", "          abort_locked(reason);\n          throw TimeoutError(",
+                              "          throw TimeoutError(", "timeout_when_a_peer_hangs", {"NCCLEMU_HANG": "1:1"},
                               "the timeout path did not abort"),
     # a non-blocking group end whose ncclInProgress is not polled: the done event is recorded before NCCL
     # enqueued the collective, so wait() returns early and the data are wrong (or NCCL is called in progress)

@@ -16,7 +16,9 @@ namespace nccl {
 // mutex while sleeping, (1) the per-device done events of the collectives still in flight and
 // (2) ncclCommGetAsyncError of every local communicator. An async error aborts every local
 // communicator and raises NcclError with NCCL's words; the deadline aborts and raises TimeoutError
-// naming the oldest unfinished collective, its bytes, ranks and devices. Either way the object is
+// naming the oldest unfinished collective, its bytes, ranks and devices; a CUDA error other than
+// "not ready" from a done event (a sticky error: a faulting kernel, a lost device) aborts and raises
+// CudaError, since NCCL must not flush communicators on a broken context later. Each way the object is
 // marked aborted and every later call raises NcclError("communicator was aborted after ...").
 // Completed collectives are dropped from the front of the in-flight queue: each comm stream runs in
 // order, so completion is always a prefix of the queue.
