@@ -180,3 +180,29 @@ def test_a_planted_defect_fails_the_host_logic(cache, name):
     path, old, new, scenario, env, shows = PLANTED[name]
     r = _run(cache, scenario, env, mutations={path: [(old, new)]})
     assert r.returncode != 0 and shows in r.stdout + r.stderr, _report(r)
+
+
+# ThreadSanitizer over the mu_ / wait / abort threading: the scenarios where several threads meet on one
+# communicator (or a helper thread aborts it), in a build with -fsanitize=thread (the stand-in and the
+# emulated runtime are built with it too, so their threads count).
+TSAN_CASES = ("several_threads", "abort_ends_a_wait", "abort_held_by_a_frozen_peer", "destroy_vs_enqueue", "peer_hangs",
+              "peer_hangs-nonblocking", "sticky_cuda_error", "async_error", "capture_elsewhere", "wait_done_pending",
+              "all_reduce_reductions-nonblocking", "init_rank_threads", "no_context_on_gpu0", "peer_skips")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", TSAN_CASES)
+def test_host_logic_under_thread_sanitizer(cache, case):
+    scenario, env = CASES[case]
+    r = _run(cache, scenario, env, sanitize="thread")
+    assert r.returncode == 0 and f"PASS {scenario}" in r.stdout and "ThreadSanitizer" not in r.stderr, _report(r)
+
+
+@pytest.mark.slow
+def test_a_planted_race_fails_the_thread_sanitizer(cache):
+    # aborted() read without mu_ while a timeout aborts on another thread: a data race TSan must report
+    lockless = {"cuda/comm.cpp": [("bool NcclComm::aborted() const {\n  std::lock_guard<std::mutex> lock(mu_);\n",
+                                   "bool NcclComm::aborted() const {\n")]}
+    scenario, env = CASES["abort_held_by_a_frozen_peer"]
+    r = _run(cache, scenario, env, sanitize="thread", mutations=lockless)
+    assert r.returncode != 0 and "ThreadSanitizer: data race" in r.stderr and "NcclComm::aborted" in r.stderr, _report(r)

@@ -46,7 +46,8 @@ namespace nccl {
 // aborts them in the order of Note [Blocking collectives after a bounded init]. The caller waits for
 // that thread without mu_ (await_abort), at most abort_join_s() = min(timeout, kAbortJoinMaxS); if it
 // has not returned by then, the error says so and the thread goes on in the background (the object
-// touches none of those handles again, and the thread keeps what it needs alive itself).
+// touches none of those handles again, and the thread keeps what it needs alive itself); until it
+// returns, NCCL may still touch the buffers of the collectives that were in flight.
 
 // Note [Event queries during a capture]
 // cudaEventQuery is one of the calls CUDA forbids while a stream capture is in progress in global mode
@@ -405,7 +406,8 @@ std::string NcclComm::await_abort() {
   }
   std::ostringstream os;
   os << "; ncclCommAbort had not returned after " << bound << " s (NCCL may be waiting for a peer that keeps its "
-     << "connections open, See Note [Abort on a helper thread]) and goes on in the background";
+     << "connections open, See Note [Abort on a helper thread]) and goes on in the background: keep the buffers "
+     << "of the collectives that were in flight alive";
   return os.str();
 }
 

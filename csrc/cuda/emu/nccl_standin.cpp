@@ -369,6 +369,10 @@ NCCLEMU_EXPORT ncclResult_t ncclCommAbort(ncclComm_t c) {
     job.swap(c->job);
   }
   if (job.joinable()) job.join();  // an init or split in flight gives up on the flag
+  // Its collectives in flight see the flag and end; NCCL's abort returns once they have (so the caller
+  // may free their buffers). A frozen one (NCCLEMU_HANG) never ends: bounded, as a lost GPU would be.
+  const double until = now_s() + 300.0;
+  while (c->completed.load() < c->enqueued.load() && now_s() < until) sleep_s(200e-6);
   close_rank(c);
   // Real NCCL's commFree joins its proxy thread, which may wait for peers that hold connections open
   // (Note [Abort on a helper thread] in csrc/cuda/comm.cpp): NCCLEMU_ABORT_BLOCKS shows that.
