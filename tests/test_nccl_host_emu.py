@@ -212,3 +212,11 @@ def test_a_planted_race_fails_the_thread_sanitizer(cache):
     scenario, env = CASES["abort_held_by_a_frozen_peer"]
     r = _run(cache, scenario, env, sanitize="thread", mutations=lockless)
     assert r.returncode != 0 and "ThreadSanitizer: data race" in r.stderr and "NcclComm::aborted" in r.stderr, _report(r)
+
+
+@pytest.mark.slow
+def test_several_ranks_on_one_gpu_with_nccl_2_30(cache):
+    # NCCL >= 2.30 with NCCL_MULTI_RANK_GPU_ENABLE=1 lets a device be listed twice (Note [Several ranks on one
+    # GPU] in csrc/cuda/nccl_api.cpp): init_arguments then builds two ranks on cuda:1 and averages over them.
+    r = _run(cache, "init_arguments", {"NCCL_MULTI_RANK_GPU_ENABLE": "1"}, api=23007)
+    assert r.returncode == 0 and "PASS init_arguments" in r.stdout, _report(r)
