@@ -220,3 +220,9 @@ def test_several_ranks_on_one_gpu_with_nccl_2_30(cache):
     # GPU] in csrc/cuda/nccl_api.cpp): init_arguments then builds two ranks on cuda:1 and averages over them.
     r = _run(cache, "init_arguments", {"NCCL_MULTI_RANK_GPU_ENABLE": "1"}, api=23007)
     assert r.returncode == 0 and "PASS init_arguments" in r.stdout, _report(r)
+
+
+def test_every_communicator_source_is_built_by_the_harness():
+    # a new comm*.cpp (or a rename) must reach the emulated build, or its host logic would run nowhere
+    on_disk = {f"cuda/{p.name}" for p in (ROOT / "csrc" / "cuda").glob("comm*.cpp")} | {"cuda/nccl_api.cpp"}
+    assert on_disk <= set(build_host.PROJECT_SOURCES), sorted(on_disk - set(build_host.PROJECT_SOURCES))
