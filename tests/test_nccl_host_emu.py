@@ -37,6 +37,8 @@ CASES = {
     "init_ranks_processes_2_2": ("init_ranks_processes_2_2", {}),
     "init_ranks_processes_1_2": ("init_ranks_processes_1_2", {}),
     "init_peer_never_starts": ("init_peer_never_starts", {}),
+    "init_never_finishes": ("init_that_never_finishes_times_out", {"NCCLEMU_INIT_HANG": "1"}),
+    "init_never_finishes-nonblocking": ("init_that_never_finishes_times_out", {"NCCLEMU_INIT_HANG": "1", **NONBLOCKING}),
     "init_slow_is_polled": ("init_slow_is_polled", {"NCCLEMU_INIT_DELAY_S": "0.3"}),
     "split_fails": ("split_failure_is_an_error", {"NCCLEMU_SPLIT": "fail"}),
     "split_gives_no_comm": ("split_failure_is_an_error", {"NCCLEMU_SPLIT": "null"}),

@@ -137,6 +137,30 @@ SCENARIO(init_peer_never_starts, 20) {
   if (nccl::api().CommInitRankConfig) EXPECT(stats().aborts == 1, stats().aborts);
 }
 
+// NCCLEMU_INIT_HANG=1: rank 1 joins, then its init never finishes. Its own bounded init times out; rank 0
+// finishes its init, and its split to blocking communicators (which needs rank 1) times out under the
+// same deadline (Note [Blocking collectives after a bounded init]); without a split rank 0 is ready.
+SCENARIO(init_that_never_finishes_times_out, 20) {
+  if (!nccl::api().CommInitRankConfig) {
+    info("skip: a blocking init cannot time out with NCCL " + nccl::version_string(nccl::load_info().version));
+    return;
+  }
+  const std::string uid = unique_id();
+  const bool splits = expected_mode() == "blocking";
+  run_threads(2, [&](int r) {
+    if (r == 1 || splits) {
+      const std::string m = throws<TimeoutError>(HERE, {"did not complete within 0.5 s"},
+                                                 [&] { NcclComm::init_rank(uid, 2, r, r, 0.5); });
+      if (r == 1) EXPECT(m.find("NCCL init of rank 1 of 2") != std::string::npos, m);
+      if (r == 0) EXPECT(m.find("ncclCommSplit") != std::string::npos, m);
+    } else {
+      auto c = NcclComm::init_rank(uid, 2, r, r, 0.5);
+      EXPECT(c->size() == 2);
+      c->abort();
+    }
+  });
+}
+
 // An init that takes a while (NCCLEMU_INIT_DELAY_S) is polled to its end: ncclInProgress is not an error.
 SCENARIO(init_slow_is_polled, 20) {
   auto c = NcclComm::init_all({0, 1}, 10.0);
