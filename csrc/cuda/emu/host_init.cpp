@@ -43,6 +43,9 @@ SCENARIO(init_all_properties, 20) {
   EXPECT(c->nccl_version() == nccl::load_info().version);
   EXPECT(c->collective_mode() == expected_mode(), c->collective_mode(), " (", c->collective_mode_reason(), ")");
   EXPECT(!c->collective_mode_reason().empty());
+  // the connection note of Note [Connections inside the bounded init] only where NCCL connects lazily
+  const bool lazy = c->collective_mode_reason().rfind("ncclCommSplit (", 0) == 0 && nccl::at_least(nccl::since::kRuntimeConnect);
+  EXPECT((c->collective_mode_reason().find("NCCL_RUNTIME_CONNECT") != std::string::npos) == lazy, c->collective_mode_reason());
   info("mode=" + c->collective_mode() + " reason=" + c->collective_mode_reason());
   const auto streams = c->streams();
   EXPECT(streams.size() == 3 && streams[0] && streams[0] != streams[1] && streams[1] != streams[2]);
