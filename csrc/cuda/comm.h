@@ -117,12 +117,23 @@ class NcclComm {
   // the host does not wait.
   void stream_wait(const std::vector<uintptr_t>& streams, uint64_t seq = 0);
 
-  void abort();    // ncclCommAbort on every local communicator; idempotent
-  void destroy();  // waits (bounded) for pending work, then ncclCommDestroy; aborts instead on timeout
+  // ncclCommAbort on every local communicator, on a helper thread joined for at most abort_join_s();
+  // idempotent. See Note [Abort on a helper thread] in comm.cpp.
+  void abort();
+  // Refuses new collectives, waits (bounded by the timeout) for the ones in flight, then
+  // ncclCommDestroy; aborts instead on timeout. See Note [Teardown] in comm.cpp.
+  void destroy();
+
+  // How long an abort is waited for before the caller gets its error (the abort goes on in the
+  // background), and how long the destructor waits for work in flight (See Note [Teardown]).
+  static constexpr double kAbortJoinMaxS = 10.0;
+  static constexpr double kTeardownWaitMaxS = 10.0;
+  double abort_join_s() const { return timeout_s_ < kAbortJoinMaxS ? timeout_s_ : kAbortJoinMaxS; }
 
  private:
-  struct Device;  // per local device: comm, stream, events (comm_impl.h)
-  struct Op;      // one enqueued collective: its done events and description (comm_impl.h)
+  struct Device;    // per local device: comm, stream, events (comm_impl.h)
+  struct Op;        // one enqueued collective: its done events and description (comm_impl.h)
+  struct AbortJob;  // the helper thread of an abort (comm.cpp)
 
   enum class Which { kComm, kParent };  // the collectives' communicators, or the init ones they split off
 
@@ -148,9 +159,17 @@ class NcclComm {
   void poll_ready_locked(const Deadline& deadline, const std::string& what, Which which = Which::kComm);
   void abort_locked(const std::string& reason);
   void abort_comms_locked();
+  // Called WITHOUT mu_: waits (at most abort_join_s()) for the abort's helper thread; "" when it
+  // finished (or there was none), else a note for the error message.
+  std::string await_abort();
+  // In a catch block: rethrows the current exception, with await_abort()'s note appended if any.
+  [[noreturn]] void rethrow_after_abort();
+  void destroy_within(double wait_s);
+  void check_not_capturing(const std::vector<uintptr_t>& streams) const;
   void destroy_comms_locked();
   void release_cuda_locked();
   bool prune_locked();  // drops completed ops from the front; true when none is left
+  void stream_wait_locked(const std::vector<uintptr_t>& streams, uint64_t seq);
   ncclRedOp_t premulsum_locked(size_t device_index, DType dtype, const Deadline& deadline);
   uint64_t run_locked(const CollectivePlan& plan, const std::vector<uintptr_t>& after_streams,
                       std::optional<double> timeout_s);
@@ -173,7 +192,9 @@ class NcclComm {
   bool ready_ = false;  // every communicator finished its init
   bool aborted_ = false;
   bool destroyed_ = false;
+  bool closing_ = false;  // destroy() started: new collectives are refused (See Note [Teardown])
   std::string abort_reason_;
+  std::shared_ptr<AbortJob> abort_job_;
 };
 
 // NCCLAVG_TEST_REDUCTION's value -> kind ("avg", "premulsum", "sum_divide") and divisor (0: the size).

@@ -273,6 +273,18 @@ std::string NcclComm::reduction(DType dtype, bool predivide, const std::string& 
   return reduction_name(p, divisor_);
 }
 
+void NcclComm::check_not_capturing(const std::vector<uintptr_t>& streams) const {
+  for (size_t i = 0; i < streams.size(); ++i) {
+    if (streams[i] == 0 || streams[i] == reinterpret_cast<uintptr_t>(cudaStreamLegacy)) continue;  // never captures
+    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+    NCCLAVG_CUDA_CHECK(cudaStreamIsCapturing(reinterpret_cast<cudaStream_t>(streams[i]), &status));
+    NCCLAVG_CHECK_ARG(status == cudaStreamCaptureStatusNone, "after_streams[" + std::to_string(i) + "]",
+                      "is capturing a CUDA graph (e.g. inside torch.cuda.graph()): ncclavg's NCCL collectives "
+                      "are tracked by host-side events and cannot be captured; run them outside the graph "
+                      "(See Note [Event queries during a capture])");
+  }
+}
+
 ncclRedOp_t NcclComm::premulsum_locked(size_t i, DType dtype, const Deadline& deadline) {
   Device& d = *dev_[i];
   const int t = static_cast<int>(dtype);
@@ -305,6 +317,8 @@ uint64_t NcclComm::run_locked(const CollectivePlan& p, const std::vector<uintptr
   const size_t n = dev_.size();
   const std::vector<uintptr_t> after = checked_streams(after_streams, n);
   const Deadline deadline = deadline_in(timeout_s ? checked_timeout(*timeout_s, "timeout_s") : timeout_s_);
+  if (closing_) throw NcclError(p.what + " refused: the communicator is being destroyed (See Note [Teardown])");
+  check_not_capturing(after);  // See Note [Event queries during a capture] in comm.cpp
   prune_locked();  // keeps the in-flight queue short when nobody waits
   check_async_errors_locked("starting " + p.what);
 
@@ -385,72 +399,90 @@ uint64_t NcclComm::run_locked(const CollectivePlan& p, const std::vector<uintptr
 uint64_t NcclComm::all_reduce(const std::vector<Buffer>& buffers, const std::vector<uintptr_t>& after_streams,
                               bool predivide, const std::string& op, std::optional<double> timeout_s,
                               const std::string& tag) {
-  std::lock_guard<std::mutex> lock(mu_);
-  const bool average = parse_average(op);
-  check_usable_locked(average ? "all_reduce_avg" : "all_reduce_sum");
-  check_per_device(buffers, "buffers", devices_, true);
-  check_distinct(buffers, "buffers");
-  check_dtype_supported(buffers[0].dtype, "buffers");
-  checked_streams(after_streams, dev_.size());
-  if (timeout_s) checked_timeout(*timeout_s, "timeout_s");
-  if (buffers[0].numel == 0) return 0;
+  try {
+    std::lock_guard<std::mutex> lock(mu_);
+    const bool average = parse_average(op);
+    check_usable_locked(average ? "all_reduce_avg" : "all_reduce_sum");
+    // the pointer checks below ask the runtime too: See Note [Device guard without a current context]
+    cuda::DeviceGuard guard(devices_[0]);
+    check_per_device(buffers, "buffers", devices_, true);
+    check_distinct(buffers, "buffers");
+    check_dtype_supported(buffers[0].dtype, "buffers");
+    checked_streams(after_streams, dev_.size());
+    if (timeout_s) checked_timeout(*timeout_s, "timeout_s");
+    if (buffers[0].numel == 0) return 0;
 
-  CollectivePlan p;
-  p.kind = CollectivePlan::kAllReduce;
-  p.name = average ? "all_reduce_avg" : "all_reduce_sum";
-  p.send = p.recv = buffers;
-  p.count = static_cast<size_t>(buffers[0].numel);
-  p.dtype = buffers[0].dtype;
-  p.bytes = buffers[0].nbytes();
-  choose_reduction(p, size_, average, predivide, /*may_prescale=*/true, forced_reduction_);
-  p.what = describe(p, tag, where());
-  return run_locked(p, after_streams, timeout_s);
+    CollectivePlan p;
+    p.kind = CollectivePlan::kAllReduce;
+    p.name = average ? "all_reduce_avg" : "all_reduce_sum";
+    p.send = p.recv = buffers;
+    p.count = static_cast<size_t>(buffers[0].numel);
+    p.dtype = buffers[0].dtype;
+    p.bytes = buffers[0].nbytes();
+    choose_reduction(p, size_, average, predivide, /*may_prescale=*/true, forced_reduction_);
+    p.what = describe(p, tag, where());
+    return run_locked(p, after_streams, timeout_s);
+  } catch (...) {
+    rethrow_after_abort();  // outside mu_: See Note [Abort on a helper thread] in comm.cpp
+  }
 }
 
 uint64_t NcclComm::reduce_scatter(const std::vector<Buffer>& inputs, const std::vector<Buffer>& outputs,
                                   const std::vector<uintptr_t>& after_streams, bool predivide,
                                   const std::string& op, std::optional<double> timeout_s, const std::string& tag) {
-  std::lock_guard<std::mutex> lock(mu_);
-  const bool average = parse_average(op);
-  check_usable_locked(average ? "reduce_scatter_avg" : "reduce_scatter_sum");
-  check_sharded_pair(inputs, outputs, /*inputs_full=*/true, devices_, size_, ranks_);
-  checked_streams(after_streams, dev_.size());
-  if (timeout_s) checked_timeout(*timeout_s, "timeout_s");
-  if (outputs[0].numel == 0) return 0;
+  try {
+    std::lock_guard<std::mutex> lock(mu_);
+    const bool average = parse_average(op);
+    check_usable_locked(average ? "reduce_scatter_avg" : "reduce_scatter_sum");
+    // the pointer checks below ask the runtime too: See Note [Device guard without a current context]
+    cuda::DeviceGuard guard(devices_[0]);
+    check_sharded_pair(inputs, outputs, /*inputs_full=*/true, devices_, size_, ranks_);
+    checked_streams(after_streams, dev_.size());
+    if (timeout_s) checked_timeout(*timeout_s, "timeout_s");
+    if (outputs[0].numel == 0) return 0;
 
-  CollectivePlan p;
-  p.kind = CollectivePlan::kReduceScatter;
-  p.name = average ? "reduce_scatter_avg" : "reduce_scatter_sum";
-  p.send = inputs;
-  p.recv = outputs;
-  p.count = static_cast<size_t>(outputs[0].numel);
-  p.dtype = inputs[0].dtype;
-  p.bytes = inputs[0].nbytes();
-  choose_reduction(p, size_, average, predivide, /*may_prescale=*/false, forced_reduction_);
-  p.what = describe(p, tag, where());
-  return run_locked(p, after_streams, timeout_s);
+    CollectivePlan p;
+    p.kind = CollectivePlan::kReduceScatter;
+    p.name = average ? "reduce_scatter_avg" : "reduce_scatter_sum";
+    p.send = inputs;
+    p.recv = outputs;
+    p.count = static_cast<size_t>(outputs[0].numel);
+    p.dtype = inputs[0].dtype;
+    p.bytes = inputs[0].nbytes();
+    choose_reduction(p, size_, average, predivide, /*may_prescale=*/false, forced_reduction_);
+    p.what = describe(p, tag, where());
+    return run_locked(p, after_streams, timeout_s);
+  } catch (...) {
+    rethrow_after_abort();  // outside mu_: See Note [Abort on a helper thread] in comm.cpp
+  }
 }
 
 uint64_t NcclComm::all_gather(const std::vector<Buffer>& inputs, const std::vector<Buffer>& outputs,
                               const std::vector<uintptr_t>& after_streams, std::optional<double> timeout_s,
                               const std::string& tag) {
-  std::lock_guard<std::mutex> lock(mu_);
-  check_usable_locked("all_gather");
-  check_sharded_pair(inputs, outputs, /*inputs_full=*/false, devices_, size_, ranks_);
-  checked_streams(after_streams, dev_.size());
-  if (timeout_s) checked_timeout(*timeout_s, "timeout_s");
-  if (inputs[0].numel == 0) return 0;
+  try {
+    std::lock_guard<std::mutex> lock(mu_);
+    check_usable_locked("all_gather");
+    // the pointer checks below ask the runtime too: See Note [Device guard without a current context]
+    cuda::DeviceGuard guard(devices_[0]);
+    check_sharded_pair(inputs, outputs, /*inputs_full=*/false, devices_, size_, ranks_);
+    checked_streams(after_streams, dev_.size());
+    if (timeout_s) checked_timeout(*timeout_s, "timeout_s");
+    if (inputs[0].numel == 0) return 0;
 
-  CollectivePlan p;
-  p.kind = CollectivePlan::kAllGather;
-  p.name = "all_gather";
-  p.send = inputs;
-  p.recv = outputs;
-  p.count = static_cast<size_t>(inputs[0].numel);
-  p.dtype = inputs[0].dtype;
-  p.bytes = outputs[0].nbytes();
-  p.what = describe(p, tag, where());
-  return run_locked(p, after_streams, timeout_s);
+    CollectivePlan p;
+    p.kind = CollectivePlan::kAllGather;
+    p.name = "all_gather";
+    p.send = inputs;
+    p.recv = outputs;
+    p.count = static_cast<size_t>(inputs[0].numel);
+    p.dtype = inputs[0].dtype;
+    p.bytes = outputs[0].nbytes();
+    p.what = describe(p, tag, where());
+    return run_locked(p, after_streams, timeout_s);
+  } catch (...) {
+    rethrow_after_abort();  // outside mu_: See Note [Abort on a helper thread] in comm.cpp
+  }
 }
 
 }  // namespace nccl

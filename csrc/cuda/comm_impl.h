@@ -4,6 +4,7 @@
 #include <cuda_runtime_api.h>
 
 #include <chrono>
+#include <memory>
 #include <string>
 #include <thread>
 #include <vector>
@@ -19,11 +20,12 @@ struct NcclComm::Device {
   // The collectives run on `comm`. With blocking collectives it is a blocking ncclCommSplit of
   // `parent`, the non-blocking communicator of the bounded init, kept until teardown; otherwise
   // `parent` is null. `split` is the output slot of a split in flight: NCCL's thread writes it, so it
-  // is read only after the split finished (or its parent was aborted, which joins that thread). See
-  // Note [Blocking collectives after a bounded init] in comm_init.cpp.
+  // is read only after the split finished (or its parent was aborted, which joins that thread). It is
+  // shared with an abort's helper thread, which may outlive this object (Note [Abort on a helper
+  // thread] in comm.cpp). See Note [Blocking collectives after a bounded init] in comm_init.cpp.
   ncclComm_t comm = nullptr;
   ncclComm_t parent = nullptr;
-  ncclComm_t split = nullptr;
+  std::shared_ptr<ncclComm_t> split;
   cudaStream_t stream = nullptr;  // the comm stream: NCCL and our scale kernels run here
   cudaEvent_t ready = nullptr;    // recorded on the caller's stream; the comm stream waits for it
   // PreMulSum(1/size) reduction ops, created on first use per dtype, destroyed with the communicator.

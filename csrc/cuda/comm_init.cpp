@@ -252,6 +252,12 @@ void NcclComm::init_comms(const ncclUniqueId& id, int nranks, const std::vector<
   }
   const bool nonblocking_init = api().CommInitRankConfig != nullptr;
   const bool split = choose_mode_locked(nonblocking_init, want_blocking);
+  if (dev_.size() > 1) {  // See Note [Abort on a helper thread] in comm.cpp
+    std::ostringstream os;
+    os << "; " << dev_.size() << " ranks in this process: NCCL's directMode, where ncclCommAbort may wait for a "
+       << "frozen peer (aborts run on a helper thread, waited for at most " << abort_join_s() << " s)";
+    mode_reason_ += os.str();
+  }
   start_init_locked(id, nranks, comm_ranks, nonblocking_init, what);
   if (nonblocking_init) poll_ready_locked(deadline, what);
   if (split) split_blocking_locked(comm_ranks, deadline, what);
@@ -349,7 +355,7 @@ void NcclComm::split_blocking_locked(const std::vector<int>& comm_ranks, const D
   for (auto& d : dev_) {
     d->parent = d->comm;  // from here on abort_comms_locked sees the parents and the split slots
     d->comm = nullptr;
-    d->split = nullptr;
+    d->split = std::make_shared<ncclComm_t>(nullptr);
   }
   const std::string step = what + ", ncclCommSplit to blocking communicators";
   ncclResult_t first_err = ncclSuccess;
@@ -358,7 +364,7 @@ void NcclComm::split_blocking_locked(const std::vector<int>& comm_ranks, const D
   NCCLAVG_NCCL_CHECK(a.GroupStart(), nullptr);
   for (size_t i = 0; i < dev_.size(); ++i) {
     // color 0: one child with every rank; key = rank: the same order. NCCL sets the device itself.
-    ncclResult_t r = a.CommSplit(dev_[i]->parent, 0, comm_ranks[i], &dev_[i]->split, &config);
+    ncclResult_t r = a.CommSplit(dev_[i]->parent, 0, comm_ranks[i], dev_[i]->split.get(), &config);
     in_progress |= r == ncclInProgress;
     if (r != ncclSuccess && r != ncclInProgress && first_err == ncclSuccess) {
       first_err = r;
@@ -376,15 +382,15 @@ void NcclComm::split_blocking_locked(const std::vector<int>& comm_ranks, const D
   }
   if (in_progress) poll_ready_locked(deadline, step, Which::kParent);
   for (auto& d : dev_) {
-    if (d->split == nullptr) {
+    if (*d->split == nullptr) {
       const std::string msg = step + " gave no communicator on cuda:" + std::to_string(d->device);
       abort_locked(msg);
       throw NcclError(msg + "; the communicators were aborted");
     }
   }
   for (auto& d : dev_) {
-    d->comm = d->split;
-    d->split = nullptr;
+    d->comm = *d->split;
+    d->split.reset();
   }
 }
 

@@ -332,11 +332,17 @@ class NcclCommunicator(Communicator):
 
     def _call(self, fn: Any, *args: Any) -> Any:
         """Runs a core call; a timeout or NCCL error there (the core has aborted the communicator) is
-        recorded so that every later call says why the communicator is unusable."""
+        recorded so that every later call says why the communicator is unusable. So is a CUDA error after
+        which the core aborted (a sticky error found while waiting: Note [Watchdog] in
+        csrc/cuda/comm.cpp); one it did not abort for (a bad stream handle) leaves the communicator usable."""
         try:
             return fn(*args)
         except (CommTimeoutError, _C.NcclError) as e:
             self._fail(str(e))
+            raise
+        except _C.CudaError as e:
+            if self._handle.aborted:
+                self._fail(str(e))
             raise
 
     def abort(self, reason: str = "abort() was called") -> None:

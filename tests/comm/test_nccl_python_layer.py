@@ -220,3 +220,29 @@ def test_synchronous_collectives_order_after_their_own_collective(monkeypatch, s
     comm.all_reduce_avg([torch.zeros(4)])
     waits = [c for c in handle.calls if c[0] == "stream_wait"]
     assert waits == ([("stream_wait", [42], seq)] * 3 if seq else []), handle.calls
+
+
+class _FailingHandle(FakeHandle):
+    """wait() raises the core's CudaError; `aborted` says whether the core aborted before raising."""
+
+    def __init__(self, aborted):
+        super().__init__()
+        self.aborted = aborted
+        self.abort_reason = "CUDA error while all_reduce_avg ran on cuda:0" if aborted else ""
+
+    def wait(self, timeout, seq):
+        raise nccl_backend._C.CudaError("CUDA error while all_reduce_avg ran on cuda:0: an illegal memory access "
+                                        "was encountered; the communicator was aborted (ncclCommAbort)")
+
+
+@pytest.mark.parametrize("aborted", [True, False])
+def test_a_cuda_error_the_core_aborted_for_fails_the_communicator(aborted):
+    # A sticky CUDA error found while waiting aborts the core communicator (csrc/cuda/comm.cpp, Note
+    # [Watchdog]); the Python layer must then refuse every later call with the reason, and must not
+    # when the core stayed usable.
+    comm = NcclCommunicator(_FailingHandle(aborted), [0], rank=0, world_size=1, size=1, timeout=5.0, predivide=False)
+    with pytest.raises(nccl_backend._C.CudaError, match="illegal memory access"):
+        comm._call(comm._handle.wait, 1.0, 0)
+    assert (comm.failure is not None) == aborted
+    if aborted:
+        assert "illegal memory access" in comm.failure

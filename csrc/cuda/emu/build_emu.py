@@ -33,8 +33,8 @@ KERNELS = ("pack_kernel.cu", "average_kernel.cu", "scale_kernel.cu")
 # argument checks the entry points use, and the harness itself.
 PROJECT_SOURCES = ("cuda/device_guard.cpp", "common/buffer.cpp", "common/pack_plan.cpp",
                    "cpu/kernels_scalar.cpp", "cpu/pack_scalar.cpp")
-EMU_SOURCES = ("emu_runtime.cpp", "harness_util.cpp", "check_pack.cpp", "check_average.cpp",
-               "check_divide.cpp", "harness_main.cpp")
+EMU_SOURCES = ("emu_runtime.cpp", "emu_streams.cpp", "emu_devices.cpp", "harness_util.cpp", "check_pack.cpp",
+               "check_average.cpp", "check_divide.cpp", "harness_main.cpp")
 EMULATED_SOURCES = ("check_launch.cpp",)  # built like a kernel file (cuda_emu.h force-included)
 
 SANITIZE = ["-fsanitize=address,undefined", "-fno-sanitize-recover=all"]

@@ -113,6 +113,11 @@ struct LaunchConfig {
 // the runtime would refuse it, sets the sticky error and returns false: the kernel does not run.
 bool begin_launch(const LaunchConfig& cfg);
 
+// True when launches go to their stream's queue (emu_host.h, set_launches_async); then
+// enqueue_launch puts body(ctx) there and release(ctx) after it ran (an invalid stream: the sticky error).
+bool launch_enqueues();
+void enqueue_launch(cudaStream_t stream, void (*body)(void*), void* ctx, void (*release)(void*));
+
 // Runs body(ctx) once per thread of the grid, with threadIdx/blockIdx/blockDim/gridDim set, in the
 // order chosen by set_order (emu_runtime.h).
 void for_each_thread(const LaunchConfig& cfg, void (*body)(void*), void* ctx);
@@ -138,13 +143,23 @@ class Launch {
     struct Ctx {
       void (*kernel)(P...);
       std::tuple<P...> params;
-    } ctx{kernel_, std::tuple<P...>(std::forward<A>(args)...)};
-    for_each_thread(
-        cfg_, [](void* c) {
-          Ctx& x = *static_cast<Ctx*>(c);
-          std::apply(x.kernel, x.params);
-        },
-        &ctx);
+      LaunchConfig cfg;
+    };
+    auto run = [](void* c) {
+      for_each_thread(
+          static_cast<Ctx*>(c)->cfg, [](void* c2) {
+            Ctx& x = *static_cast<Ctx*>(c2);
+            std::apply(x.kernel, x.params);
+          },
+          c);
+    };
+    if (launch_enqueues()) {  // the host-logic harness: the kernel runs on its stream's queue
+      auto* heap = new Ctx{kernel_, std::tuple<P...>(std::forward<A>(args)...), cfg};
+      enqueue_launch(cfg.stream, run, heap, [](void* c) { delete static_cast<Ctx*>(c); });
+      return;
+    }
+    Ctx ctx{kernel_, std::tuple<P...>(std::forward<A>(args)...), cfg};
+    run(&ctx);
   }
 
  private:

@@ -6,12 +6,15 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <atomic>
+#include <cstdlib>
 #include <cstring>
 #include <numeric>
 #include <random>
 #include <vector>
 
 #include "cuda_emu.h"
+#include "emu_host.h"
 
 thread_local uint3 threadIdx;
 thread_local uint3 blockIdx;
@@ -29,6 +32,24 @@ thread_local Order order = Order::kForward;
 thread_local uint64_t order_seed = 0;
 thread_local LaunchLog log;
 thread_local EmulatedSystem sys;
+
+// Primary contexts, process-wide (See emu_host.h). Fixed-size: the emulated machine has at most 64 GPUs.
+constexpr int kMaxDevices = 64;
+std::atomic<int> g_contexts[kMaxDevices];
+std::atomic<int> g_binds[kMaxDevices];
+int initial_device_count() {
+  const char* env = std::getenv("NCCLAVG_EMU_DEVICES");
+  const int n = env && env[0] ? std::atoi(env) : kDeviceCount;
+  return n < 0 ? 0 : n > kMaxDevices ? kMaxDevices : n;
+}
+std::atomic<int> g_device_count{initial_device_count()};
+
+void bind_context(int device) {
+  if (device_chosen && current_device == device) return;
+  int expected = 0;
+  g_contexts[device].compare_exchange_strong(expected, 1);
+  g_binds[device].fetch_add(1);
+}
 
 void record_error(cudaError_t e) {
   if (sticky_error == cudaSuccess) sticky_error = e;  // the first error stays until it is read
@@ -53,6 +74,21 @@ int emu_ctx_get_current(void** ctx) {
 }
 
 }  // namespace
+
+void set_device_count(int n) { g_device_count.store(n < 0 ? 0 : n > kMaxDevices ? kMaxDevices : n); }
+int device_count() { return g_device_count.load(); }
+int contexts_created(int device) { return device >= 0 && device < kMaxDevices ? g_contexts[device].load() : 0; }
+int context_binds(int device) { return device >= 0 && device < kMaxDevices ? g_binds[device].load() : 0; }
+
+int ensure_context() {
+  if (!device_chosen) {  // the runtime's implicit initialisation: the primary context of device 0
+    bind_context(0);
+    current_device = 0;
+    device_chosen = true;
+  }
+  return current_device;
+}
+bool has_context() { return device_chosen; }
 
 const char* order_name(Order o) {
   switch (o) {
@@ -100,6 +136,13 @@ bool begin_launch(const LaunchConfig& cfg) {
   log.last_device = current_device;
   ++log.launches;
   return true;
+}
+
+bool launch_enqueues() { return launches_async(); }
+
+void enqueue_launch(cudaStream_t stream, void (*body)(void*), void* ctx, void (*release)(void*)) {
+  const cudaError_t e = enqueue(stream, body, ctx, release);
+  if (e != cudaSuccess) record_error(e);
 }
 
 void for_each_thread(const LaunchConfig& cfg, void (*body)(void*), void* ctx) {
@@ -158,6 +201,15 @@ const char* cudaGetErrorName(cudaError_t e) {
     case cudaErrorInvalidConfiguration: return "cudaErrorInvalidConfiguration";
     case cudaErrorInvalidDevice: return "cudaErrorInvalidDevice";
     case cudaErrorNotSupported: return "cudaErrorNotSupported";
+    case cudaErrorNoDevice: return "cudaErrorNoDevice";
+    case cudaErrorInvalidResourceHandle: return "cudaErrorInvalidResourceHandle";
+    case cudaErrorIllegalState: return "cudaErrorIllegalState";
+    case cudaErrorNotReady: return "cudaErrorNotReady";
+    case cudaErrorIllegalAddress: return "cudaErrorIllegalAddress";
+    case cudaErrorMemoryAllocation: return "cudaErrorMemoryAllocation";
+    case cudaErrorStreamCaptureUnsupported: return "cudaErrorStreamCaptureUnsupported";
+    case cudaErrorStreamCaptureInvalidated: return "cudaErrorStreamCaptureInvalidated";
+    case cudaErrorStreamCaptureImplicit: return "cudaErrorStreamCaptureImplicit";
     default: return "cudaErrorUnknown";
   }
 }
@@ -169,15 +221,26 @@ const char* cudaGetErrorString(cudaError_t e) {
     case cudaErrorInvalidConfiguration: return "invalid configuration argument";
     case cudaErrorInvalidDevice: return "invalid device ordinal";
     case cudaErrorNotSupported: return "operation not supported";
+    case cudaErrorNoDevice: return "no CUDA-capable device is detected";
+    case cudaErrorInvalidResourceHandle: return "invalid resource handle";
+    case cudaErrorIllegalState: return "the operation cannot be performed in the present state";
+    case cudaErrorNotReady: return "device not ready";
+    case cudaErrorIllegalAddress: return "an illegal memory access was encountered";
+    case cudaErrorMemoryAllocation: return "out of memory";
+    case cudaErrorStreamCaptureUnsupported: return "operation not permitted when stream is capturing";
+    case cudaErrorStreamCaptureInvalidated: return "operation failed due to a previous error during capture";
+    case cudaErrorStreamCaptureImplicit: return "operation would make the legacy stream depend on a capturing blocking stream";
     default: return "unknown error";
   }
 }
 
 cudaError_t cudaSetDevice(int device) {
-  if (device < 0 || device >= ncclavg_emu::kDeviceCount) {
+  if (device < 0 || device >= ncclavg_emu::device_count()) {
     ncclavg_emu::record_error(cudaErrorInvalidDevice);
     return cudaErrorInvalidDevice;
   }
+  if (const cudaError_t e = ncclavg_emu::sticky_error_of(device)) return e;  // CUDA >= 12 initialises here
+  ncclavg_emu::bind_context(device);
   current_device = device;
   device_chosen = true;
   return cudaSuccess;
@@ -194,8 +257,13 @@ cudaError_t cudaDriverGetVersion(int* version) {
   return cudaSuccess;
 }
 
+cudaError_t cudaGetDeviceCount(int* count) {
+  *count = ncclavg_emu::device_count();
+  return *count > 0 ? cudaSuccess : cudaErrorNoDevice;
+}
+
 cudaError_t cudaDeviceGetAttribute(int* value, cudaDeviceAttr attr, int device) {
-  if (device < 0 || device >= ncclavg_emu::kDeviceCount) {
+  if (device < 0 || device >= ncclavg_emu::device_count()) {
     ncclavg_emu::record_error(cudaErrorInvalidDevice);
     return cudaErrorInvalidDevice;
   }
