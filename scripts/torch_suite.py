@@ -207,17 +207,29 @@ def run_tests(names: list[str], env: dict, args, log, progress) -> dict:
     return results
 
 
-def summarize(config: dict, lift_report: dict, results: dict, wall_s: float) -> dict:
+# Paths in tracebacks, shortened so that a committed summary names no directory of the machine it ran on.
+_SITE = re.compile(r"""(?:[A-Za-z]:)?[^\s"'<>]*[/\\](?:site|dist)-packages[/\\]""")
+
+
+def scrub(text: str, roots: tuple[str, ...] = ()) -> str:
+    """`text` with each root (the checkout, the run's temp dir) and any site-packages prefix cut."""
+    for root in sorted((r for r in roots if r), key=len, reverse=True):
+        text = text.replace(root.rstrip("/") + "/", "").replace(root, "")
+    return _SITE.sub("", text)
+
+
+def summarize(config: dict, lift_report: dict, results: dict, wall_s: float,
+              roots: tuple[str, ...] = ()) -> dict:
     counts = {k: sum(1 for r in results.values() if r["outcome"] == k) for k in ("passed", "failed", "skipped")}
     tests = {}
     for name in sorted(results):
         r = results[name]
         entry = {"outcome": r["outcome"], "seconds": r["seconds"]}
         if r["outcome"] == "failed":
-            entry["error"] = error_head(r["detail"])
-            entry["detail"] = trim_detail(r["detail"])
+            entry["error"] = scrub(error_head(r["detail"]), roots)
+            entry["detail"] = scrub(trim_detail(r["detail"]), roots)
         elif r["outcome"] == "skipped":
-            entry["reason"] = r["detail"]
+            entry["reason"] = scrub(r["detail"], roots)
         tests[name] = entry
     return {"config": config, "lift": lift_report, "wall_seconds": round(wall_s, 1),
             "counts": counts, "tests": tests}
@@ -271,7 +283,8 @@ def main(argv=None) -> int:
         t0 = time.monotonic()
         with open(log_path, "w", encoding="utf-8") as log:
             results = run_tests(names, env, args, log, progress)
-        summary = summarize(config, listing["lift"], results, time.monotonic() - t0)
+        roots = (str(Path(__file__).resolve().parent.parent), str(temp_root), tempfile.gettempdir())
+        summary = summarize(config, listing["lift"], results, time.monotonic() - t0, roots)
         c = summary["counts"]
         print(f"{label}: {c['passed']} passed, {c['failed']} failed, {c['skipped']} skipped "
               f"in {summary['wall_seconds']:.0f} s", flush=True)

@@ -137,6 +137,16 @@ def test_summary_counts_and_keeps_reasons():
     assert s["tests"]["test_c"]["reason"] == "Only gloo backend supports timeouts"
 
 
+def test_scrub_leaves_no_directory_of_the_machine():
+    text = ('File "/opt/venv/lib/python3.11/site-packages/torch/distributed/c10d.py", line 3\n'
+            'File "/home/me/ncclavg/ncclavg/comm/backend_cpu.py", line 9\n'
+            "init file /tmp/torch-suite-x1/tmpq: gone")
+    out = torch_suite.scrub(text, ("/home/me/ncclavg", "/tmp/torch-suite-x1"))
+    assert out == ('File "torch/distributed/c10d.py", line 3\n'
+                   'File "ncclavg/comm/backend_cpu.py", line 9\n'
+                   "init file tmpq: gone")
+
+
 @pytest.mark.slow
 def test_a_handful_of_suite_tests_pass_on_ncclavg_at_world_size_2(tmp_path):
     pytest.importorskip("torch")
