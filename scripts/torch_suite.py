@@ -126,6 +126,14 @@ def driver_env(args, temp_root: Path) -> dict:
                DISTRIBUTED_TESTS_DEFAULT_TIMEOUT=str(args.timeout),
                # The suite's tempfiles (init files, stores) go where this run cleans up.
                TMPDIR=str(temp_root), PYTHONUNBUFFERED="1")
+    # torch's run_test.py runs the spawn suite twice: with INIT_METHOD=file://TEMP_DIR/ and without
+    # (env://). The suite's decorators read it once, at import; with file:// they also run the
+    # tests that re-initialize the default group (test_barrier_timeout_global). Each test's setUp
+    # then points INIT_METHOD at a fresh init file of its own, as in both of torch's runs.
+    if args.init_method == "file":
+        env["INIT_METHOD"] = f"file://{temp_dir}/"
+    else:
+        env.pop("INIT_METHOD", None)
     # The checkout first, so the driver's ranks import the backend from it.
     root = str(Path(__file__).resolve().parent.parent)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
@@ -245,6 +253,8 @@ def parse_args(argv=None):
                    help="with --lift-gates: also expect the backend's profiler events")
     p.add_argument("-k", dest="keyword", default=None,
                    help='select tests as pytest -k does: "test_all_reduce* or test_broadcast and not cuda"')
+    p.add_argument("--init-method", choices=("file", "env"), default="file",
+                   help="INIT_METHOD as torch's run_test.py sets it for the suite (default file)")
     p.add_argument("--timeout", type=int, default=120, help="seconds per test (default 120)")
     p.add_argument("--batch", type=int, default=0, help="tests per driver process (default: all)")
     p.add_argument("--out", type=Path, help="JSON summary to write")
@@ -268,7 +278,8 @@ def main(argv=None) -> int:
             print("\n".join(names))
             return 0
         config = {"backend": args.backend, "world_size": args.world_size, "lift_gates": args.lift_gates,
-                  "lift_profiling": args.lift_profiling, "keyword": args.keyword, "timeout_s": args.timeout,
+                  "lift_profiling": args.lift_profiling, "keyword": args.keyword,
+                  "init_method": args.init_method, "timeout_s": args.timeout,
                   "torch": listing["torch"], "selected": len(names), "suite_tests": len(listing["tests"])}
         label = f"{args.backend} ws={args.world_size}{' lifted' if args.lift_gates else ''}"
         print(f"{label}: {len(names)} of {len(listing['tests'])} tests", flush=True)
