@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from scripts import torch_suite, torch_suite_lift as lift
+from scripts import torch_suite, torch_suite_lift as lift, torch_suite_report as report
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -147,19 +147,36 @@ def test_scrub_leaves_no_directory_of_the_machine():
                    "init file tmpq: gone")
 
 
+def _run(backend, ws, lifted, tests):
+    return {"config": {"backend": backend, "world_size": ws, "lift_gates": lifted, "selected": len(tests)},
+            "wall_seconds": 60.0, "counts": {"passed": 0, "failed": 0, "skipped": 0}, "tests": tests}
+
+
+def test_report_lists_what_passes_on_gloo_only_at_the_same_world_size():
+    ok, bad = {"outcome": "passed"}, {"outcome": "failed", "error": "rank 0: RuntimeError: no | sparse"}
+    runs = [_run("gloo", 2, False, {"test_a": ok, "test_b": ok, "test_c": bad}),
+            _run("gloo", 3, False, {"test_a": bad}),
+            _run("ncclavg", 2, True, {"test_a": ok, "test_b": bad, "test_c": bad}),
+            _run("ncclavg", 3, True, {"test_a": bad})]
+    rows = report.gloo_only_passes(runs)
+    assert [(r["config"]["world_size"], name) for r, name, _, _ in rows] == [(2, "test_b")]
+    md = report.render(runs, {"test_b": "gloo-only: no"})
+    assert "| `test_b` | failed | rank 0: RuntimeError: no \\| sparse | gloo-only: no |" in md
+
+
 @pytest.mark.slow
 def test_a_handful_of_suite_tests_pass_on_ncclavg_at_world_size_2(tmp_path):
     pytest.importorskip("torch")
     pytest.importorskip("expecttest")  # the suite's TestCase imports it
     out = tmp_path / "suite.json"
-    # test_all_reduce_sum(_async), test_broadcast(_group, _full_group): CPU collectives, 2 ranks.
-    keyword = "(test_all_reduce_sum or test_broadcast) and not (cuda or complex or object)"
+    # test_all_reduce_sum, test_all_reduce_sum_async, test_broadcast: CPU collectives on the default
+    # group (the suite's _group tests want 3 ranks and skip at 2).
+    keyword = "(test_all_reduce_sum or test_broadcast) and not (cuda or complex or object or _group)"
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "torch_suite.py"), "--backend", "ncclavg",
                            "--world-size", "2", "-k", keyword, "--timeout", "120", "--out", str(out)],
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     summary = json.loads(out.read_text())
     outcomes = {name: t["outcome"] for name, t in summary["tests"].items()}
-    assert set(outcomes) == {"test_all_reduce_sum", "test_all_reduce_sum_async", "test_broadcast",
-                            "test_broadcast_group", "test_broadcast_full_group"}, outcomes
+    assert set(outcomes) == {"test_all_reduce_sum", "test_all_reduce_sum_async", "test_broadcast"}, outcomes
     assert all(o == "passed" for o in outcomes.values()), outcomes
