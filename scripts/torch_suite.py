@@ -164,9 +164,10 @@ def _kill(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
-def run_tests(names: list[str], env: dict, args, log, progress) -> dict:
-    """Run `names`, a batch per driver process, restarting after a hang or a crash. -> name: result."""
-    results: dict[str, dict] = {}
+def run_tests(names: list[str], env: dict, args, log, progress, results: dict | None = None) -> dict:
+    """Run `names`, a batch per driver process, restarting after a hang or a crash. -> name: result
+    (filled into `results` as they come, before `progress` is called)."""
+    results = {} if results is None else results
     events_path = Path(env["TMPDIR"]) / "events.jsonl"
     events_path.touch()
     offset = 0
@@ -292,16 +293,27 @@ def main(argv=None) -> int:
             print(f"[{done[0]:4d}/{len(names)}] {r['outcome']:7s} {r['seconds']:7.1f}s {name}{head}", flush=True)
 
         t0 = time.monotonic()
-        with open(log_path, "w", encoding="utf-8") as log:
-            results = run_tests(names, env, args, log, progress)
+        results: dict[str, dict] = {}
         roots = (str(Path(__file__).resolve().parent.parent), str(temp_root), tempfile.gettempdir())
-        summary = summarize(config, listing["lift"], results, time.monotonic() - t0, roots)
+
+        def write(complete: bool) -> dict:
+            summary = summarize(config, listing["lift"], results, time.monotonic() - t0, roots)
+            summary["complete"] = complete
+            if args.out:
+                args.out.parent.mkdir(parents=True, exist_ok=True)
+                args.out.write_text(json.dumps(summary, indent=1) + "\n")
+            return summary
+
+        def progress_and_save(name, r):
+            progress(name, r)
+            write(complete=False)  # a run cut short still leaves what it found
+
+        with open(log_path, "w", encoding="utf-8") as log:
+            run_tests(names, env, args, log, progress_and_save, results)
+        summary = write(complete=True)
         c = summary["counts"]
         print(f"{label}: {c['passed']} passed, {c['failed']} failed, {c['skipped']} skipped "
               f"in {summary['wall_seconds']:.0f} s", flush=True)
-        if args.out:
-            args.out.parent.mkdir(parents=True, exist_ok=True)
-            args.out.write_text(json.dumps(summary, indent=1) + "\n")
         return 0
     finally:
         shutil.rmtree(temp_root, ignore_errors=True)

@@ -46,8 +46,11 @@ def render(runs: list[dict], notes: dict[str, str]) -> str:
     out = ["| configuration | passed | failed | skipped | selected | wall time |", "|---|---:|---:|---:|---:|---:|"]
     for r in runs:
         c = r["counts"]
+        selected = r["config"]["selected"]
+        if not r.get("complete", True):
+            selected = f"{len(r['tests'])} of {selected} (cut short)"
         out.append(f"| {label(r['config'])} | {c['passed']} | {c['failed']} | {c['skipped']} | "
-                   f"{r['config']['selected']} | {r['wall_seconds'] / 60:.1f} min |")
+                   f"{selected} | {r['wall_seconds'] / 60:.1f} min |")
     out += ["", "Tests that pass on gloo and fail or skip on the other backend, same world size:", ""]
     rows = gloo_only_passes(runs)
     if not rows:
