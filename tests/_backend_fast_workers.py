@@ -110,3 +110,142 @@ def groups_cycle_job(rank, world, port, cycles):
     gc.collect()
     assert _channel_mappings() == baseline, (_channel_mappings(), baseline)
     dist.barrier()
+
+
+# ------------------------------------------------------------------ broadcast, all-gather, reduce-scatter
+def _count_fast_calls(pg):
+    """Wraps the group's FastCalls so that the test sees which calls they took: {name: times done}."""
+    taken = {"broadcast": 0, "all_gather": 0, "reduce_scatter": 0}
+    for name in taken:
+        inner = getattr(pg._calls, name)
+
+        def counted(*args, _inner=inner, _name=name):
+            done = _inner(*args)
+            taken[_name] += bool(done)
+            return done
+        setattr(pg._calls, name, counted)
+    return taken
+
+
+def _pattern(n, dtype, r, k):
+    """Rank r's distinct input of call k: small integers (exact in every dtype below)."""
+    v = (torch.arange(n, dtype=torch.int64) * 5 + 11 * r + k) % 23 - 11
+    if dtype == torch.bool:
+        return v > 0
+    if dtype.is_complex:
+        return torch.complex(v.double(), -v.double()).to(dtype)
+    if dtype == torch.uint8:
+        return (v + 11).to(dtype)
+    return v.to(dtype)
+
+
+def calls_agree_job(rank, world, port):
+    """broadcast, all_gather_into_tensor and reduce_scatter_tensor with one rank synchronous (the fast
+    path) and the others asynchronous (the lane), swapping call by call, over dtypes and sizes whose
+    payloads are multiples of 4 bytes, of 2, and odd (the general path's padding): every rank gets the
+    reference (the inputs are small integers: every sum is exact, AVG divides once)."""
+    init_backend(rank, world, port)
+    taken = _count_fast_calls(dist.group.WORLD)
+    k = 0
+
+    def call(fn, *args, **kw):
+        nonlocal k
+        fast_here = rank == k % world
+        work = fn(*args, async_op=not fast_here, **kw)
+        if work is not None:
+            work.wait()
+        k += 1
+
+    for dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int16,
+                  torch.uint8, torch.bool, torch.complex64):
+        for n in (0, 1, 3, 8, 1001, 40000):
+            for root in range(world):
+                t = _pattern(n, dtype, rank, k)
+                want = _pattern(n, dtype, root, k)
+                call(dist.broadcast, t, root)
+                assert torch.equal(t, want), ("broadcast", dtype, n, root)
+            inp = _pattern(n, dtype, rank, k)
+            out = torch.empty(n * world, dtype=dtype)
+            want = torch.cat([_pattern(n, dtype, r, k) for r in range(world)])
+            call(dist.all_gather_into_tensor, out, inp)
+            assert torch.equal(out, want), ("all_gather_into_tensor", dtype, n)
+    for dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
+        for op in (R.SUM, R.AVG):
+            for n in (0, 1, 3, 1000, 30000):
+                inp = _pattern(n * world, dtype, rank, k)
+                out = torch.empty(n, dtype=dtype)
+                rows = torch.stack([_pattern(n * world, torch.float64, r, k) for r in range(world)])
+                total = rows.sum(0)[rank * n:(rank + 1) * n]
+                if op == R.AVG:
+                    total = total.to(torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype) / world
+                call(dist.reduce_scatter_tensor, out, inp, op=op)
+                assert torch.equal(out, total.to(dtype)), ("reduce_scatter_tensor", dtype, op, n, out[:4], total[:4])
+    assert all(taken.values()), taken   # each of the three took the fast path
+    dist.barrier()
+
+
+def calls_order_job(rank, world, port):
+    """A synchronous broadcast, all-gather or reduce-scatter issued behind queued all_reduces waits its turn."""
+    init_backend(rank, world, port)
+    taken = _count_fast_calls(dist.group.WORLD)
+    for k in range(20):
+        big = torch.full((1 << 18,), float(rank + k))
+        works = [dist.all_reduce(big, async_op=True) for _ in range(2)]
+        t = torch.full((5,), float(rank + 1))
+        dist.broadcast(t, k % world)
+        assert torch.equal(t, torch.full((5,), float(k % world + 1))), t
+        out = torch.empty(3 * world)
+        dist.all_gather_into_tensor(out, torch.full((3,), float(rank)))
+        assert torch.equal(out, torch.arange(world, dtype=torch.float32).repeat_interleave(3)), out
+        for w in works:
+            w.wait()
+        s = sum(r + k for r in range(world))
+        assert torch.equal(big, torch.full_like(big, float(s * world))), big[:2]
+    o = torch.empty(2)
+    dist.reduce_scatter_tensor(o, torch.ones(2 * world))
+    assert torch.equal(o, torch.full((2,), float(world)))
+    assert taken["reduce_scatter"] == 1 and taken["broadcast"] + taken["all_gather"] > 0, taken
+    dist.barrier()
+
+
+def calls_mismatch_job(rank, world, port, outdir):
+    """Rank 0 broadcasts 4 float32 while rank 1 all-gathers 2 (the same bytes on the wire): both fast,
+    both fail naming both calls, and the group then refuses, fast path or not."""
+    import json
+
+    init_backend(rank, world, port, timeout_s=30)
+    taken = _count_fast_calls(dist.group.WORLD)
+    x = torch.ones(4)
+    dist.broadcast(x, 0)
+    rep = {}
+    try:
+        if rank == 0:
+            dist.broadcast(x, 0)
+        else:
+            dist.all_gather_into_tensor(torch.empty(2 * world), torch.ones(2))
+        rep["first"] = "none"
+    except Exception as e:   # noqa: BLE001 (judged by the test)
+        rep["first"] = f"{type(e).__name__}: {e}"
+    try:
+        dist.broadcast(x, 0)
+        rep["later"] = "none"
+    except Exception as e:   # noqa: BLE001
+        rep["later"] = f"{type(e).__name__}: {e}"
+    rep["taken"] = taken
+    with open(os.path.join(outdir, f"rank{rank}.json"), "w") as f:
+        json.dump(rep, f)
+
+
+def calls_grad_job(rank, world, port):
+    """Tensors that require grad (nn.Parameter) go through the fast paths as through gloo: in place,
+    the group usable after."""
+    init_backend(rank, world, port)
+    taken = _count_fast_calls(dist.group.WORLD)
+    p = torch.nn.Parameter(torch.full((4,), float(rank)))
+    dist.broadcast(p, 1)
+    assert torch.equal(p.detach(), torch.full((4,), 1.0)) and p.requires_grad
+    out = torch.nn.Parameter(torch.zeros(2))
+    dist.reduce_scatter_tensor(out, torch.full((2 * world,), float(rank + 1)), op=R.AVG)
+    assert torch.equal(out.detach(), torch.full((2,), (world + 1) / 2)), out
+    assert taken["broadcast"] == 1 and taken["reduce_scatter"] == 1, taken
+    dist.barrier()

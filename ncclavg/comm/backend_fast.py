@@ -1,5 +1,6 @@
 """The torch backend's small-message fast path: a synchronous `dist.all_reduce` of one dense CPU tensor
-(SUM, or AVG of float32 / float64) on a group whose processes share one channel.
+(SUM, or AVG of float32 / float64) on a group whose processes share one channel; and the same, written in
+Python (FastCalls), for synchronous broadcast, all_gather_into_tensor and reduce_scatter_tensor.
 
 Note [The backend's fast path]
 Below ~1 MiB the cost of `dist.all_reduce` on this backend was the Python around the channel, not the
@@ -98,3 +99,118 @@ def fast_paths(pg: Any, transport: Any) -> Dict[Any, Any]:
         R.AVG: _C.ShmFastAverage(transport.channel, transport.exec_lock, preparer(R.AVG, _AVG_TYPES, float(size))),
     }
     return paths
+
+
+_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
+
+
+def _plain(t: Any) -> bool:
+    """A dense contiguous CPU tensor whose bytes are its values (no subclass with its own storage rules,
+    no lazy conjugate or negation bit): what the fast path moves by its data pointer."""
+    return (type(t) in _PLAIN_TYPES and t.is_cpu and t.layout == torch.strided and t.is_contiguous()
+            and not t.is_conj() and not t.is_neg())
+
+
+class FastCalls:
+    """Synchronous broadcast, all_gather_into_tensor and reduce_scatter_tensor (SUM, or AVG of float32 /
+    float64) of contiguous CPU tensors, straight into the channel when the group's lane is idle: Note [The
+    backend's fast path], in Python (these calls are rarer than all_reduce's; one dict lookup and the
+    channel call, against the general path's Job, Work and description). Each method returns True when
+    the call is done, False when the general path must run it (it then also raises what it raises); a
+    failure of the round raises the channel's error (CHANNEL_ERRORS) for the group to fail by.
+
+    What goes to the channel is what the general path sends for the same call (backend_cpu.py): a
+    broadcast and an all-gather move bytes viewed as float32 words when the payload is a multiple of 4
+    bytes, as float16 halves when it is even (an odd payload is padded there: left to the general path);
+    a reduce-scatter adds in the tensors' own dtype, and AVG divides after. The signature is the same Call."""
+
+    def __init__(self, channel: Any, exec_lock: Any, size: int):
+        self._channel, self._exec, self._size = channel, exec_lock, size
+        self._enabled = True
+        self._bytes_calls: Dict[tuple, tuple] = {}   # (collective, dtype, numel, root) -> wire + signature
+        self._sum_calls: Dict[tuple, tuple] = {}     # (dtype, numel, op) -> signature
+
+    def disable(self) -> None:
+        self._enabled = False
+
+    def _idle(self) -> bool:
+        """The channel's lock, when it is free and nothing is queued on the lane (release() after)."""
+        ex = self._exec
+        if not ex.acquire(False):
+            return False
+        if not self._enabled or ex.outstanding != 0:
+            ex.release()
+            return False
+        return True
+
+    def _bytes_call(self, collective: str, t: torch.Tensor, root: Optional[int]) -> Optional[tuple]:
+        key = (collective, t.dtype, t.numel(), root)
+        got = self._bytes_calls.get(key)
+        if got is None:
+            nbytes = t.numel() * t.element_size()
+            if nbytes % 2:
+                return None
+            wire = (TYPE_CODES[torch.float32], nbytes // 4) if nbytes % 4 == 0 else (TYPE_CODES[torch.float16],
+                                                                                       nbytes // 2)
+            call = make(collective, t.dtype, None, root, t.numel())
+            got = wire + (call.tag, call.count)
+            if len(self._bytes_calls) < 256:
+                self._bytes_calls[key] = got
+        return got
+
+    def broadcast(self, t: Any, root: int, limit: float) -> bool:
+        if not _plain(t):
+            return False
+        got = self._bytes_call("broadcast", t, root)
+        if got is None or not self._idle():
+            return False
+        try:
+            self._channel.broadcast(t.data_ptr(), got[1], got[0], root, limit, got[2], got[3])
+        finally:
+            self._exec.release()
+        return True
+
+    def all_gather(self, out: Any, inp: Any, limit: float) -> bool:
+        if not (_plain(out) and _plain(inp) and out.dtype == inp.dtype and out.numel() == inp.numel() * self._size):
+            return False
+        got = self._bytes_call("all_gather_into_tensor", inp, None)
+        if got is None or not self._idle():
+            return False
+        try:
+            self._channel.all_gather(inp.data_ptr(), out.data_ptr(), got[1], got[0], limit, got[2], got[3])
+        finally:
+            self._exec.release()
+        return True
+
+    def reduce_scatter(self, out: Any, inp: Any, op: Any, limit: float) -> bool:
+        """op: R.SUM (every channel type) or R.AVG (float32 and float64: the sum, then div_, as the general path)."""
+        if not (_plain(out) and _plain(inp) and out.dtype == inp.dtype and inp.numel() == out.numel() * self._size):
+            return False
+        types = _SUM_TYPES if op == R.SUM else _AVG_TYPES
+        if out.dtype not in types:
+            return False
+        key = (out.dtype, out.numel(), op)
+        got = self._sum_calls.get(key)
+        if got is None:
+            call = make("reduce_scatter_tensor", out.dtype, op, count=out.numel())
+            got = (TYPE_CODES[out.dtype], call.tag, call.count)
+            if len(self._sum_calls) < 256:
+                self._sum_calls[key] = got
+        if not self._idle():
+            return False
+        try:
+            self._channel.reduce_scatter_sum(inp.data_ptr(), out.data_ptr(), out.numel(), got[0], limit, 1.0, 1.0,
+                                             got[1], got[2])
+        finally:
+            self._exec.release()
+        if op == R.AVG:
+            with torch.no_grad():   # as the lane's jobs run: an output that requires grad is written in place
+                out.div_(self._size)
+        return True
+
+
+def fast_calls(transport: Any, size: int) -> Optional[FastCalls]:
+    """The FastCalls of a group over `transport`; None when its processes do not share one channel."""
+    if transport is None or transport.channel is None:
+        return None
+    return FastCalls(transport.channel, transport.exec_lock, size)

@@ -31,7 +31,7 @@ from torch._C._distributed_c10d import (AllgatherOptions, AllreduceCoalescedOpti
 
 from . import backend_setup, calls
 from .backend_cpu import CpuCollectives
-from .backend_fast import DoneWork, fast_paths
+from .backend_fast import DoneWork, fast_calls, fast_paths
 from .backend_lane import BackendError, BackendWork, Job, Lane
 from .backend_math import R, red_kind
 from .base import LazyText
@@ -86,6 +86,9 @@ class ProcessGroupNcclavg(dist.ProcessGroup):
         self._fast = fast_paths(self, self._lane.transport)   # Note [The backend's fast path]
         self._lane.fast_paths.extend(self._fast.values())
         self._fast_sum, self._fast_avg = self._fast.get(R.SUM), self._fast.get(R.AVG)
+        self._calls = fast_calls(self._lane.transport, size)   # the same, for broadcast, all-gather, reduce-scatter
+        if self._calls is not None:
+            self._lane.fast_paths.append(self._calls)
 
     @staticmethod
     def _nccl_options(timeout: datetime.timedelta, backend_options: Any) -> Any:
@@ -214,7 +217,9 @@ class ProcessGroupNcclavg(dist.ProcessGroup):
                     if path.run(tensors, limit):
                         return DoneWork(tensors)
                 except CHANNEL_ERRORS as e:
-                    return self._fast_failed(tensors, opts, limit, e)
+                    t = tensors[0]
+                    return self._fast_failed("allreduce", tensors, calls.make("all_reduce", t.dtype, rop, count=t.numel()),
+                                             limit, e)
         opts = opts if opts is not None else AllreduceOptions()
         t = self._one(tensors, "tensors")
         if isinstance(t, torch.Tensor) and t.layout == torch.sparse_coo:
@@ -225,13 +230,16 @@ class ProcessGroupNcclavg(dist.ProcessGroup):
         return self._submit("allreduce", opts, [t], tensors, lambda job: self._cpu.allreduce(job, t, op),
                             calls.make("all_reduce", t.dtype, op, count=t.numel()))
 
-    def _fast_failed(self, tensors: List[torch.Tensor], opts: Any, limit: float, e: BaseException) -> BackendWork:
-        """The failed Work of a fast-path all_reduce: the group fails as the lane's job would have."""
-        t = tensors[0]
-        job = Job(None, tensors, self._what("allreduce", [t]), limit, self._liveness.diagnose,
-                  calls.make("all_reduce", t.dtype, opts.reduceOp, count=t.numel()))
+    def _fast_failed(self, op: str, tensors: List[torch.Tensor], call: Call, limit: float,
+                     e: BaseException) -> BackendWork:
+        """The failed Work of a fast-path call: the group fails as the lane's job would have."""
+        job = Job(None, tensors, self._what(op, tensors[:1]), limit, self._liveness.diagnose, call)
         job._complete(self._lane._failed(job, e))
         return BackendWork(job, self._lane)
+
+    def _limit(self, opts: Any) -> float:
+        timeout = opts.timeout
+        return self._timeout if timeout == _UNSET_TIMEOUT else _seconds(timeout, self._timeout)
 
     def _sparse_allreduce(self, t: torch.Tensor, tensors: List[torch.Tensor], opts: Any) -> Any:
         if t.device.type == "cuda":
@@ -268,6 +276,17 @@ class ProcessGroupNcclavg(dist.ProcessGroup):
                             calls.make("reduce", t.dtype, op, root, t.numel()))
 
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:
+        if self._calls is not None and opts is not None and not opts.asyncOp:   # Note [The backend's fast path]
+            rop = opts.reduceOp
+            kind = R.SUM if rop == R.SUM else R.AVG if rop == R.AVG else None
+            if kind is not None:
+                limit = self._limit(opts)
+                try:
+                    if self._calls.reduce_scatter(output, input, kind, limit):
+                        return DoneWork([output])
+                except CHANNEL_ERRORS as e:
+                    return self._fast_failed("reduce_scatter_single", [input], calls.make(
+                        "reduce_scatter_tensor", output.dtype, kind, count=output.numel()), limit, e)
         opts = opts if opts is not None else ReduceScatterOptions()
         if self._device([output, input], "output_tensor, input_tensor") == "cuda":
             return self._nccl_group()._reduce_scatter_base(output, input, opts)
@@ -332,6 +351,18 @@ class ProcessGroupNcclavg(dist.ProcessGroup):
 
     # ------------------------------------------------------------------ data movement
     def broadcast(self, tensors: List[torch.Tensor], opts: Any = None) -> Any:
+        if self._calls is not None and opts is not None and not opts.asyncOp and type(tensors) is list \
+                and len(tensors) == 1:   # Note [The backend's fast path]
+            root = opts.rootRank
+            if type(root) is int and 0 <= root < self._size:
+                limit = self._limit(opts)
+                try:
+                    if self._calls.broadcast(tensors[0], root, limit):
+                        return DoneWork(tensors)
+                except CHANNEL_ERRORS as e:
+                    t = tensors[0]
+                    return self._fast_failed("broadcast", tensors, calls.make("broadcast", t.dtype, None, root, t.numel()),
+                                             limit, e)
         opts = opts if opts is not None else BroadcastOptions()
         t = self._one(tensors, "tensors")
         if self._device([t], "tensors") == "cuda":
@@ -341,6 +372,14 @@ class ProcessGroupNcclavg(dist.ProcessGroup):
                             calls.make("broadcast", t.dtype, None, root, t.numel()))
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:
+        if self._calls is not None and opts is not None and not opts.asyncOp:   # Note [The backend's fast path]
+            limit = self._limit(opts)
+            try:
+                if self._calls.all_gather(output, input, limit):
+                    return DoneWork([output])
+            except CHANNEL_ERRORS as e:
+                return self._fast_failed("all_gather_single", [input], calls.make(
+                    "all_gather_into_tensor", input.dtype, count=input.numel()), limit, e)
         opts = opts if opts is not None else AllgatherOptions()
         if self._device([output, input], "output_tensor, input_tensor") == "cuda":
             return self._nccl_group()._allgather_base(output, input, opts)

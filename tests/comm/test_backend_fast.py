@@ -34,3 +34,25 @@ def test_mismatch_through_the_fast_path_names_both_calls(tmp_path):
 
 def test_groups_that_used_the_fast_path_leave_nothing_mapped():
     run_ranks(W.groups_cycle_job, 2, args=(20,), timeout_s=240)
+
+
+def test_broadcast_all_gather_reduce_scatter_fast_and_general_paths_agree():
+    run_ranks(W.calls_agree_job, 2, timeout_s=300)
+
+
+def test_fast_broadcast_and_gathers_wait_behind_queued_ones():
+    run_ranks(W.calls_order_job, 2, timeout_s=240)
+
+
+def test_different_collectives_through_the_fast_paths_name_both_calls(tmp_path):
+    run_ranks(W.calls_mismatch_job, 2, args=(str(tmp_path),), timeout_s=120)
+    for rank in range(2):
+        rep = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert rep["first"].startswith("BackendMismatchError"), rep
+        assert "broadcast" in rep["first"] and "all_gather_into_tensor" in rep["first"], rep
+        assert "earlier collective failed" in rep["later"], rep
+    assert rep["taken"]["broadcast"] >= 1, rep
+
+
+def test_tensors_that_require_grad_take_the_fast_paths():
+    run_ranks(W.calls_grad_job, 2, timeout_s=120)
