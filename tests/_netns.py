@@ -1,5 +1,5 @@
-"""Two hosts on one machine for the multi-host tests (DESIGN.md 5c): two network namespaces joined by a
-veth pair, and torchrun started in each as one node of a two-node job.
+"""Two hosts on one machine for the multi-host tests (Note [Two hosts from network namespaces]): two
+network namespaces joined by a veth pair, and torchrun started in each as one node of a two-node job.
 
 Note [Two hosts from network namespaces]
 A network namespace has its own interfaces, addresses, routes and ports: processes in two of them can

@@ -282,7 +282,7 @@ def test_local_backend_on_one_gpu_collectives(n, dtype):
         want = torch.tensor(x.mean(0), dtype=dt)
         assert all(torch.equal(t.cpu(), want) for t in ts), (dtype, numel)
         # random inputs, async: the same arithmetic as the CPU path (fp32 sum in tower order, one division,
-        # one rounding; DESIGN section 4), so bit for bit equal to it, and within the float64 bound
+        # one rounding), so bit for bit equal to it, and within the float64 bound
         xs = [(torch.randn(numel, generator=gen) * 10).to(dt) for _ in range(n)]
         ts = [x.to("cuda:0") for x in xs]
         work = comm.all_reduce_avg_async(ts, tag="r")
@@ -380,7 +380,7 @@ def test_averager_towers_sharing_one_gpu_match_float64(n, dtype, overlap):
         assert avg.nonfinite() == []
         for i in range(len(shapes)):
             xs = [cs[t][i].clone() for t in range(n)]
-            cpu.all_reduce_avg(xs)          # the CPU path's result: the same arithmetic (DESIGN section 4)
+            cpu.all_reduce_avg(xs)          # the CPU path's result: the same arithmetic
             for t in range(n):
                 g = towers[t].ps[i].grad
                 assert g.device == torch.device("cuda:0")

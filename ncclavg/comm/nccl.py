@@ -6,9 +6,10 @@ made to wait for it, so nothing synchronises the host. Host-side waits (Work.wai
 timeout the core aborts the communicator and raises CommTimeoutError.
 
 Note [GPU towers of several processes]
-Under torch.distributed, every CUDA tower of every process is one rank of ONE NCCL communicator (DESIGN
-5c), whether a process feeds one tower (init_rank) or several (init_ranks): the average of a bucket is
-one NCCL collective over all towers, with no second, per-process stage. Ranks are numbered process-major:
+Under torch.distributed, every CUDA tower of every process is one rank of ONE NCCL communicator (as
+the CPU towers are: Note [Towers of several processes] in ncclavg/train/distributed.py), whether a
+process feeds one tower (init_rank) or several (init_ranks): the average of a bucket is one NCCL
+collective over all towers, with no second, per-process stage. Ranks are numbered process-major:
 process p's T_p towers are ranks offset_p .. offset_p + T_p - 1, offset_p = T_0 + ... + T_(p-1), the
 global tower numbering of the gloo backend (Note [Hierarchical CPU average] in gloo.py), so
 reduce_scatter_avg's shard of local tower t is shard offset_p + t on both backends. The tower counts

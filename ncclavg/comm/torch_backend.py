@@ -597,13 +597,6 @@ def _create(dist_opts: Any, backend_options: Any) -> ProcessGroupNcclavg:
                                dist_opts.group_id, list(dist_opts.global_ranks_in_group), backend_options)
 
 
-def register() -> None:
-    """Registers the backend name with torch.distributed (idempotent)."""
-    if NAME.upper() in getattr(dist.Backend, "_plugins", {}):
-        return
-    dist.Backend.register_backend(NAME, _create, extended_api=True, devices=["cpu", "cuda"])
-
-
 def _end_of_process() -> None:
     """At exit: let every lane finish what was queued (bounded) and stop the worker threads before the
     interpreter stops, so that no thread of ours returns into Python while it shuts down (Note [Gloo

@@ -81,7 +81,7 @@ class TowerTrainer:
     """Data-parallel training over towers: this process's `devices`, and under torchrun (or given `comm`)
     the towers of every process; see Note [Towers of several processes] in distributed.py. `timeout`
     (seconds, default NCCLAVG_TIMEOUT or 600) bounds every wait on another process. See the module
-    docstring and DESIGN.md."""
+    docstring and docs/architecture.md."""
 
     def __init__(self, model: nn.Module, devices: Sequence[Any] | str | None = None, optimizer: str = "adamw",
                  lr: float = 1e-3, lr_schedule: ScheduleSpec = None, weight_decay: float = 0.0,

@@ -1,7 +1,7 @@
 """`ncclavg train` on two hosts for real: two network namespaces joined by a veth pair, one torchrun node
 in each (Note [Two hosts from network namespaces] in tests/_netns.py), 2 CPU towers per node. The run
 takes the steps of one process with 4 towers (Note [Towers of several processes]), and losing the second
-host ends the first with an error within the communicators' timeout (DESIGN.md 5c)."""
+host ends the first with an error within the communicators' timeout."""
 import os
 import re
 import subprocess
