@@ -206,7 +206,10 @@ print(json.dumps(results))
 
 def import_alone(pkg_parent: Path, modules: list[str], timeout: float = 300) -> list[dict]:
     """For each module: did `import module` succeed on its own, and which ncclavg modules did it load."""
-    env = dict(os.environ, PYTHONPATH=str(pkg_parent) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    # NCCLAVG_AUTOLOAD=0: the installed ncclavg's torch.backends entry point would import it with torch,
+    # before the probe's first fork (and from the installed tree, not pkg_parent's copy).
+    env = dict(os.environ, PYTHONPATH=str(pkg_parent) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               NCCLAVG_AUTOLOAD="0")
     r = subprocess.run([sys.executable, "-c", _PROBE, *modules], capture_output=True, text=True, env=env,
                        cwd=str(pkg_parent), timeout=timeout)
     if r.returncode != 0:

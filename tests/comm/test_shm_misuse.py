@@ -51,6 +51,9 @@ def test_another_user_is_refused_from_a_private_checkout(tmp_path):
     home = tmp_path / "home"
     home.mkdir(mode=0o700)
     shutil.copytree(os.path.dirname(ncclavg.__file__), home / "ncclavg")
+    # the module of the installed ncclavg's torch.backends entry point, which `import torch` loads: from
+    # this copy too (an editable install's finder is not active under -S)
+    shutil.copy(os.path.join(os.path.dirname(os.path.dirname(ncclavg.__file__)), "_ncclavg_autoload.py"), home)
     (home / "tests").mkdir()
     for name in ("_shm_misuse_workers.py", "_shm_workers.py", "_shm_util.py"):
         shutil.copy(os.path.join(TESTS, name), home / "tests" / name)
