@@ -29,7 +29,7 @@ from torch._C._distributed_c10d import (AllgatherOptions, AllreduceCoalescedOpti
                                         AllToAllOptions, BarrierOptions, BroadcastOptions, GatherOptions, PrefixStore,
                                         ReduceOptions, ReduceScatterOptions, ScatterOptions)
 
-from . import backend_setup, calls
+from . import backend_setup, calls, flight, profiling
 from .backend_cpu import CpuCollectives
 from .backend_fast import DoneWork, fast_paths
 from .backend_lane import BackendError, BackendWork, Job, Lane
@@ -39,6 +39,7 @@ from .calls import Call
 from .shm_fast import CHANNEL_ERRORS
 
 NAME = "ncclavg"
+_profiling = profiling.enabled   # is torch's profiler on (in this thread)? ~45 ns
 _UNSET_TIMEOUT = AllreduceOptions().timeout   # what torch's options hold when the caller gave none
 _INTEGER_OK = (R.SUM, R.AVG, R.MIN, R.MAX, R.PRODUCT, R.BAND, R.BOR, R.BXOR)
 _FLOAT_OK = (R.SUM, R.AVG, R.MIN, R.MAX, R.PRODUCT, R.PREMUL_SUM)
@@ -86,6 +87,9 @@ class ProcessGroupNcclavg(dist.ProcessGroup):
         self._fast = fast_paths(self, self._lane.transport)   # Note [The backend's fast path]
         self._lane.fast_paths.extend(self._fast.values())
         self._fast_sum, self._fast_avg = self._fast.get(R.SUM), self._fast.get(R.AVG)
+        # Note [What a job records] in backend_lane.py; the fast path records with flight.record_fast
+        self._flight = flight.for_group(self._name, rank, size, self.global_ranks[rank], self.transport)
+        self._lane.recorder = self._flight
 
     @staticmethod
     def _nccl_options(timeout: datetime.timedelta, backend_options: Any) -> Any:
@@ -109,6 +113,8 @@ class ProcessGroupNcclavg(dist.ProcessGroup):
 
     def _set_group_name(self, name: str) -> None:
         self._name = str(name)
+        if self._flight is not None:
+            self._flight.group = self._name
 
     @property
     def group_desc(self) -> str:
@@ -193,6 +199,10 @@ class ProcessGroupNcclavg(dist.ProcessGroup):
             raise BackendError(f"ncclavg {op}: the process group was shut down")
         job = Job(body, result, self._what(op, tensors), _seconds(getattr(opts, "timeout", None), self._timeout),
                   self._liveness.diagnose, call)
+        if self._flight is not None and call is not None:   # Note [What a job records] in backend_lane.py
+            job.rec = self._flight.issue(call, tensors)
+        if _profiling():   # Note [Profiler ranges of a Python backend] in profiling.py
+            job.prof = profiling.begin(op, tensors)
         return self._lane.submit(job, inline=not getattr(opts, "asyncOp", True))
 
     def _nccl_group(self) -> Any:

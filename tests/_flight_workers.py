@@ -1,0 +1,68 @@
+"""Bodies of the flight recorder's and the profiler's multi-process tests (spawned children import this
+module by name): ncclavg/comm/flight.py, flight_reader.py, profiling.py."""
+import os
+import signal
+import time
+
+import torch
+import torch.distributed as dist
+
+from _backend_workers import init_backend
+
+
+def frozen_peer_job(rank, world, port, outdir, timeout):
+    """A few collectives in step (all issued async: a synchronous float all_reduce may take the fast
+    path, backend_fast.py), then rank 1 writes its record on demand and freezes (SIGSTOP); rank 0's next
+    collective, a broadcast rank 1 never issues, times out and rank 0's record is written by the failure."""
+    from _fault_util import report
+    from ncclavg.comm import flight
+
+    os.environ["NCCLAVG_TRACE_DIR"] = outdir
+    init_backend(rank, world, port, timeout_s=timeout)
+    for _ in range(3):
+        dist.all_reduce(torch.ones(1024), async_op=True).wait()
+    dist.barrier()
+    if rank == 1:
+        flight.dump(dist.group.WORLD)
+        os.kill(os.getpid(), signal.SIGSTOP)
+        time.sleep(60)
+    time.sleep(0.2)   # rank 1 is frozen before rank 0's next call
+    try:
+        dist.broadcast(torch.zeros(7, dtype=torch.float64), src=0)
+        report(outdir, rank, type="none")
+    except Exception as e:   # noqa: BLE001 (reported for the test to judge)
+        report(outdir, rank, type=type(e).__name__, msg=str(e))
+    from ncclavg.comm import end_process
+
+    end_process(0)
+
+
+def ddp_profile_job(rank, world, port, outdir, steps, bucket_mb):
+    """`steps` DDP steps under torch.profiler (record_shapes); rank 0 writes the events it saw of the
+    backend's collectives as JSON for the test."""
+    import json
+
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from torch.profiler import ProfilerActivity, profile
+
+    init_backend(rank, world, port)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256),
+                                torch.nn.ReLU(), torch.nn.Linear(256, 4))
+    ddp = DDP(model, bucket_cap_mb=bucket_mb)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
+    ddp(torch.randn(8, 64)).sum().backward()   # the first step: DDP rebuilds its buckets after it
+    opt.step()
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        for _ in range(steps):
+            opt.zero_grad()
+            ddp(torch.randn(8, 64)).sum().backward()
+            opt.step()
+    sizes = ddp._get_ddp_logging_data().get("bucket_sizes", "")
+    buckets = len([s for s in str(sizes).split(",") if s.strip()])
+    events = [{"name": e.name, "shapes": e.input_shapes, "thread": e.thread, "us": e.time_range.elapsed_us()}
+              for e in prof.events() if e.name.startswith(("c10d::", "ncclavg"))]
+    if rank == 0:
+        with open(os.path.join(outdir, "events.json"), "w") as f:
+            json.dump({"events": events, "buckets": buckets}, f)
+    dist.barrier()
