@@ -38,8 +38,9 @@ def frozen_peer_job(rank, world, port, outdir, timeout):
 
 
 def ddp_profile_job(rank, world, port, outdir, steps, bucket_mb):
-    """`steps` DDP steps under torch.profiler (record_shapes); rank 0 writes the events it saw of the
-    backend's collectives as JSON for the test."""
+    """`steps` DDP steps under torch.profiler (record_shapes), then one synchronous broadcast (run on the
+    caller's thread: its transport step is recorded too); rank 0 writes the events it saw of the
+    backend's collectives and DDP's bucket sizes as JSON for the test."""
     import json
 
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -51,16 +52,19 @@ def ddp_profile_job(rank, world, port, outdir, steps, bucket_mb):
                                 torch.nn.ReLU(), torch.nn.Linear(256, 4))
     ddp = DDP(model, bucket_cap_mb=bucket_mb)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
-    ddp(torch.randn(8, 64)).sum().backward()   # the first step: DDP rebuilds its buckets after it
-    opt.step()
+    for _ in range(2):   # DDP rebuilds its buckets after the first step, broadcasting the new plan in the second
+        ddp(torch.randn(8, 64)).sum().backward()
+        opt.step()
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
         for _ in range(steps):
             opt.zero_grad()
             ddp(torch.randn(8, 64)).sum().backward()
             opt.step()
-    sizes = ddp._get_ddp_logging_data().get("bucket_sizes", "")
-    buckets = len([s for s in str(sizes).split(",") if s.strip()])
-    events = [{"name": e.name, "shapes": e.input_shapes, "thread": e.thread, "us": e.time_range.elapsed_us()}
+        dist.group.WORLD._lane.drain(10.0)   # idle: the synchronous call runs on this thread (Note [Backend lanes])
+        dist.broadcast(torch.zeros(5, 3), src=0)
+    sizes = ddp._get_ddp_logging_data()["rebuilt_bucket_sizes"]   # bytes, "267280, 66560"
+    buckets = [int(s) // 4 for s in str(sizes).split(",")]
+    events = [{"name": e.name, "shapes": e.input_shapes, "parent": e.cpu_parent.name if e.cpu_parent else None}
               for e in prof.events() if e.name.startswith(("c10d::", "ncclavg"))]
     if rank == 0:
         with open(os.path.join(outdir, "events.json"), "w") as f:
