@@ -11,7 +11,8 @@ step. The verdict, per group, first that applies:
 - ranks whose last issued seq is lower than the others': they are behind; each is named with its last
   completed collective, and the others with the first collective it never issued (where they wait);
 - every rank issued the same last seq: the ranks agree; a collective not complete on every rank is named
-  (the ranks were in step and the collective itself stalled: a frozen process, the transport).
+  (the ranks were in step and the collective itself stalled: a frozen process, the transport), and a
+  rank that issued it LATE_S or more after another (the wall clocks of one host, roughly those of two).
 A seq older than a rank's ring (NCCLAVG_TRACE_BUFFER_SIZE) is not compared; the verdict says so.
 """
 from __future__ import annotations
@@ -22,6 +23,7 @@ import os
 from typing import Any, Dict, List, Sequence
 
 PATTERN = "ncclavg-trace-*.json"
+LATE_S = 1.0   # a rank that issued a collective this much after another is named as late
 
 
 def load(paths: Sequence[str]) -> List[Dict[str, Any]]:
@@ -124,6 +126,13 @@ def _group_verdict(name: str, ranks: Dict[int, Dict[str, Any]]) -> List[str]:
     out.append(f"  the ranks are in step (every rank issued seq {low}); it is not complete on rank(s) "
                f"{sorted(stuck)}:")
     out.extend(f"    rank {r}: {_where(e)}" for r, e in sorted(stuck.items()))
+    issued = {r: by_seq[r][low].get("issued") for r in ranks if low in by_seq[r]}
+    if len(issued) > 1 and all(isinstance(t, (int, float)) for t in issued.values()):
+        first, late = min(issued, key=issued.get), max(issued, key=issued.get)
+        gap = issued[late] - issued[first]
+        if gap >= LATE_S:
+            out.append(f"  rank {late} issued seq {low} {gap:.1f} s after rank {first}: it was held up before it "
+                       "(compute, data loading, a lock), not in a collective")
     return out
 
 

@@ -1,4 +1,4 @@
-"""What torch.profiler shows of the `ncclavg` backend (torch_backend.py) and of ncclavg's own API: each
+"""What torch.profiler shows of the `ncclavg` backend (torch_backend.py): each
 collective under the name torch's backends give it (`c10d::allreduce_`, ...), with the transport step
 inside it as a child range (`ncclavg:shm:all_reduce_sum`, `ncclavg:gloo:all_reduce`).
 
@@ -72,10 +72,3 @@ def step(job: Any, transport: str, what: str) -> Any:
         return _NOTHING
     return _RecordFunctionFast(f"ncclavg:{transport}:{what}")
 
-
-def api(name: str) -> Any:
-    """A range for one call of ncclavg's own API (Communicator.all_reduce_avg, the trainer's phases):
-    `with profiling.api("ncclavg::all_reduce_avg"):`; a no-op with no profiler running."""
-    if not enabled():
-        return _NOTHING
-    return _RecordFunctionFast(name)

@@ -120,9 +120,11 @@ def test_reader_all_agree_and_in_step_stalls():
     done = [_dump(r, [{"seq": s} for s in range(1, 4)], size=3) for r in range(3)]
     assert flight_reader.verdict(done)[-1] == "  all ranks agree: every rank issued and completed seq 3 " \
                                               "(all_reduce of 1024 float32)"
-    stalled = [_dump(r, [{"seq": 1}, {"seq": 2, "state": "running" if r == 2 else "done"}], size=3) for r in range(3)]
+    stalled = [_dump(r, [{"seq": 1}, {"seq": 2, "state": "running" if r == 2 else "done", "issued": 100.0 + 9 * r}],
+                     size=3) for r in range(3)]
     lines = flight_reader.verdict(stalled)
     assert "in step (every rank issued seq 2)" in lines[1] and "rank(s) [2]" in lines[1], lines
+    assert lines[-1].startswith("  rank 2 issued seq 2 18.0 s after rank 0: it was held up before it"), lines
     missing = flight_reader.verdict(done[:2])
     assert "no dump of rank(s) [2]" in missing[1], missing
 
