@@ -140,3 +140,17 @@ def test_trace_command(tmp_path, capsys):
     (tmp_path / "bad.json").write_text("{}")
     assert main(["trace", str(tmp_path / "bad.json")]) == 2
     assert "not a flight recorder dump" in capsys.readouterr().err
+
+
+def test_sigusr1_dumps_every_group(tmp_path, monkeypatch):
+    previous = signal.getsignal(signal.SIGUSR1)
+    monkeypatch.setenv(flight.ENV_DIR, str(tmp_path))
+    monkeypatch.setenv(flight.ENV_SIGNAL, "1")
+    monkeypatch.setattr(flight, "_signal_installed", False)
+    try:
+        rec = flight.for_group("sig", 1, 2, 1, "shm")
+        os.kill(os.getpid(), signal.SIGUSR1)   # the handler runs on this (the main) thread before the next line
+        with open(tmp_path / rec.file_name()) as f:
+            assert json.load(f)["reason"] == "signal"
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
