@@ -28,7 +28,7 @@ def frozen_peer_job(rank, world, port, outdir, timeout):
         time.sleep(60)
     time.sleep(0.2)   # rank 1 is frozen before rank 0's next call
     try:
-        dist.broadcast(torch.zeros(7, dtype=torch.float64), src=0)
+        dist.broadcast(torch.zeros(7, dtype=torch.float64), src=0, async_op=True).wait()   # not a fast path either
         report(outdir, rank, type="none")
     except Exception as e:   # noqa: BLE001 (reported for the test to judge)
         report(outdir, rank, type=type(e).__name__, msg=str(e))
