@@ -212,7 +212,7 @@ class ProcessGroupNcclavg(dist.ProcessGroup):
 
     # ------------------------------------------------------------------ all-reduce family
     def allreduce(self, tensors: List[torch.Tensor], opts: Any = None) -> Any:
-        if self._fast and opts is not None and not opts.asyncOp:   # Note [The backend's fast path]
+        if self._fast and opts is not None and not opts.asyncOp and not _profiling():   # Note [The backend's fast path]
             # Written for speed: a ReduceOp compares with a RedOpType in a third of the time that reading
             # its .op takes, and an unset timeout is one comparison (torch makes new options per call).
             rop = opts.reduceOp
