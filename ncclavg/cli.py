@@ -1,8 +1,9 @@
-"""The `ncclavg` command: info | bench | train.
+"""The `ncclavg` command: info | bench | train | trace.
 
-`info` lives here; `bench` and `train` live in ncclavg/bench/cli.py and ncclavg/train/cli.py, each adding
-its subparser. Shared conventions: a bad argument raises `ncclavg.errors.UsageError`, which `main`
-prints on one line (`ncclavg train: error: ...`) with exit code 2.
+`info` and `trace` (the reader of the flight recorder's dumps, ncclavg/comm/flight_reader.py, imported
+when the command runs) live here; `bench` and `train` live in ncclavg/bench/cli.py and
+ncclavg/train/cli.py, each adding its subparser. Shared conventions: a bad argument raises
+`ncclavg.errors.UsageError`, which `main` prints on one line (`ncclavg train: error: ...`) with exit code 2.
 """
 from __future__ import annotations
 
@@ -27,13 +28,26 @@ def _cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_trace(args: argparse.Namespace) -> int:
+    from .comm import flight_reader   # on use only: building the parser stays torch-free
+
+    try:
+        return flight_reader.main(args.dumps, args.last)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ncclavg", description="Fused gradient averaging for data-parallel training.")
-    sub = p.add_subparsers(dest="command", metavar="{info,bench,train}")
+    sub = p.add_subparsers(dest="command", metavar="{info,bench,train,trace}")
     sub.required = True
     pi = sub.add_parser("info", help="show build options, devices, NCCL and SIMD level")
     pi.add_argument("--json", action="store_true", help="print the build_info() dict as JSON")
     pi.set_defaults(func=_cmd_info)
+    pt = sub.add_parser("trace", help="merge the flight recorder's dumps of a job's ranks; say where they diverge")
+    pt.add_argument("dumps", nargs="+", metavar="DUMP", help="dump files, or directories of ncclavg-trace-*.json")
+    pt.add_argument("--last", type=int, default=3, help="collectives shown per dump (default 3)")
+    pt.set_defaults(func=_cmd_trace)
     # Imported here, not at module level: the core never imports ncclavg.bench or ncclavg.train when it
     # loads (`import ncclavg` works without torch), only when the command line is built.
     from .bench import cli as bench_cli

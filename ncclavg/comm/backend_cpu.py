@@ -37,7 +37,7 @@ import torch
 from torch._C._distributed_c10d import (AllgatherOptions, AllreduceOptions, AllToAllOptions, BroadcastOptions,
                                         GatherOptions, ReduceOp, ReduceScatterOptions, ScatterOptions)
 
-from . import shm
+from . import profiling, shm
 from .backend_lane import Job
 from .backend_math import R, as_bytes, byte_wire, exact_mean, padded, premul_factor, red_kind, reduce_rows
 from .calls import check_over_gloo
@@ -63,8 +63,9 @@ class CpuCollectives:
         """One channel collective of this job; the lane's watchdog ends it at the job's deadline (Note
         [Per-collective deadlines] in backend_lane.py), the channel's own limit is the backstop."""
         limit = job.channel_limit()
-        work = getattr(self.transport, method)(*args, sync=True, timeout=limit, call=job.call, **kwargs)
-        work.wait(datetime.timedelta(seconds=limit + 1.0))
+        with profiling.step(job, self.transport.kind, method):   # Note [Profiler ranges of a Python backend]
+            work = getattr(self.transport, method)(*args, sync=True, timeout=limit, call=job.call, **kwargs)
+            work.wait(datetime.timedelta(seconds=limit + 1.0))
         if job.call is not None:
             job.call.checked = True
 
@@ -78,14 +79,19 @@ class CpuCollectives:
             return
         if self.transport is not None:
             limit = job.channel_limit()
-            work = self.transport.check(call, sync=True, timeout=limit)
-            work.wait(datetime.timedelta(seconds=limit + 1.0))
+            with profiling.step(job, self.transport.kind, "check"):
+                work = self.transport.check(call, sync=True, timeout=limit)
+                work.wait(datetime.timedelta(seconds=limit + 1.0))
             call.checked = True
         else:
-            check_over_gloo(self.gloo, call, self.rank, self.size, job.remaining())
+            with profiling.step(job, "gloo", "check"):
+                check_over_gloo(self.gloo, call, self.rank, self.size, job.remaining())
 
     def _gloo(self, job: Job, work: Any) -> None:
-        job.wait_gloo(work)
+        # the wait only: gloo's work was issued by the caller's argument (and gloo records its own range,
+        # `gloo:all_reduce`, on its thread when the issuing thread is profiled)
+        with profiling.step(job, "gloo", job.call.collective if job.call is not None else "wait"):
+            job.wait_gloo(work)
 
     def _gather_into(self, job: Job, out_bytes: torch.Tensor, in_bytes: torch.Tensor) -> None:
         """out_bytes (size x in_bytes, uint8) = every rank's in_bytes, in rank order, through the channel."""

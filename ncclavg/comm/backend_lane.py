@@ -34,6 +34,14 @@ the lost rank (the group's heartbeats) and aborts the channel with that text, wh
 wait at once and fails every peer's next wait with the same words: the user's call and the group's
 timeout, on every rank. The channel's own limit is a backstop BACKSTOP_S later (Job.channel_limit), so
 that its lower-level text ("all_reduce_sum timed out after 1.998 s") is not the one the peers read.
+
+Note [What a job records]
+A job issued with a flight recorder on carries its record (`rec`, flight.py) and, when issued while
+torch's profiler runs, its open profiler range (`prof`, profiling.py): the lane marks the record running
+when it starts the job; completing the job marks it done or failed and ends the range, on whichever
+thread completes it. The lane's first failure (`_fail`) hands the recorder the failure and the job it
+happened in, and the recorder writes its dump then: every timeout, lost peer, mismatch and abort leaves
+the group's last collectives behind (Note [Dumps are written whole] in flight.py).
 """
 from __future__ import annotations
 
@@ -48,6 +56,7 @@ import torch.distributed as dist
 
 from .._ext import _C
 from ..errors import CommError
+from . import flight, profiling
 from .liveness import DIAGNOSE_S
 
 WATCH_S = 0.2      # how often the watchdog looks at the running collective
@@ -86,7 +95,7 @@ class Job:
     (Note [Every call compared] in backend_cpu.py); `namer` names the lost rank after a timeout."""
 
     __slots__ = ("run", "result", "what", "timeout", "namer", "call", "deadline", "expired", "error", "event",
-                 "future", "__weakref__")
+                 "future", "rec", "prof", "__weakref__")
 
     def __init__(self, run: Callable[["Job"], None], result: Any, what: str, timeout: float,
                  namer: Optional[Callable[[], str]] = None, call: Any = None):
@@ -97,6 +106,8 @@ class Job:
         self.error: Optional[BaseException] = None
         self.event = threading.Event()
         self.future = torch.futures.Future()
+        self.rec: Optional[list] = None   # Note [What a job records]
+        self.prof: Any = None
 
     def remaining(self) -> float:
         """Seconds left before the deadline (raises BackendTimeoutError when none are)."""
@@ -118,6 +129,10 @@ class Job:
         if error is not None and not isinstance(error, Exception):   # a KeyboardInterrupt on the lane
             error = BackendError(f"{self.what} was interrupted: {type(error).__name__}")
         self.error = error
+        if self.rec is not None:
+            flight.finish(self.rec, error)
+        if self.prof is not None:
+            profiling.end(self.prof)
         self.event.set()
         if error is None:
             self.future.set_result(self.result)
@@ -199,6 +214,7 @@ class Lane:
         self._exec: Any = transport.exec_lock if transport is not None else threading.Lock()
         self._counted = transport.exec_lock if transport is not None else None
         self.fast_paths: List[Any] = []
+        self.recorder: Optional[flight.Recorder] = None   # set by the group (Note [What a job records])
         self._worker: Optional[threading.Thread] = None
         self._watchdog: Optional[threading.Thread] = None
         self._stop = threading.Event()
@@ -261,6 +277,8 @@ class Lane:
             self._exec.acquire()
         try:
             job.deadline = time.monotonic() + job.timeout
+            if job.rec is not None:
+                flight.start(job.rec)
             if self.failure is not None:   # failed while this job waited in the queue
                 error = BackendError(f"{job.what} refused: an earlier collective failed ({self.failure}); the "
                                      "process group is unusable now")
@@ -315,13 +333,14 @@ class Lane:
             msg = f"{timed_out(job.what, job.timeout)}{who} ({text})"
         else:   # a mismatch (both calls named), a peer that exited, an abort, a broken connection
             msg = f"{job.what} failed{who}: {text}"
-        self._fail(msg, mismatch)
+        self._fail(msg, mismatch, job)
         cls = BackendTimeoutError if timed_out_now else BackendMismatchError if mismatch else BackendError
         return cls(msg + "; the process group is unusable now")
 
-    def _fail(self, msg: str, mismatch: bool = False) -> None:
+    def _fail(self, msg: str, mismatch: bool = False, job: Optional[Job] = None) -> None:
         with self._lock:
-            if self.failure is None:
+            first = self.failure is None
+            if first:
                 self.failure = msg
         self._disable_fast_paths()
         if self.transport is not None:
@@ -329,6 +348,8 @@ class Lane:
                 self.transport.abort(msg, mismatch)   # the peers fail at their next wait instead of at their timeout
             except Exception:   # noqa: BLE001 (an abort is best effort)
                 pass
+        if first and self.recorder is not None:   # after the abort: the peers need not wait for the dump
+            self.recorder.failed(msg, job)
 
     def _watch(self) -> None:
         """See Note [Per-collective deadlines]."""

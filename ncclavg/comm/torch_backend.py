@@ -29,7 +29,7 @@ from torch._C._distributed_c10d import (AllgatherOptions, AllreduceCoalescedOpti
                                         AllToAllOptions, BarrierOptions, BroadcastOptions, GatherOptions, PrefixStore,
                                         ReduceOptions, ReduceScatterOptions, ScatterOptions)
 
-from . import backend_setup, calls
+from . import backend_setup, calls, flight, profiling
 from .backend_cpu import CpuCollectives
 from .backend_fast import DoneWork, fast_calls, fast_paths
 from .backend_lane import BackendError, BackendWork, Job, Lane
@@ -39,6 +39,7 @@ from .calls import Call
 from .shm_fast import CHANNEL_ERRORS
 
 NAME = "ncclavg"
+_profiling = profiling.enabled   # is torch's profiler on (in this thread)? ~45 ns
 _UNSET_TIMEOUT = AllreduceOptions().timeout   # what torch's options hold when the caller gave none
 _INTEGER_OK = (R.SUM, R.AVG, R.MIN, R.MAX, R.PRODUCT, R.BAND, R.BOR, R.BXOR)
 _FLOAT_OK = (R.SUM, R.AVG, R.MIN, R.MAX, R.PRODUCT, R.PREMUL_SUM)
@@ -89,6 +90,9 @@ class ProcessGroupNcclavg(dist.ProcessGroup):
         self._calls = fast_calls(self._lane.transport, size)   # the same, for broadcast, all-gather, reduce-scatter
         if self._calls is not None:
             self._lane.fast_paths.append(self._calls)
+        # Note [What a job records] in backend_lane.py; the fast paths record with Recorder.done
+        self._flight = flight.for_group(self._name, rank, size, self.global_ranks[rank], self.transport)
+        self._lane.recorder = self._flight
 
     @staticmethod
     def _nccl_options(timeout: datetime.timedelta, backend_options: Any) -> Any:
@@ -112,6 +116,8 @@ class ProcessGroupNcclavg(dist.ProcessGroup):
 
     def _set_group_name(self, name: str) -> None:
         self._name = str(name)
+        if self._flight is not None:
+            self._flight.group = self._name
 
     @property
     def group_desc(self) -> str:
@@ -196,6 +202,10 @@ class ProcessGroupNcclavg(dist.ProcessGroup):
             raise BackendError(f"ncclavg {op}: the process group was shut down")
         job = Job(body, result, self._what(op, tensors), _seconds(getattr(opts, "timeout", None), self._timeout),
                   self._liveness.diagnose, call)
+        if self._flight is not None and call is not None:   # Note [What a job records] in backend_lane.py
+            job.rec = self._flight.issue(call, tensors)
+        if _profiling():   # Note [Profiler ranges of a Python backend] in profiling.py
+            job.prof = profiling.begin(op, tensors)
         return self._lane.submit(job, inline=not getattr(opts, "asyncOp", True))
 
     def _nccl_group(self) -> Any:
@@ -205,7 +215,7 @@ class ProcessGroupNcclavg(dist.ProcessGroup):
 
     # ------------------------------------------------------------------ all-reduce family
     def allreduce(self, tensors: List[torch.Tensor], opts: Any = None) -> Any:
-        if self._fast and opts is not None and not opts.asyncOp:   # Note [The backend's fast path]
+        if self._fast and opts is not None and not opts.asyncOp and not _profiling():   # Note [The backend's fast path]
             # Written for speed: a ReduceOp compares with a RedOpType in a third of the time that reading
             # its .op takes, and an unset timeout is one comparison (torch makes new options per call).
             rop = opts.reduceOp
@@ -215,6 +225,9 @@ class ProcessGroupNcclavg(dist.ProcessGroup):
                 limit = self._timeout if timeout == _UNSET_TIMEOUT else _seconds(timeout, self._timeout)
                 try:
                     if path.run(tensors, limit):
+                        if self._flight is not None:   # Note [A ring of plain lists] in flight.py
+                            t = tensors[0]
+                            self._flight.done(("all_reduce", rop, None), t.dtype, t.numel())
                         return DoneWork(tensors)
                 except CHANNEL_ERRORS as e:
                     t = tensors[0]
@@ -276,13 +289,15 @@ class ProcessGroupNcclavg(dist.ProcessGroup):
                             calls.make("reduce", t.dtype, op, root, t.numel()))
 
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:
-        if self._calls is not None and opts is not None and not opts.asyncOp:   # Note [The backend's fast path]
-            rop = opts.reduceOp
+        if self._calls is not None and opts is not None and not opts.asyncOp and not _profiling():
+            rop = opts.reduceOp   # Note [The backend's fast path]
             kind = R.SUM if rop == R.SUM else R.AVG if rop == R.AVG else None
             if kind is not None:
                 limit = self._limit(opts)
                 try:
                     if self._calls.reduce_scatter(output, input, kind, limit):
+                        if self._flight is not None:
+                            self._flight.done(("reduce_scatter_tensor", kind, None), output.dtype, output.numel())
                         return DoneWork([output])
                 except CHANNEL_ERRORS as e:
                     return self._fast_failed("reduce_scatter_single", [input], calls.make(
@@ -352,12 +367,15 @@ class ProcessGroupNcclavg(dist.ProcessGroup):
     # ------------------------------------------------------------------ data movement
     def broadcast(self, tensors: List[torch.Tensor], opts: Any = None) -> Any:
         if self._calls is not None and opts is not None and not opts.asyncOp and type(tensors) is list \
-                and len(tensors) == 1:   # Note [The backend's fast path]
+                and len(tensors) == 1 and not _profiling():   # Note [The backend's fast path]
             root = opts.rootRank
             if type(root) is int and 0 <= root < self._size:
                 limit = self._limit(opts)
                 try:
                     if self._calls.broadcast(tensors[0], root, limit):
+                        if self._flight is not None:
+                            t = tensors[0]
+                            self._flight.done(("broadcast", None, root), t.dtype, t.numel())
                         return DoneWork(tensors)
                 except CHANNEL_ERRORS as e:
                     t = tensors[0]
@@ -372,10 +390,12 @@ class ProcessGroupNcclavg(dist.ProcessGroup):
                             calls.make("broadcast", t.dtype, None, root, t.numel()))
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:
-        if self._calls is not None and opts is not None and not opts.asyncOp:   # Note [The backend's fast path]
-            limit = self._limit(opts)
+        if self._calls is not None and opts is not None and not opts.asyncOp and not _profiling():
+            limit = self._limit(opts)   # Note [The backend's fast path]
             try:
                 if self._calls.all_gather(output, input, limit):
+                    if self._flight is not None:
+                        self._flight.done(("all_gather_into_tensor", None, None), input.dtype, input.numel())
                     return DoneWork([output])
             except CHANNEL_ERRORS as e:
                 return self._fast_failed("all_gather_single", [input], calls.make(

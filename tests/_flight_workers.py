@@ -1,0 +1,94 @@
+"""Bodies of the flight recorder's and the profiler's multi-process tests (spawned children import this
+module by name): ncclavg/comm/flight.py, flight_reader.py, profiling.py."""
+import os
+import signal
+import time
+
+import torch
+import torch.distributed as dist
+
+from _backend_workers import init_backend
+
+
+def frozen_peer_job(rank, world, port, outdir, timeout):
+    """A few collectives in step (all issued async: a synchronous float all_reduce may take the fast
+    path, backend_fast.py), then rank 1 writes its record on demand and freezes (SIGSTOP); rank 0's next
+    collective, a broadcast rank 1 never issues, times out and rank 0's record is written by the failure."""
+    from _fault_util import report
+    from ncclavg.comm import flight
+
+    os.environ["NCCLAVG_TRACE_DIR"] = outdir
+    init_backend(rank, world, port, timeout_s=timeout)
+    for _ in range(3):
+        dist.all_reduce(torch.ones(1024), async_op=True).wait()
+    dist.barrier()
+    if rank == 1:
+        flight.dump(dist.group.WORLD)
+        os.kill(os.getpid(), signal.SIGSTOP)
+        time.sleep(60)
+    time.sleep(0.2)   # rank 1 is frozen before rank 0's next call
+    try:
+        dist.broadcast(torch.zeros(7, dtype=torch.float64), src=0, async_op=True).wait()   # not a fast path either
+        report(outdir, rank, type="none")
+    except Exception as e:   # noqa: BLE001 (reported for the test to judge)
+        report(outdir, rank, type=type(e).__name__, msg=str(e))
+    from ncclavg.comm import end_process
+
+    end_process(0)
+
+
+def ddp_profile_job(rank, world, port, outdir, steps, bucket_mb):
+    """`steps` DDP steps under torch.profiler (record_shapes), then one synchronous broadcast (run on the
+    caller's thread: its transport step is recorded too); rank 0 writes the events it saw of the
+    backend's collectives and DDP's bucket sizes as JSON for the test."""
+    import json
+
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from torch.profiler import ProfilerActivity, profile
+
+    init_backend(rank, world, port)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256),
+                                torch.nn.ReLU(), torch.nn.Linear(256, 4))
+    ddp = DDP(model, bucket_cap_mb=bucket_mb)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
+    for _ in range(2):   # DDP rebuilds its buckets after the first step, broadcasting the new plan in the second
+        ddp(torch.randn(8, 64)).sum().backward()
+        opt.step()
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        for _ in range(steps):
+            opt.zero_grad()
+            ddp(torch.randn(8, 64)).sum().backward()
+            opt.step()
+        dist.group.WORLD._lane.drain(10.0)   # idle: the synchronous call runs on this thread (Note [Backend lanes])
+        dist.broadcast(torch.zeros(5, 3), src=0)
+    sizes = ddp._get_ddp_logging_data()["rebuilt_bucket_sizes"]   # bytes, "267280, 66560"
+    buckets = [int(s) // 4 for s in str(sizes).split(",")]
+    events = [{"name": e.name, "shapes": e.input_shapes, "parent": e.cpu_parent.name if e.cpu_parent else None}
+              for e in prof.events() if e.name.startswith(("c10d::", "ncclavg"))]
+    if rank == 0:
+        with open(os.path.join(outdir, "events.json"), "w") as f:
+            json.dump({"events": events, "buckets": buckets}, f)
+    dist.barrier()
+
+
+def mixed_paths_job(rank, world, port, outdir):
+    """Rank k % world calls synchronously (a fast path), the others asynchronously (the lane), for each
+    collective the fast paths take; then every rank dumps its record."""
+    import torch
+    import torch.distributed as dist
+
+    from _backend_workers import init_backend
+    from ncclavg.comm import flight
+
+    init_backend(rank, world, port)
+    x, out = torch.ones(5), torch.empty(5 * world)
+    steps = [lambda a: dist.all_reduce(x, async_op=a), lambda a: dist.all_reduce(x, op=dist.ReduceOp.AVG, async_op=a),
+             lambda a: dist.broadcast(x, 1, async_op=a), lambda a: dist.all_gather_into_tensor(out, x, async_op=a),
+             lambda a: dist.reduce_scatter_tensor(x, out, async_op=a)]
+    for k in range(8):
+        work = steps[k % len(steps)](rank != k % world)
+        if work is not None:
+            work.wait()
+    dist.barrier()
+    flight.dump(dist.group.WORLD, outdir)

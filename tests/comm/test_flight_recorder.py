@@ -1,0 +1,169 @@
+"""The `ncclavg` backend's flight recorder (ncclavg/comm/flight.py) and its reader (flight_reader.py,
+`ncclavg trace`): a frozen peer's last collectives on both ranks and the reader's verdict on them; the
+ring's bound; dumps written whole; the reader on hand-made dumps."""
+import json
+import os
+import signal
+
+import _flight_workers as FW
+import pytest
+from _fault_util import read_reports, spawn_ranks
+
+from ncclavg.comm import flight, flight_reader
+
+TIMEOUT = 4.0
+
+
+@pytest.mark.slow
+def test_a_frozen_peer_is_named_by_the_dumps(tmp_path):
+    codes = spawn_ranks(FW.frozen_peer_job, 2, (str(tmp_path), TIMEOUT), timeout_s=120)
+    assert codes[1] == -signal.SIGSTOP, codes
+    assert read_reports(tmp_path, 2)[0]["type"] == "BackendTimeoutError"
+    dumps = flight_reader.load([str(tmp_path)])
+    by_rank = {d["rank"]: d for d in dumps}
+    assert sorted(by_rank) == [0, 1]
+    # three all_reduces and a barrier in step: seq 1-4 done on both; rank 0's broadcast, seq 5, failed
+    frozen, survivor = by_rank[1], by_rank[0]
+    assert frozen["reason"] == "on demand" and frozen["last_seq"] == 4
+    assert [e["state"] for e in frozen["entries"]] == ["done"] * 4
+    last = survivor["entries"][-1]
+    assert (last["seq"], last["op"], last["state"], last["root"], last["count"], last["dtype"]) == \
+        (5, "broadcast", "failed", 0, 7, "float64"), last
+    assert "rank 1 stopped responding" in last["error"] and survivor["failure"]
+    lines = flight_reader.verdict(dumps)
+    text = "\n".join(lines)
+    assert "rank 1 last completed seq 4 (barrier" in text, text
+    assert "rank 0 failed in seq 5 (broadcast" in text and "which rank 1 never issued" in text, text
+
+
+def _rec(capacity, group="0", rank=0):
+    return flight.Recorder(group, rank, 2, rank, "shm", capacity)
+
+
+def test_fast_and_queued_calls_get_the_same_numbers_and_words(tmp_path):
+    """One rank calls synchronously (the fast paths: no Job), the other asynchronously (the lane), and the
+    other way round: both ranks' dumps list the same calls under the same numbers."""
+    from _dist_util import run_ranks
+
+    run_ranks(FW.mixed_paths_job, 2, args=(str(tmp_path),), timeout_s=120)
+    dumps = {d["rank"]: d for d in flight_reader.load([str(tmp_path)])}
+    calls = {r: [(e["seq"], e["call"], e["state"]) for e in d["entries"]] for r, d in dumps.items()}
+    assert calls[0] == calls[1] and len(calls[0]) == 9, calls
+    assert {c for _, c, _ in calls[0]} >= {"all_reduce(SUM) of 5 float32", "all_reduce(AVG) of 5 float32"}, calls
+
+
+def test_the_ring_keeps_the_last_n(tmp_path):
+    import torch
+
+    from ncclavg.comm import calls
+
+    rec = _rec(5)
+    t = torch.ones(3)
+    for _ in range(12):
+        r = rec.issue(calls.make("all_reduce", t.dtype, count=3), [t])
+        flight.start(r)
+        flight.finish(r, None)
+    rec.done(("all_reduce", torch.distributed.ReduceOp.SUM, None), t.dtype, 3)   # a fast path's record: described as the lane's
+    snap = rec.snapshot("test")
+    assert [e["seq"] for e in snap["entries"]] == [9, 10, 11, 12, 13]
+    assert snap["last_seq"] == 13 and len(rec.ring) == 5
+    assert snap["entries"][0]["call"] == "all_reduce of 3 float32" and snap["entries"][0]["state"] == "done"
+    assert snap["entries"][-1]["call"] == "all_reduce(SUM) of 3 float32", snap["entries"][-1]
+    assert snap["entries"][-1]["op"] == "all_reduce" and snap["entries"][-1]["state"] == "done"
+
+
+def test_buffer_size_from_the_environment(monkeypatch):
+    monkeypatch.setenv(flight.ENV_SIZE, "0")
+    assert flight.for_group("0", 0, 2, 0, "shm") is None
+    monkeypatch.setenv(flight.ENV_SIZE, "7")
+    assert flight.for_group("0", 0, 2, 0, "shm").capacity == 7
+    monkeypatch.setenv(flight.ENV_SIZE, "-1")
+    with pytest.raises(ValueError, match=flight.ENV_SIZE):
+        flight.buffer_size()
+
+
+def test_a_dump_is_written_whole(tmp_path, monkeypatch):
+    rec = _rec(4)
+    target = tmp_path / "d.json"
+    target.write_text("the previous dump")
+    real = json.dump
+
+    def half_then_die(obj, f, **kw):   # the writer dies midway: the previous file stays as it was
+        f.write('{"format": 1, "entr')
+        raise OSError("disk full")
+
+    monkeypatch.setattr(flight.json, "dump", half_then_die)
+    with pytest.raises(OSError):
+        rec.dump("test", str(target))
+    assert target.read_text() == "the previous dump" and os.listdir(tmp_path) == ["d.json"]
+    monkeypatch.setattr(flight.json, "dump", real)
+    assert rec.dump("test", str(tmp_path)) == str(tmp_path / "ncclavg-trace-rank0-group0.json")
+    assert json.loads((tmp_path / "ncclavg-trace-rank0-group0.json").read_text())["reason"] == "test"
+    monkeypatch.delenv(flight.ENV_DIR, raising=False)
+    assert rec.dump("no directory") is None   # a summary on stderr instead
+
+
+def _dump(rank, entries, size=2, group="0"):
+    ents = [dict({"op": "all_reduce", "dtype": "float32", "count": 1024, "root": None, "state": "done", "error": None},
+                 **e) for e in entries]
+    for e in ents:
+        e.setdefault("call", f"{e['op']} of {e['count']} {e['dtype']}")
+    return {"format": 1, "group": group, "rank": rank, "size": size, "entries": ents,
+            "last_seq": max((e["seq"] for e in ents), default=0), "_file": f"rank{rank}.json"}
+
+
+def test_reader_one_rank_behind():
+    r0 = _dump(0, [{"seq": s} for s in range(38, 42)] +
+               [{"seq": 42, "op": "broadcast", "count": 4, "root": 0, "state": "running"}])
+    r1 = _dump(1, [{"seq": s} for s in range(38, 42)])
+    text = "\n".join(flight_reader.verdict([r0, r1]))
+    assert "rank 1 last completed seq 41 (all_reduce of 1024 float32); it issued nothing after seq 41" in text, text
+    assert "rank 0 waits in seq 42 (broadcast of 4 float32, running), which rank 1 never issued" in text, text
+
+
+def test_reader_mismatched_op():
+    r0 = _dump(0, [{"seq": 1}, {"seq": 2, "op": "broadcast", "root": 0, "state": "failed", "error": "mismatch"}])
+    r1 = _dump(1, [{"seq": 1}, {"seq": 2, "state": "failed", "error": "mismatch"}])
+    lines = flight_reader.verdict([r0, r1])
+    assert "the ranks called different collectives at seq 2:" in lines[1], lines
+    assert lines[2].startswith("    rank 0: broadcast") and lines[3].startswith("    rank 1: all_reduce"), lines
+
+
+def test_reader_all_agree_and_in_step_stalls():
+    done = [_dump(r, [{"seq": s} for s in range(1, 4)], size=3) for r in range(3)]
+    assert flight_reader.verdict(done)[-1] == "  all ranks agree: every rank issued and completed seq 3 " \
+                                              "(all_reduce of 1024 float32)"
+    stalled = [_dump(r, [{"seq": 1}, {"seq": 2, "state": "running" if r == 2 else "done", "issued": 100.0 + 9 * r}],
+                     size=3) for r in range(3)]
+    lines = flight_reader.verdict(stalled)
+    assert "in step (every rank issued seq 2)" in lines[1] and "rank(s) [2]" in lines[1], lines
+    assert lines[-1].startswith("  rank 2 issued seq 2 18.0 s after rank 0: it was held up before it"), lines
+    missing = flight_reader.verdict(done[:2])
+    assert "no dump of rank(s) [2]" in missing[1], missing
+
+
+def test_trace_command(tmp_path, capsys):
+    from ncclavg.cli import main
+
+    for d in (_dump(0, [{"seq": 1}, {"seq": 2, "state": "running"}]), _dump(1, [{"seq": 1}])):
+        flight.write_atomically(str(tmp_path / f"ncclavg-trace-rank{d['rank']}-group0.json"), d)
+    assert main(["trace", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "rank 0 waits in seq 2" in out and "which rank 1 never issued" in out, out
+    (tmp_path / "bad.json").write_text("{}")
+    assert main(["trace", str(tmp_path / "bad.json")]) == 2
+    assert "not a flight recorder dump" in capsys.readouterr().err
+
+
+def test_sigusr1_dumps_every_group(tmp_path, monkeypatch):
+    previous = signal.getsignal(signal.SIGUSR1)
+    monkeypatch.setenv(flight.ENV_DIR, str(tmp_path))
+    monkeypatch.setenv(flight.ENV_SIGNAL, "1")
+    monkeypatch.setattr(flight, "_signal_installed", False)
+    try:
+        rec = flight.for_group("sig", 1, 2, 1, "shm")
+        os.kill(os.getpid(), signal.SIGUSR1)   # the handler runs on this (the main) thread before the next line
+        with open(tmp_path / rec.file_name()) as f:
+            assert json.load(f)["reason"] == "signal"
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
