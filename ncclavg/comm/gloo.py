@@ -28,7 +28,8 @@ import torch
 
 from .._ext import _C
 from ..buffers import as_buffer
-from . import calls
+from . import calls, profiling
+from .profiling import enabled as _profiling
 from .base import Communicator, Work, check_count, check_timeout
 from .calls import Call, average_call
 from .dist import _DistWork, _allgather_object_bounded, _debug_allgather_dist, _issue_dist, _wait_dist
@@ -170,6 +171,10 @@ class GlooCommunicator(Communicator):
     def all_reduce_avg(self, tensors: Sequence[torch.Tensor], *, tag: Optional[str] = None,
                        debug_key: Optional[Sequence[int]] = None, timeout: Optional[float] = None) -> None:
         limit = self.timeout if timeout is None else check_timeout(timeout)   # before anything starts
+        if _profiling():   # Note [Profiler ranges of a Python backend] in profiling.py: no fast path then
+            with profiling.span("all_reduce_avg", tensors):
+                self._average(tensors, False, tag, debug_key, sync=True, timeout=limit).wait(limit)
+            return
         fast = self._fast_run
         if fast is not None:   # Note [Small-message fast path]
             try:
@@ -179,6 +184,7 @@ class GlooCommunicator(Communicator):
                 channel_failed(self, e, tensors, tag, limit)
         self._average(tensors, False, tag, debug_key, sync=True, timeout=limit).wait(limit)
 
+    @profiling.ranged("all_reduce_avg_async")
     def all_reduce_avg_async(self, tensors: Sequence[torch.Tensor], defer_scale: bool = False, *,
                              tag: Optional[str] = None, debug_key: Optional[Sequence[int]] = None) -> Work:
         return self._average(tensors, defer_scale, tag, debug_key, sync=False)
@@ -215,6 +221,7 @@ class GlooCommunicator(Communicator):
             acc += x.reshape(-1)
         return acc
 
+    @profiling.ranged("reduce_scatter_avg")
     def reduce_scatter_avg(self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], *,
                            tag: Optional[str] = None, debug_key: Optional[Sequence[int]] = None,
                            timeout: Optional[float] = None) -> None:
@@ -243,6 +250,7 @@ class GlooCommunicator(Communicator):
             lo = first + t * shard
             out.view(-1).copy_(mine[lo:lo + shard].div_(self.size))
 
+    @profiling.ranged("all_gather")
     def all_gather(self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], *,
                    tag: Optional[str] = None, debug_key: Optional[Sequence[int]] = None,
                    timeout: Optional[float] = None) -> None:
@@ -342,6 +350,7 @@ class GlooCommunicator(Communicator):
 
         return finish
 
+    @profiling.ranged("broadcast_tensors")
     def broadcast_tensors(self, tensors: Sequence[torch.Tensor], *, timeout: Optional[float] = None) -> None:
         self._check_open()
         limit = self._timeout_arg(timeout)

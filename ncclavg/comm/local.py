@@ -39,6 +39,7 @@ import torch
 from .._ext import _C, cuda_built
 from ..errors import CommError, CommTimeoutError
 from .base import Communicator, CompletedWork, Work, check_count, check_timeout
+from . import profiling
 
 INLINE_BYTES = 64 * 1024   # per tower; See Note [Small averages run inline]
 MAX_CUDA_TOWERS = 256      # kMaxBuffers of the CUDA average kernel; See Note [Towers sharing one GPU]
@@ -187,6 +188,7 @@ class LocalCommunicator(Communicator):
             self._inflight = [(f, w) for f, w in self._inflight if not f.done()] + [(fut, what)]
             return fut
 
+    @profiling.ranged("all_reduce_avg")
     def all_reduce_avg(self, tensors: Sequence[torch.Tensor], *, tag: Optional[str] = None,
                        debug_key: Optional[Sequence[int]] = None, timeout: Optional[float] = None) -> None:
         tensors, bufs = self._checked_buffers(tensors, "tensors")
@@ -199,6 +201,7 @@ class LocalCommunicator(Communicator):
         """0 on the CPU; the device's current stream (of this thread) on a GPU."""
         return int(torch.cuda.current_stream(self._device).cuda_stream) if self._cuda else 0
 
+    @profiling.ranged("all_reduce_avg_async")
     def all_reduce_avg_async(self, tensors: Sequence[torch.Tensor], defer_scale: bool = False, *,
                              tag: Optional[str] = None, debug_key: Optional[Sequence[int]] = None) -> Work:
         tensors, bufs = self._checked_buffers(tensors, "tensors")
@@ -227,6 +230,7 @@ class LocalCommunicator(Communicator):
         what = self._what("all_reduce_avg", tensors, tag)
         return _FutureWork(self, self._submit(job, what), what)
 
+    @profiling.ranged("reduce_scatter_avg")
     def reduce_scatter_avg(self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], *,
                            tag: Optional[str] = None, debug_key: Optional[Sequence[int]] = None,
                            timeout: Optional[float] = None) -> None:
@@ -242,6 +246,7 @@ class LocalCommunicator(Communicator):
             # by the reciprocal (up to 1 ulp from _C.average_ for n = 3, 5, 6, 7); a tensor divides.
             out.view(-1).copy_(acc.div_(torch.full((), float(self.size), dtype=torch.float32, device=acc.device)))
 
+    @profiling.ranged("all_gather")
     def all_gather(self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], *,
                    tag: Optional[str] = None, debug_key: Optional[Sequence[int]] = None,
                    timeout: Optional[float] = None) -> None:

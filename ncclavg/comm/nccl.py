@@ -31,6 +31,7 @@ from .._ext import _C, cuda_built, nccl_info
 from ..buffers import as_buffers
 from ..errors import CommTimeoutError
 from .base import Communicator, Work, check_timeout
+from . import profiling
 from .dist import _allgather_object_bounded
 
 _UID_SEQ = itertools.count()  # one store key per communicator built under torch.distributed
@@ -368,11 +369,13 @@ class NcclCommunicator(Communicator):
         seq = self._call(self._handle.all_reduce_avg, bufs, streams, self.predivide, None, tag or "")
         return seq, streams, tensors
 
+    @profiling.ranged("all_reduce_avg_async")
     def all_reduce_avg_async(self, tensors: Sequence[torch.Tensor], defer_scale: bool = False, *,
                              tag: Optional[str] = None, debug_key: Optional[Sequence[int]] = None) -> Work:
         seq, streams, tensors = self._enqueue_all_reduce(tensors, tag, debug_key)
         return _NcclWork(self, seq, streams, self.timeout, tensors)
 
+    @profiling.ranged("all_reduce_avg")
     def all_reduce_avg(self, tensors: Sequence[torch.Tensor], *, tag: Optional[str] = None,
                        debug_key: Optional[Sequence[int]] = None, timeout: Optional[float] = None) -> None:
         # Stream-ordered like torch's collectives: the callers' streams wait for the result on the device.
@@ -381,6 +384,7 @@ class NcclCommunicator(Communicator):
         seq, streams, _ = self._enqueue_all_reduce(tensors, tag, debug_key)
         self._order_after(streams, seq)   # See Note [A Work keeps its tensors alive]
 
+    @profiling.ranged("reduce_scatter_avg")
     def reduce_scatter_avg(self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], *,
                            tag: Optional[str] = None, debug_key: Optional[Sequence[int]] = None,
                            timeout: Optional[float] = None) -> None:
@@ -392,6 +396,7 @@ class NcclCommunicator(Communicator):
                          streams, self.predivide, limit, tag or "")
         self._order_after(streams, seq)
 
+    @profiling.ranged("all_gather")
     def all_gather(self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], *,
                    tag: Optional[str] = None, debug_key: Optional[Sequence[int]] = None,
                    timeout: Optional[float] = None) -> None:

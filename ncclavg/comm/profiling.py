@@ -23,8 +23,10 @@ thread-local flag), and one `job.prof is None` per step.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Sequence
+import functools
+from typing import Any, Callable, Sequence
 
+import torch
 from torch._C._autograd import _profiler_enabled as enabled   # noqa: F401  (re-exported: the check)
 from torch._C._profiler import _RecordFunctionFast
 
@@ -72,3 +74,32 @@ def step(job: Any, transport: str, what: str) -> Any:
         return _NOTHING
     return _RecordFunctionFast(f"ncclavg:{transport}:{what}")
 
+
+
+# ---------------------------------------------------------------------- the public API and the trainer
+def ranged(name: str) -> Callable:
+    """Decorates a Communicator method `fn(self, tensors, ...)`: while the profiler runs, the call is the
+    range `ncclavg::<name>` with `tensors` (a sequence of tensors) as its inputs. It spans the call on the
+    calling thread: all of a synchronous collective, the issue of an asynchronous one (the averager's
+    buckets: one per bucket, with its shape). Off, it costs the check and one call."""
+    label = f"ncclavg::{name}"
+
+    def wrap(fn: Callable) -> Callable:
+        @functools.wraps(fn)
+        def inner(self: Any, tensors: Any, *args: Any, **kwargs: Any) -> Any:
+            if not enabled():
+                return fn(self, tensors, *args, **kwargs)
+            with _RecordFunctionFast(label, [t for t in tensors if isinstance(t, torch.Tensor)]):
+                return fn(self, tensors, *args, **kwargs)
+        return inner
+    return wrap
+
+
+def span(name: str, tensors: Sequence[Any]) -> Any:
+    """The range `ncclavg::<name>` with `tensors` as inputs (call it only while the profiler runs)."""
+    return _RecordFunctionFast(f"ncclavg::{name}", [t for t in tensors if isinstance(t, torch.Tensor)])
+
+
+def phase(name: str) -> Any:
+    """A context: the range `ncclavg:<name>` while the profiler runs (the trainer's phases), else nothing."""
+    return _RecordFunctionFast(f"ncclavg:{name}") if enabled() else _NOTHING

@@ -27,9 +27,13 @@ class StepTimes:
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
+        """Times the phase `name`; while torch's profiler runs it is also the range `ncclavg:train:<name>`."""
+        from ..comm import profiling   # here: this module is read by torch-free commands too
+
         t0 = time.perf_counter()
         try:
-            yield
+            with profiling.phase(f"train:{name}"):
+                yield
         finally:
             self.add(name, time.perf_counter() - t0)
 
