@@ -44,3 +44,19 @@ class UsageError(ValueError):
         """Raises `flag: must be >= lo, got value` unless value is None (flag not given) or >= lo."""
         if value is not None and value < lo:  # type: ignore[operator]
             raise cls(f"{flag}: must be >= {lo}, got {value}")
+
+
+def is_timeout(e: BaseException) -> bool:
+    """Whether `e` is a wait that ran out (the one place that decides it).
+
+    ncclavg's own errors say so by type: CommTimeoutError (a TimeoutError), the torch backend's
+    BackendTimeoutError, and the channel's failures an `is_timeout` flag (shm.py). The errors of
+    torch's gloo and store are one type for everything (DistBackendError / RuntimeError), so for them
+    alone their text decides: "Timed out" / "timeout", as torch's launchers read it."""
+    flag = getattr(e, "is_timeout", None)
+    if flag is not None:
+        return bool(flag)
+    if isinstance(e, TimeoutError):
+        return True
+    text = str(e).lower()
+    return "timed out" in text or "timeout" in text

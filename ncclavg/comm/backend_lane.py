@@ -70,6 +70,8 @@ class BackendError(dist.DistBackendError, CommError):
     ranks called different collectives), or the process group refused a collective because an earlier
     one failed. Both torch's DistBackendError and ncclavg's CommError."""
 
+    is_timeout = False   # by type, never by its text (errors.is_timeout): BackendTimeoutError says True
+
 
 class BackendTimeoutError(BackendError):
     """A collective of the `ncclavg` backend did not complete within its timeout; the message names the

@@ -39,7 +39,7 @@ from typing import Any, Callable, NoReturn, Optional
 
 import torch
 
-from ..errors import CommError, CommTimeoutError
+from ..errors import CommError, CommTimeoutError, is_timeout
 from .base import Communicator, Work, check_timeout
 
 
@@ -58,13 +58,7 @@ def end_process(code: int = 0) -> None:
     os._exit(int(code))
 
 
-def _is_timeout(e: BaseException) -> bool:
-    if hasattr(e, "is_timeout"):   # the shared-memory channel says which (shm.py)
-        return bool(e.is_timeout)
-    if isinstance(e, TimeoutError):
-        return True
-    text = str(e).lower()
-    return "timed out" in text or "timeout" in text
+_is_timeout = is_timeout   # the one rule (errors.py); the old name, for shm_fast.py
 
 
 def _lost(comm: Any) -> str:

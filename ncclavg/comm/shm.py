@@ -42,7 +42,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from .._ext import _C
-from ..errors import CommError
+from ..errors import CommError, is_timeout
 from .calls import Call, CallMismatchError, check_over_gloo
 
 TYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float64: 3}
@@ -406,7 +406,7 @@ class ShmTransport:
         except Exception as e:   # noqa: BLE001 (re-raised, after the host's channel is told)
             why = f"rank {self.rank} (the leader of its host): {what} between the hosts failed: {e}"
             self.abort(why)
-            if isinstance(e, TimeoutError) or "timed out" in str(e).lower() or "timeout" in str(e).lower():
+            if is_timeout(e):
                 raise TimeoutError(why) from e
             raise RuntimeError(why) from e
 
