@@ -303,11 +303,14 @@ class Lane:
                         self.transport.held(False)
         finally:
             self._exec.release()
+        # counted out where the fast paths look (backend_fast.py) before the waiter wakes, so that a
+        # synchronous call it makes next takes them, as after a call of its own; `_pending` (drain's, and
+        # the inline choice's) only once the job is complete
+        if self._counted is not None:
+            self._counted.add_outstanding(-1)
         job._complete(error)
         with self._lock:
             self._pending -= 1
-            if self._counted is not None:
-                self._counted.add_outstanding(-1)
             if self._pending == 0:
                 self._idle.notify_all()
 
