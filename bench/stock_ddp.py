@@ -42,6 +42,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import statistics
 import sys
 import tempfile
@@ -334,6 +335,7 @@ def summarise(world: int, raw: dict, wls: list, kinds: list) -> list:
         for k in kinds:
             row = {"workload": wl["name"], "processes": world, "contender": k, "step_ms": med[k] * 1e3,
                    "samples_per_s": wl["batch"] / med[k],
+                   "block_median_ms": [round(statistics.median(block) * 1e3, 3) for block in rounds[k]],
                    "transport": raw["transport"] if "ncclavg" in k or "+" in k else "gloo"}
             ref = REFERENCE.get(k)
             if ref in kinds:
@@ -419,7 +421,7 @@ def main(argv: list | None = None) -> int:
     wall = time.monotonic() - t0
     text = table(rows)
     print(text)
-    payload = {"machine": _common.machine(), "command": "python bench/stock_ddp.py " + " ".join(argv or sys.argv[1:]),
+    payload = {"machine": _common.machine(), "command": "python bench/stock_ddp.py " + shlex.join(argv or sys.argv[1:]),
                "wall_s": round(wall, 1), "load_average": [round(load_start, 2), round(os.getloadavg()[0], 2)],
                "spec": {k: v for k, v in spec.items()}, "transports": transports, "rows": rows}
     if fws:
