@@ -59,14 +59,25 @@ def machine() -> dict:
     }
 
 
-def copy_bandwidth_gbps(nbytes: int, reps: int = 9) -> float:
-    """torch copy_ of an nbytes buffer into another: (read + write) bytes per second, in GB/s."""
+def copy_bandwidth_gbps(nbytes: int, reps: int | None = None) -> float:
+    """torch copy_ of an nbytes buffer (float32, at least one element) into another: (read + write)
+    bytes per second, in GB/s. reps: by default enough for ~20 MB of copies, 3 to 200."""
     import torch
 
-    src = torch.ones(nbytes // 4)
+    src = torch.ones(max(1, nbytes // 4))
     dst = torch.empty_like(src)
+    if reps is None:
+        reps = max(3, min(200, int(2e7 // max(nbytes, 1))))
     t = median_seconds(lambda: dst.copy_(src), reps=reps)
-    return 2 * nbytes / t / 1e9
+    return 2 * src.numel() * 4 / t / 1e9
+
+
+def human(n: int) -> str:
+    """A byte count as the tables write it: 8 B, 4 KiB, 16 MiB."""
+    for unit, step in (("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= step:
+            return f"{n // step} {unit}"
+    return f"{n} B"
 
 
 def write_json(path: str | None, payload: dict) -> None:

@@ -48,13 +48,6 @@ BATCH_S = 5e-3
 ROUNDS = 15
 
 
-def human(n: int) -> str:
-    for unit, step in (("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= step:
-            return f"{n // step} {unit}"
-    return f"{n} B"
-
-
 # ------------------------------------------------------------------------------------------ worker side
 def worker(args: argparse.Namespace) -> None:
     import datetime
@@ -134,7 +127,7 @@ def worker(args: argparse.Namespace) -> None:
                     for _ in range(batch[c]):
                         calls[c]()
                     samples[c].append(world.allreduce((time.perf_counter() - t0) / batch[c], op=MPI.MAX))
-            copy_gbps = _copy_gbps(n * item)
+            copy_gbps = _common.copy_bandwidth_gbps(n * item)
             for c in names:
                 t = statistics.median(samples[c])
                 algbw = n * item / t / 1e9
@@ -142,7 +135,7 @@ def worker(args: argparse.Namespace) -> None:
                              "time_us": t * 1e6, "algbw_gbps": algbw, "busbw_gbps": algbw * 2 * (size - 1) / size,
                              "copy_gbps": copy_gbps, "batch": batch[c], "rounds": rounds})
             if rank == 0:
-                print(f"  P={size} {dtype_name} {human(n * item)}: " +
+                print(f"  P={size} {dtype_name} {_common.human(n * item)}: " +
                       ", ".join(f"{c} {statistics.median(samples[c]) * 1e6:.1f} us" for c in names),
                       file=sys.stderr, flush=True)
     waiting = {}
@@ -178,16 +171,6 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _copy_gbps(nbytes: int) -> float:
-    import torch
-
-    src = torch.ones(max(1, nbytes // 4))
-    dst = torch.empty_like(src)
-    reps = max(3, min(200, int(2e7 // max(nbytes, 1))))
-    t = _common.median_seconds(lambda: dst.copy_(src), reps=reps)
-    return 2 * src.numel() * 4 / t / 1e9
-
-
 # -------------------------------------------------------------------------------------------- launcher
 def launch(procs: int, args: argparse.Namespace) -> dict:
     mpiexec = shutil.which("mpiexec") or str(Path(sys.executable).parent / "mpiexec")
@@ -214,7 +197,7 @@ def table(rows: list[dict]) -> list[str]:
         t = {c: got[c]["time_us"] if c in got else None for c in CONTENDERS}
         fmt = lambda v: "-" if v is None else f"{v:.1f}"   # noqa: E731
         ratio = lambda c: "-" if t[c] is None else f"{t[c] / t['ncclavg']:.2f}x"   # noqa: E731
-        lines.append(f"| {p} | {d} | {human(b)} | {fmt(t['ncclavg'])} | {fmt(t['ncclavg channel'])} "
+        lines.append(f"| {p} | {d} | {_common.human(b)} | {fmt(t['ncclavg'])} | {fmt(t['ncclavg channel'])} "
                      f"| {fmt(t['torch ncclavg'])} | {fmt(t['MPICH'])} | {fmt(t['torch gloo'])} "
                      f"| {ratio('torch ncclavg')} | {ratio('MPICH')} | {ratio('torch gloo')} "
                      f"| {got['ncclavg']['busbw_gbps']:.2f} | {got['ncclavg']['copy_gbps']:.1f} |")

@@ -44,13 +44,6 @@ ROUNDS = 11
 ASYNC_BURST = 8
 
 
-def human(n: int) -> str:
-    for unit, step in (("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= step:
-            return f"{n // step} {unit}"
-    return f"{n} B"
-
-
 def _floor_group(dist, rank: int, size: int):
     """A ProcessGroup that does nothing: its all_reduce returns a finished Work at once."""
     class Done(dist.Work):
@@ -109,15 +102,6 @@ def _calls(collective: str, n: int, comm, group, floor, size: int):
     raise ValueError(f"collective: unknown {collective!r}")
 
 
-def _copy_gbps(nbytes: int) -> float:
-    import torch
-
-    src = torch.ones(max(1, nbytes // 4))
-    dst = torch.empty_like(src)
-    reps = max(3, min(200, int(2e7 // max(nbytes, 1))))
-    return 2 * src.numel() * 4 / _common.median_seconds(lambda: dst.copy_(src), reps=reps) / 1e9
-
-
 def worker(rank: int, size: int, port: int, args: argparse.Namespace, out_path: str) -> None:
     import torch
     import torch.distributed as dist
@@ -171,7 +155,7 @@ def worker(rank: int, size: int, port: int, args: argparse.Namespace, out_path: 
                     for _ in range(batch[c]):
                         calls[c]()
                     samples[c].append(slowest((time.perf_counter() - t0) / batch[c]))
-            copy_gbps = _copy_gbps(n * 4)
+            copy_gbps = _common.copy_bandwidth_gbps(n * 4)
             per = ASYNC_BURST if collective == "async x8" else 1
             for c in names:
                 t = statistics.median(samples[c]) / per
@@ -179,7 +163,7 @@ def worker(rank: int, size: int, port: int, args: argparse.Namespace, out_path: 
                              "time_us": t * 1e6, "algbw_gbps": n * 4 / t / 1e9, "copy_gbps": copy_gbps,
                              "batch": batch[c], "rounds": rounds})
             if rank == 0:
-                print(f"  P={size} {collective} {human(n * 4)}: " + ", ".join(
+                print(f"  P={size} {collective} {_common.human(n * 4)}: " + ", ".join(
                     f"{c} {statistics.median(samples[c]) / per * 1e6:.1f} us" for c in names), file=sys.stderr,
                     flush=True)
     if rank == 0:
@@ -222,7 +206,7 @@ def table(rows: list) -> list:
         ratio = lambda c: "-" if t[c] is None or t["public API"] is None else f"{t[c] / t['public API']:.2f}x"  # noqa: E731
         bw = lambda c: "-" if c not in got else f"{got[c]['algbw_gbps']:.2f}"   # noqa: E731
         copy = next(iter(got.values()))["copy_gbps"]
-        lines.append(f"| {p} | {col} | {human(b)} | {fmt(t['public API'])} | {fmt(t['torch ncclavg'])} "
+        lines.append(f"| {p} | {col} | {_common.human(b)} | {fmt(t['public API'])} | {fmt(t['torch ncclavg'])} "
                      f"| {fmt(t['torch gloo'])} | {fmt(t['torch floor'])} | {ratio('torch ncclavg')} "
                      f"| {ratio('torch gloo')} | {bw('public API')} | {bw('torch ncclavg')} | {copy:.1f} |")
     return lines
