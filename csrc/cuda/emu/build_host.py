@@ -45,7 +45,9 @@ RUN_ENV = {
     # second_deadlock_stack: both stacks of a lock-order report; exitcode 66 tells a race from a FAIL;
     # no thread-leak reports: a peer frozen by a fault is left running on purpose, and the process ends
     # with _exit (host_util.h)
-    "thread": {"TSAN_OPTIONS": "halt_on_error=1:second_deadlock_stack=1:exitcode=66:report_thread_leaks=0"},
+    # (tsan.supp: a report inside glibc's loader, the file says which)
+    "thread": {"TSAN_OPTIONS": "halt_on_error=1:second_deadlock_stack=1:exitcode=66:report_thread_leaks=0:"
+                               f"suppressions={os.path.join(os.path.dirname(os.path.abspath(__file__)), 'tsan.supp')}"},
 }
 
 
