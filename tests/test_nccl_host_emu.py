@@ -58,7 +58,6 @@ CASES = {
     "error_at_the_call": ("enqueue_error_is_reported_and_the_comm_stays_usable", {"NCCLEMU_FAIL_CALL": "1"}),
     "error_at_group_end": ("enqueue_error_is_reported_and_the_comm_stays_usable", {"NCCLEMU_FAIL_GROUPEND": "1"}),
     "wait_done_pending": ("wait_done_pending", {"NCCLEMU_SLOW_COLLECTIVE_S": "0.3"}),
-    "abort": ("abort_then_every_call_says_so", {}),
     "destroy": ("destroy_and_refuse", {"NCCLEMU_SLOW_COLLECTIVE_S": "0.1"}),
     "peer_hangs": ("timeout_when_a_peer_hangs", {"NCCLEMU_HANG": "1:1"}),
     "peer_hangs-nonblocking": ("timeout_when_a_peer_hangs", {"NCCLEMU_HANG": "1:1", **NONBLOCKING}),
@@ -73,7 +72,8 @@ CASES = {
     "destroy_vs_enqueue": ("destroy_refuses_collectives_enqueued_meanwhile", {"NCCLEMU_SLOW_COLLECTIVE_S": "0.005"}),
 }
 # waits kTeardownWaitMaxS (10 s) by design: with the slow tests
-SLOW_CASES = {
+SLOW_CASES = {   # each over ~10 s on 2 cores: the slow step runs them
+    "abort": ("abort_then_every_call_says_so", {}),
     "destructor_wait_is_bounded": ("destructor_wait_is_bounded", {"NCCLEMU_HANG": "1:1"}),
 }
 # The scenarios that take every version gate: run against each stand-in feature set.

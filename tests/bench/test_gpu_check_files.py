@@ -98,6 +98,7 @@ def test_the_groups_cover_every_gpu_test_file_and_the_forced_reruns(files):
         files.groups("nope")
 
 
+@pytest.mark.slow   # waits out a step deadline (~12 s)
 def test_a_test_cut_by_the_steps_deadline_is_not_run_not_failed(files, summary, tmp_path):
     proj, out = _project(tmp_path), tmp_path / "out"
     out.mkdir()

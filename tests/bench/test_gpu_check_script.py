@@ -120,6 +120,7 @@ def test_a_step_that_no_longer_fits_is_cut_and_the_rest_kept(tmp_path):
         assert sorted(tar.getnames()) == ["logs/bench.log", "steps.tsv"]
 
 
+@pytest.mark.slow   # builds and runs the sanitizer self-test (~8 s)
 def test_the_sanitizer_detector_selftest_passes_and_a_failing_step_fails_the_run(tmp_path):
     # info without the build step has no staged build to import: a real failure
     r = run(tmp_path, "--dry-run", "--part", "all", GPU_CHECK_STEPS="info,sanitizer", timeout=180)

@@ -97,7 +97,8 @@ def stop(procs):
 # 2 hosts x 1 process x 2 towers: torch.distributed between the processes ("gloo"); 2 hosts x 2
 # processes x 1 tower: a shared-memory channel within each host, torch.distributed between the hosts'
 # leaders ("shm+gloo", Note [Several hosts] in ncclavg/comm/shm.py). Either way 4 towers in all.
-@pytest.mark.parametrize("nproc,towers,transport", [pytest.param(1, "2", "gloo", marks=pytest.mark.slow), (2, "1", "shm+gloo")])
+@pytest.mark.slow   # ~15 s each: two network namespaces, a torchrun node in each
+@pytest.mark.parametrize("nproc,towers,transport", [(1, "2", "gloo"), (2, "1", "shm+gloo")])
 def test_two_hosts_take_the_steps_of_one_process_of_four(hosts, tmp_path, nproc, towers, transport):
     # Each host runs in a folder of its own (its disk): rank 0 alone writes the checkpoints.
     cwds = [tmp_path / f"host{k}" for k in (0, 1)]
