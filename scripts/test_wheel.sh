@@ -101,6 +101,10 @@ if [ "$TORCH" = 0 ]; then
   exit 0
 fi
 
+say "the torch.backends entry point: import torch alone registers the backend; off with NCCLAVG_AUTOLOAD=0"
+python -c 'import sys, torch.distributed as dist; assert "ncclavg" in dist.Backend.backend_list, dist.Backend.backend_list; assert "ncclavg" in sys.modules; print("ok: import torch registered ncclavg")'
+NCCLAVG_AUTOLOAD=0 python -c 'import sys, torch.distributed as dist; assert "ncclavg" not in dist.Backend.backend_list and "ncclavg" not in sys.modules; print("ok: NCCLAVG_AUTOLOAD=0 turns it off")'
+
 say "ncclavg train (the default run)"
 ncclavg train --metrics "$WORK/m.jsonl" | tee "$WORK/train.log" | tail -3
 grep -q '^summary: test_accuracy=0\.9' "$WORK/train.log" || { echo "test_wheel.sh: ncclavg train did not learn" >&2; exit 1; }

@@ -1,7 +1,7 @@
 """The `torch.backends` entry point (_ncclavg_autoload.py) in this environment: `import torch` alone
 registers the `ncclavg` backend, NCCLAVG_AUTOLOAD=0 and TORCH_DEVICE_BACKEND_AUTOLOAD=0 turn it off, and a
-broken ncclavg (its compiled core missing) leaves `import torch` working with a warning. The same from a
-fresh non-editable install: tests/test_autoload_install.py (slow)."""
+broken ncclavg (its compiled core missing) leaves `import torch` working with a warning. From a fresh
+venv with the released wheel installed: scripts/test_wheel.sh (run by .ci/run)."""
 from __future__ import annotations
 
 import importlib.machinery
