@@ -96,7 +96,9 @@ class Recorder:
         hot path stores one list; Note [A ring of plain lists])."""
         seq = next(self._seq)
         now = _now()
-        self.ring[seq % self.capacity] = [seq, what, dtype, count, now, now, now, DONE, None]
+        # a tuple, not a list: it holds no container the collector must follow, so it stops being
+        # tracked at the first collection (thousands of lists in the ring made every call ~2 us slower)
+        self.ring[seq % self.capacity] = (seq, what, dtype, count, now, now, now, DONE, None)
         self.last_seq = seq
 
     # ------------------------------------------------------------------ dumps
