@@ -303,27 +303,7 @@ def _run_frameworks(world: int, spec: dict, timeout: float) -> tuple:
 
 
 def _run_shape(world: int, spec: dict, timeout: float) -> dict:
-    import socket
-
-    import torch.multiprocessing as mp
-
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "rank0.json")
-        ctx = mp.start_processes(rank_main, args=(world, port, spec, out), nprocs=world, join=False,
-                                 start_method="spawn")
-        deadline = time.monotonic() + timeout
-        try:
-            while not ctx.join(timeout=1.0):
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"{world} processes did not finish within {timeout:g} s")
-        finally:
-            for p in ctx.processes:
-                if p.is_alive():
-                    p.kill()
-        return json.loads(Path(out).read_text())
+    return _spawn(rank_main, world, (spec,), timeout)
 
 
 # ----------------------------------------------------------------------------------------- report
