@@ -37,11 +37,12 @@ def frozen_peer_job(rank, world, port, outdir, timeout):
     end_process(0)
 
 
-def ddp_profile_job(rank, world, port, outdir, steps, bucket_mb):
-    """`steps` DDP steps under torch.profiler (record_shapes), then one synchronous broadcast (run on the
-    caller's thread: its transport step is recorded too); rank 0 writes the events it saw of the
-    backend's collectives and DDP's bucket sizes as JSON for the test."""
+def ddp_profile_job(rank, world, port, outdir, steps, bucket_mb, all_threads=False):
+    """`steps` DDP steps under torch.profiler (record_shapes), then one synchronous broadcast and one
+    send from rank 0 to rank 1; `all_threads` asks the profiler to record every thread (the lane's worker
+    too). Each rank writes the events it saw of the backend, with DDP's bucket sizes, as JSON."""
     import json
+    import threading
 
     from torch.nn.parallel import DistributedDataParallel as DDP
     from torch.profiler import ProfilerActivity, profile
@@ -55,20 +56,28 @@ def ddp_profile_job(rank, world, port, outdir, steps, bucket_mb):
     for _ in range(2):   # DDP rebuilds its buckets after the first step, broadcasting the new plan in the second
         ddp(torch.randn(8, 64)).sum().backward()
         opt.step()
-    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+    extra = {}
+    if all_threads:
+        extra["experimental_config"] = torch._C._profiler._ExperimentalConfig(profile_all_threads=True)
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True, **extra) as prof:
         for _ in range(steps):
             opt.zero_grad()
             ddp(torch.randn(8, 64)).sum().backward()
             opt.step()
-        dist.group.WORLD._lane.drain(10.0)   # idle: the synchronous call runs on this thread (Note [Backend lanes])
         dist.broadcast(torch.zeros(5, 3), src=0)
+        if rank == 0:
+            dist.send(torch.ones(7), 1)
+        elif rank == 1:
+            dist.recv(torch.empty(7), 0)
     sizes = ddp._get_ddp_logging_data()["rebuilt_bucket_sizes"]   # bytes, "267280, 66560"
     buckets = [int(s) // 4 for s in str(sizes).split(",")]
-    events = [{"name": e.name, "shapes": e.input_shapes, "parent": e.cpu_parent.name if e.cpu_parent else None}
+    main = [e.thread for e in prof.events() if e.name == "ProfilerStep*" or e.name.startswith("c10d::")][:1]
+    events = [{"name": e.name, "shapes": e.input_shapes, "async": e.is_async, "thread": e.thread,
+               "main": bool(main) and e.thread == main[0],
+               "parent": e.cpu_parent.name if e.cpu_parent else None}
               for e in prof.events() if e.name.startswith(("c10d::", "ncclavg"))]
-    if rank == 0:
-        with open(os.path.join(outdir, "events.json"), "w") as f:
-            json.dump({"events": events, "buckets": buckets}, f)
+    with open(os.path.join(outdir, f"events{rank}.json"), "w") as f:
+        json.dump({"events": events, "buckets": buckets, "main_thread": threading.get_ident()}, f)
     dist.barrier()
 
 
@@ -92,3 +101,33 @@ def mixed_paths_job(rank, world, port, outdir):
             work.wait()
     dist.barrier()
     flight.dump(dist.group.WORLD, outdir)
+
+
+def profiled_p2p_job(rank, world, port, outdir):
+    """Under torch.profiler: a receive from any source reports its sender; then rank 1 waits for a send
+    that never comes and must get gloo's timeout error from wait(), within the group's timeout."""
+    import json
+
+    from torch.profiler import ProfilerActivity, profile
+
+    init_backend(rank, world, port, timeout_s=3)
+    got = {}
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True):
+        if rank == 0:
+            dist.send(torch.full((3,), 5.0), 1)
+        else:
+            buf = torch.zeros(3)
+            got["source"] = dist.recv(buf)
+            got["value"] = buf.tolist()
+            t0 = time.monotonic()
+            try:
+                dist.recv(torch.zeros(2), 0)
+                got["error"] = None
+            except Exception as e:   # noqa: BLE001 (the test reads it)
+                got["error"] = f"{type(e).__name__}: {e}"
+            got["seconds"] = time.monotonic() - t0
+    if rank == 1:
+        with open(os.path.join(outdir, "p2p.json"), "w") as f:
+            json.dump(got, f)
+    if rank == 0:
+        time.sleep(8)   # stays (connected) until rank 1's receive has given up

@@ -196,6 +196,38 @@ class BackendWork(dist.Work):
         return self._outer
 
 
+def issued_elsewhere(job: Job) -> None:
+    """The run of a Job that the lane never runs (a point-to-point call gloo runs: P2PWork)."""
+    raise AssertionError(f"{job.what} is gloo's to run, not the lane's")
+
+
+class P2PWork(BackendWork):
+    """gloo's work of a point-to-point call issued while torch's profiler runs: the job's range ends
+    when gloo's work completes, seen by a thread of its own that waits for it (gloo's send and recv works
+    offer no future to hang a callback on), and wait() returns once it has ended (Note [Profiler ranges
+    of a Python backend] in profiling.py). Costs a thread per call, only while profiling."""
+
+    def __init__(self, work: Any, job: Job):
+        super().__init__(job)
+        self._inner = work
+        threading.Thread(target=self._await, name="ncclavg-p2p-profile", daemon=True).start()
+
+    def _await(self) -> None:
+        error: Optional[BaseException] = None
+        try:
+            self._inner.wait()   # bounded by the group's timeout (gloo's own)
+        except BaseException as e:   # noqa: BLE001 (handed to the waiter)
+            error = e
+        job = self._job
+        if job.prof is not None:   # on a long-lived thread: this one ends now (profiling._Closer)
+            profiling.end_elsewhere(job.prof)
+            job.prof = None
+        job._complete(error)
+
+    def _source_rank(self) -> int:
+        return self._inner._source_rank()
+
+
 class Lane:
     """Runs jobs in order on one worker thread (or inline, see Note [Backend lanes]); the first failure
     fails every later job (a failed lane stays failed: the ranks no longer agree on what comes next).

@@ -3,38 +3,59 @@ collective under the name torch's backends give it (`c10d::allreduce_`, ...), wi
 inside it as a child range (`ncclavg:shm:all_reduce_sum`, `ncclavg:gloo:all_reduce`).
 
 Note [Profiler ranges of a Python backend]
-torch records `c10d::allreduce_` when it dispatches a collective to a C++ backend; a backend written in
+torch records `c10d::allreduce_` when it dispatches a collective to a C++ backend, and the backend
+records its own event, `gloo:all_reduce` for gloo, from issue to completion, begun on the calling thread
+and ended on gloo's worker thread (torch's profiler marks such an event async). A backend written in
 Python (Note [A ProcessGroup, not a Backend] in torch_backend.py) is called past the dispatcher, so
 nothing is recorded unless the backend records it. So `_submit`, which every lane collective passes,
-opens a range named as gloo's (COLLECTIVES) with the inputs (their shapes and dtypes when
-`record_shapes=True`), and the job closes it when it completes: the range spans issue to completion, an
-async collective's too. It is a torch RecordFunction (`_RecordFunctionFast`), which may be ended on
-another thread (the lane's worker) than the one that began it: its start took the profiler's callbacks
-of the issuing thread, and its end only writes the end time.
-The transport steps run where the lane runs the job: on the caller's thread for a synchronous call on
-an idle lane (Note [Backend lanes]), where they are recorded as children of the collective; on the
-lane's worker thread otherwise, which torch's profiler records only when asked to record every thread
-(`experimental_config=torch._C._profiler._ExperimentalConfig(profile_all_threads=True)`): a Python
-thread does not inherit the profiler's thread-local callbacks. The collective's range is there in
+records both, under the same names as gloo's with `ncclavg` for `gloo` (DISPATCHED, TITLES), each with
+the inputs (their shapes and dtypes when `record_shapes=True`):
+- the dispatcher's range `c10d::<op>` around the issue, on the calling thread (as torch's dispatcher
+  records it, it ends when the call returns its Work);
+- the backend's range `ncclavg:<title>` from issue to completion, ended by the job when it completes.
+  While the profiler runs a collective runs on the lane's worker thread, a synchronous one too (the fast
+  paths and the inline run step aside), so that range always ends on another thread than it began, as
+  gloo's does: tools and torch's own tests tell a communication event by that (`is_async`).
+Point-to-point calls go straight to gloo's own send and recv; while the profiler runs they are wrapped
+(P2PWork) so that they record `ncclavg:send`, `ncclavg:recv` and `ncclavg:recvAnySource` the same way.
+It is a torch RecordFunction (`_RecordFunctionFast`), which may be ended on another thread than the one
+that began it: its start took the profiler's callbacks of the issuing thread, and its end only writes
+the end time.
+The transport steps (`ncclavg:shm:<step>`, `ncclavg:gloo:<op>`) are children of the backend's range
+where they run. On the lane's worker thread torch's profiler records them only when asked to record every
+thread (`experimental_config=torch._C._profiler._ExperimentalConfig(profile_all_threads=True)`): a Python
+thread does not inherit the profiler's thread-local callbacks. The collective's ranges are there in
 either case.
-With no profiler running the cost is one check per collective (`enabled()`, ~45 ns: torch's own
-thread-local flag), and one `job.prof is None` per step.
+With no profiler running the cost is one check per collective (`enabled()`, ~20 ns: torch's own
+process-wide flag, which torch's record_function reads too), and one `job.prof is None` per step.
 """
 from __future__ import annotations
 
 import contextlib
 import functools
+import os
+import queue
+import threading
 from typing import Any, Callable, Sequence
 
 import torch
-from torch._C._autograd import _profiler_enabled as enabled   # noqa: F401  (re-exported: the check)
+import torch.autograd.profiler as _torch_profiler
 from torch._C._profiler import _RecordFunctionFast
+
+
+
+def enabled() -> bool:
+    """Is torch's profiler running? Its process-wide flag, set by every profiler torch starts: the
+    thread-local `torch._C._autograd._profiler_enabled()` is False on every thread while a profiler
+    records all threads (`profile_all_threads=True`), and on every thread but the one that started it."""
+    return _torch_profiler._is_profiler_enabled
+
 
 _NOTHING = contextlib.nullcontext()   # reusable: entering it does nothing
 # The op names of torch_backend.py's _submit -> the name torch 2.13's dispatcher records for the same
 # collective on gloo (profiled: dist.all_gather_into_tensor is _allgather_base_, reduce_scatter_tensor is
 # _reduce_scatter_base_); an op missing here is recorded as "ncclavg::<op>".
-COLLECTIVES = {
+DISPATCHED = {
     "allreduce": "c10d::allreduce_",
     "sparse allreduce": "c10d::allreduce_",
     "allreduce_coalesced": "c10d::allreduce_coalesced_",
@@ -53,18 +74,91 @@ COLLECTIVES = {
     "alltoall": "c10d::alltoall_",
     "barrier": "c10d::barrier",
     "coalesced collectives": "c10d::end_coalescing",
+    "send": "c10d::send",
+    "recv": "c10d::recv_",
+    "recv_anysource": "c10d::recv_any_source_",
+}
+# The same ops -> the backend's own event, `ncclavg:<title>`, titled as gloo titles its works
+# (`gloo:all_reduce`, ...; torch's distributed tests look for `<backend>:<title>`); an op missing here is
+# titled with its own name.
+TITLES = {
+    "allreduce": "all_reduce",
+    "sparse allreduce": "sparse_all_reduce",
+    "allreduce_coalesced": "all_reduce_coalesced",
+    "reduce": "reduce",
+    "reduce_scatter": "reduce_scatter",
+    "reduce_scatter_single": "reduce_scatter_tensor",
+    "reduce_scatter_single_coalesced": "reduce_scatter_tensor_coalesced",
+    "broadcast": "broadcast",
+    "allgather": "all_gather",
+    "all_gather_single": "all_gather_into_tensor",
+    "all_gather_single_coalesced": "all_gather_into_tensor_coalesced",
+    "allgather_coalesced": "all_gather_coalesced",
+    "gather": "gather",
+    "scatter": "scatter",
+    "all_to_all_single": "all_to_all",
+    "alltoall": "all_to_all",
+    "barrier": "barrier",
+    "coalesced collectives": "end_coalescing",
+    "send": "send",
+    "recv": "recv",
+    "recv_anysource": "recvAnySource",
 }
 
 
+def dispatched(op: str, tensors: Sequence[Any]) -> Any:
+    """The dispatcher's range of one collective, a context around its issue (the profiler is on)."""
+    return _RecordFunctionFast(DISPATCHED.get(op) or f"ncclavg::{op}", list(tensors))
+
+
 def begin(op: str, tensors: Sequence[Any]) -> Any:
-    """The open range of one collective (the profiler is on): end it with end(), on any thread."""
-    rf = _RecordFunctionFast(COLLECTIVES.get(op) or f"ncclavg::{op}", list(tensors))
+    """The backend's open range of one collective or point-to-point call (the profiler is on), from issue
+    to completion: end it with end(), on another thread (Note [Profiler ranges of a Python backend])."""
+    rf = _RecordFunctionFast(f"ncclavg:{TITLES.get(op, op)}", list(tensors))
     rf.__enter__()
     return rf
 
 
 def end(rf: Any) -> None:
     rf.__exit__(None, None, None)
+
+
+class _Closer:
+    """One long-lived thread that ends ranges handed to it. A range ended by a thread that then exits
+    loses its end thread once the range object is freed (torch 2.13 then reports it as not async: seen
+    with short-lived threads, never with long-lived ones), so a short-lived waiter ends its range here."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._queue: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
+        self._thread: Any = None
+        self._pid = 0
+
+    def end(self, rf: Any) -> None:
+        """Ends `rf` on the closer's thread and returns once it has."""
+        with self._lock:
+            if self._thread is None or self._pid != os.getpid() or not self._thread.is_alive():
+                self._queue = queue.SimpleQueue()   # a forked child starts afresh
+                self._thread = threading.Thread(target=self._serve, args=(self._queue,),
+                                                name="ncclavg-profile-closer", daemon=True)
+                self._pid = os.getpid()
+                self._thread.start()
+            q = self._queue
+        done = threading.Event()
+        q.put((rf, done))
+        done.wait()
+
+    @staticmethod
+    def _serve(q: Any) -> None:
+        while True:
+            rf, done = q.get()
+            try:
+                end(rf)
+            finally:
+                done.set()
+
+
+end_elsewhere = _Closer().end
 
 
 def step(job: Any, transport: str, what: str) -> Any:

@@ -32,14 +32,15 @@ from torch._C._distributed_c10d import (AllgatherOptions, AllreduceCoalescedOpti
 from . import backend_setup, calls, flight, profiling
 from .backend_cpu import CpuCollectives
 from .backend_fast import DoneWork, fast_calls, fast_paths
-from .backend_lane import BackendError, BackendWork, Job, Lane
+from .backend_lane import BackendError, BackendWork, Job, Lane, P2PWork
+from .backend_lane import issued_elsewhere as _issued_elsewhere
 from .backend_math import R, red_kind
 from .base import LazyText
 from .calls import Call
 from .shm_fast import CHANNEL_ERRORS
 
 NAME = "ncclavg"
-_profiling = profiling.enabled   # is torch's profiler on (in this thread)? ~45 ns
+_profiling = profiling.enabled   # is torch's profiler on? ~20 ns
 _UNSET_TIMEOUT = AllreduceOptions().timeout   # what torch's options hold when the caller gave none
 _INTEGER_OK = (R.SUM, R.AVG, R.MIN, R.MAX, R.PRODUCT, R.BAND, R.BOR, R.BXOR)
 _FLOAT_OK = (R.SUM, R.AVG, R.MIN, R.MAX, R.PRODUCT, R.PREMUL_SUM)
@@ -204,9 +205,24 @@ class ProcessGroupNcclavg(dist.ProcessGroup):
                   self._liveness.diagnose, call)
         if self._flight is not None and call is not None:   # Note [What a job records] in backend_lane.py
             job.rec = self._flight.issue(call, tensors)
-        if _profiling():   # Note [Profiler ranges of a Python backend] in profiling.py
-            job.prof = profiling.begin(op, tensors)
+        if _profiling():   # Note [Profiler ranges of a Python backend] in profiling.py: on the worker
+            with profiling.dispatched(op, tensors):
+                job.prof = profiling.begin(op, tensors)
+                return self._lane.submit(job, inline=False)
         return self._lane.submit(job, inline=not getattr(opts, "asyncOp", True))
+
+    def _profiled_p2p(self, op: str, tensors: List[torch.Tensor], issue: Any) -> Any:
+        """A point-to-point call while the profiler runs: gloo's work wrapped so that the call records its
+        ranges as a collective does (Note [Profiler ranges of a Python backend] in profiling.py)."""
+        with profiling.dispatched(op, tensors):
+            job = Job(_issued_elsewhere, tensors, self._what(op, tensors), self._timeout)
+            job.prof = profiling.begin(op, tensors)
+            try:
+                work = issue()
+            except BaseException as e:
+                job._complete(e)
+                raise
+            return P2PWork(work, job)
 
     def _nccl_group(self) -> Any:
         if isinstance(self._nccl, tuple):   # made on first use (NCCL makes its communicators lazily anyway)
@@ -546,18 +562,26 @@ class ProcessGroupNcclavg(dist.ProcessGroup):
         t = self._one(tensors, "tensor")
         if self._device([t], "tensor") == "cuda":
             return self._nccl_group().send(tensors, dst, tag)
-        return self._gloo.send(tensors, self._root(dst, "dst"), tag)
+        peer = self._root(dst, "dst")
+        if _profiling():
+            return self._profiled_p2p("send", tensors, lambda: self._gloo.send(tensors, peer, tag))
+        return self._gloo.send(tensors, peer, tag)
 
     def recv(self, tensors: List[torch.Tensor], src: int, tag: int = 0) -> Any:
         t = self._one(tensors, "tensor")
         if self._device([t], "tensor") == "cuda":
             return self._nccl_group().recv(tensors, src, tag)
-        return self._gloo.recv(tensors, self._root(src, "src"), tag)
+        peer = self._root(src, "src")
+        if _profiling():
+            return self._profiled_p2p("recv", tensors, lambda: self._gloo.recv(tensors, peer, tag))
+        return self._gloo.recv(tensors, peer, tag)
 
     def recv_anysource(self, tensors: List[torch.Tensor], tag: int = 0) -> Any:
         t = self._one(tensors, "tensor")
         if self._device([t], "tensor") == "cuda":
             raise ValueError("tensor: receiving from any source is not supported for CUDA tensors")
+        if _profiling():
+            return self._profiled_p2p("recv_anysource", tensors, lambda: self._gloo.recv_anysource(tensors, tag))
         return self._gloo.recv_anysource(tensors, tag)
 
     # ------------------------------------------------------------------ coalescing, ending
