@@ -105,12 +105,14 @@ def mixed_paths_job(rank, world, port, outdir):
 
 def profiled_p2p_job(rank, world, port, outdir):
     """Under torch.profiler: a receive from any source reports its sender; then rank 1 waits for a send
-    that never comes and must get gloo's timeout error from wait(), within the group's timeout."""
+    that never comes, on a group with a 4 s timeout, and must get gloo's timeout error from wait()."""
+    import datetime
     import json
 
     from torch.profiler import ProfilerActivity, profile
 
-    init_backend(rank, world, port, timeout_s=3)
+    init_backend(rank, world, port)   # the default 60 s: setting up must not race a short timeout
+    short = dist.new_group(backend="ncclavg", timeout=datetime.timedelta(seconds=4))
     got = {}
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True):
         if rank == 0:
@@ -121,7 +123,7 @@ def profiled_p2p_job(rank, world, port, outdir):
             got["value"] = buf.tolist()
             t0 = time.monotonic()
             try:
-                dist.recv(torch.zeros(2), 0)
+                dist.recv(torch.zeros(2), 0, group=short)
                 got["error"] = None
             except Exception as e:   # noqa: BLE001 (the test reads it)
                 got["error"] = f"{type(e).__name__}: {e}"
@@ -130,4 +132,4 @@ def profiled_p2p_job(rank, world, port, outdir):
         with open(os.path.join(outdir, "p2p.json"), "w") as f:
             json.dump(got, f)
     if rank == 0:
-        time.sleep(8)   # stays (connected) until rank 1's receive has given up
+        time.sleep(12)   # stays (connected) until rank 1's receive has given up

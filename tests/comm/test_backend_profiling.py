@@ -61,10 +61,10 @@ def test_ddp_steps_show_one_allreduce_per_bucket(tmp_path, all_threads):
 
 def test_profiled_point_to_point_keeps_its_source_and_its_timeout(tmp_path):
     # the wrapper around gloo's work while profiling (P2PWork) must pass the sender of a receive from any
-    # source through, and a receive nobody answers must fail from wait() (gloo's 3 s timeout), not hang
+    # source through, and a receive nobody answers must fail from wait() (its group's 4 s timeout), not hang
     run_ranks(FW.profiled_p2p_job, 2, args=(str(tmp_path),), timeout_s=120)
     with open(os.path.join(tmp_path, "p2p.json")) as f:
         got = json.load(f)
     assert got["source"] == 0 and got["value"] == [5.0, 5.0, 5.0], got
     assert got["error"] is not None and "timed out" in got["error"].lower(), got
-    assert got["seconds"] < 30, got   # the group's 3 s, plus gloo's slack; a hang would be the run's 120 s
+    assert 3 < got["seconds"] < 30, got   # the group's 4 s (gloo's clock may round down); a hang: the run's 120 s
