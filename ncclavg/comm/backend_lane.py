@@ -10,7 +10,8 @@ async_op=True (and every collective DDP, FSDP2 or a functional collective issues
 returns at once; the worker runs the queued collectives in order, each to completion, through the
 shared-memory channel (which releases the GIL while it works, so backward keeps computing) or through
 the group's inner gloo. A collective whose caller waits at once (async_op=False) runs on the caller's
-thread when nothing is queued: no thread hop for the small synchronous calls of a training loop. Every
+thread when nothing is queued: no thread hop for the small synchronous calls of a training loop
+(except while torch's profiler runs: Note [Profiler ranges of a Python backend] in profiling.py). Every
 CPU collective of a group goes through its lane, the gloo fallbacks too, so they complete in the
 order they were issued, as the ranks issued them (point-to-point calls do not: a recv that waits for a
 later send would block the lane, see torch_backend.py). With a channel, the lane's order is the
