@@ -42,7 +42,6 @@ def ddp_profile_job(rank, world, port, outdir, steps, bucket_mb, all_threads=Fal
     send from rank 0 to rank 1; `all_threads` asks the profiler to record every thread (the lane's worker
     too). Each rank writes the events it saw of the backend, with DDP's bucket sizes, as JSON."""
     import json
-    import threading
 
     from torch.nn.parallel import DistributedDataParallel as DDP
     from torch.profiler import ProfilerActivity, profile
@@ -71,13 +70,14 @@ def ddp_profile_job(rank, world, port, outdir, steps, bucket_mb, all_threads=Fal
             dist.recv(torch.empty(7), 0)
     sizes = ddp._get_ddp_logging_data()["rebuilt_bucket_sizes"]   # bytes, "267280, 66560"
     buckets = [int(s) // 4 for s in str(sizes).split(",")]
-    main = [e.thread for e in prof.events() if e.name == "ProfilerStep*" or e.name.startswith("c10d::")][:1]
-    events = [{"name": e.name, "shapes": e.input_shapes, "async": e.is_async, "thread": e.thread,
+    # the issuing thread: the one that records the dispatcher's ranges
+    main = [e.thread for e in prof.events() if e.name.startswith("c10d::")][:1]
+    events = [{"name": e.name, "shapes": e.input_shapes, "async": e.is_async,
                "main": bool(main) and e.thread == main[0],
                "parent": e.cpu_parent.name if e.cpu_parent else None}
               for e in prof.events() if e.name.startswith(("c10d::", "ncclavg"))]
     with open(os.path.join(outdir, f"events{rank}.json"), "w") as f:
-        json.dump({"events": events, "buckets": buckets, "main_thread": threading.get_ident()}, f)
+        json.dump({"events": events, "buckets": buckets}, f)
     dist.barrier()
 
 

@@ -8,7 +8,7 @@ records its own event, `gloo:all_reduce` for gloo, from issue to completion, beg
 and ended on gloo's worker thread (torch's profiler marks such an event async). A backend written in
 Python (Note [A ProcessGroup, not a Backend] in torch_backend.py) is called past the dispatcher, so
 nothing is recorded unless the backend records it. So `_submit`, which every lane collective passes,
-records both, under the same names as gloo's with `ncclavg` for `gloo` (DISPATCHED, TITLES), each with
+records both, under the same names as gloo's with `ncclavg` for `gloo` (NAMES), each with
 the inputs (their shapes and dtypes when `record_shapes=True`):
 - the dispatcher's range `c10d::<op>` around the issue, on the calling thread (as torch's dispatcher
   records it, it ends when the call returns its Work);
@@ -43,7 +43,6 @@ import torch.autograd.profiler as _torch_profiler
 from torch._C._profiler import _RecordFunctionFast
 
 
-
 def enabled() -> bool:
     """Is torch's profiler running? Its process-wide flag, set by every profiler torch starts: the
     thread-local `torch._C._autograd._profiler_enabled()` is False on every thread while a profiler
@@ -52,69 +51,45 @@ def enabled() -> bool:
 
 
 _NOTHING = contextlib.nullcontext()   # reusable: entering it does nothing
-# The op names of torch_backend.py's _submit -> the name torch 2.13's dispatcher records for the same
-# collective on gloo (profiled: dist.all_gather_into_tensor is _allgather_base_, reduce_scatter_tensor is
-# _reduce_scatter_base_); an op missing here is recorded as "ncclavg::<op>".
-DISPATCHED = {
-    "allreduce": "c10d::allreduce_",
-    "sparse allreduce": "c10d::allreduce_",
-    "allreduce_coalesced": "c10d::allreduce_coalesced_",
-    "reduce": "c10d::reduce_",
-    "reduce_scatter": "c10d::reduce_scatter_",
-    "reduce_scatter_single": "c10d::_reduce_scatter_base_",
-    "reduce_scatter_single_coalesced": "c10d::reduce_scatter_tensor_coalesced_",
-    "broadcast": "c10d::broadcast_",
-    "allgather": "c10d::allgather_",
-    "all_gather_single": "c10d::_allgather_base_",
-    "all_gather_single_coalesced": "c10d::allgather_into_tensor_coalesced_",
-    "allgather_coalesced": "c10d::allgather_coalesced_",
-    "gather": "c10d::gather_",
-    "scatter": "c10d::scatter_",
-    "all_to_all_single": "c10d::alltoall_base_",
-    "alltoall": "c10d::alltoall_",
-    "barrier": "c10d::barrier",
-    "coalesced collectives": "c10d::end_coalescing",
-    "send": "c10d::send",
-    "recv": "c10d::recv_",
-    "recv_anysource": "c10d::recv_any_source_",
-}
-# The same ops -> the backend's own event, `ncclavg:<title>`, titled as gloo titles its works
-# (`gloo:all_reduce`, ...; torch's distributed tests look for `<backend>:<title>`); an op missing here is
-# titled with its own name.
-TITLES = {
-    "allreduce": "all_reduce",
-    "sparse allreduce": "sparse_all_reduce",
-    "allreduce_coalesced": "all_reduce_coalesced",
-    "reduce": "reduce",
-    "reduce_scatter": "reduce_scatter",
-    "reduce_scatter_single": "reduce_scatter_tensor",
-    "reduce_scatter_single_coalesced": "reduce_scatter_tensor_coalesced",
-    "broadcast": "broadcast",
-    "allgather": "all_gather",
-    "all_gather_single": "all_gather_into_tensor",
-    "all_gather_single_coalesced": "all_gather_into_tensor_coalesced",
-    "allgather_coalesced": "all_gather_coalesced",
-    "gather": "gather",
-    "scatter": "scatter",
-    "all_to_all_single": "all_to_all",
-    "alltoall": "all_to_all",
-    "barrier": "barrier",
-    "coalesced collectives": "end_coalescing",
-    "send": "send",
-    "recv": "recv",
-    "recv_anysource": "recvAnySource",
+# The op names of torch_backend.py's _submit -> (the name torch 2.13's dispatcher records for the same
+# collective on gloo, the title of the backend's own event `ncclavg:<title>`: gloo's titles for its works,
+# `gloo:all_reduce`, ..., which torch's distributed tests look for as `<backend>:<title>`). Profiled:
+# dist.all_gather_into_tensor dispatches _allgather_base_, reduce_scatter_tensor _reduce_scatter_base_.
+# An op missing here is recorded as "ncclavg::<op>" and titled with its own name.
+NAMES = {
+    "allreduce": ("c10d::allreduce_", "all_reduce"),
+    "sparse allreduce": ("c10d::allreduce_", "sparse_all_reduce"),
+    "allreduce_coalesced": ("c10d::allreduce_coalesced_", "all_reduce_coalesced"),
+    "reduce": ("c10d::reduce_", "reduce"),
+    "reduce_scatter": ("c10d::reduce_scatter_", "reduce_scatter"),
+    "reduce_scatter_single": ("c10d::_reduce_scatter_base_", "reduce_scatter_tensor"),
+    "reduce_scatter_single_coalesced": ("c10d::reduce_scatter_tensor_coalesced_", "reduce_scatter_tensor_coalesced"),
+    "broadcast": ("c10d::broadcast_", "broadcast"),
+    "allgather": ("c10d::allgather_", "all_gather"),
+    "all_gather_single": ("c10d::_allgather_base_", "all_gather_into_tensor"),
+    "all_gather_single_coalesced": ("c10d::allgather_into_tensor_coalesced_", "all_gather_into_tensor_coalesced"),
+    "allgather_coalesced": ("c10d::allgather_coalesced_", "all_gather_coalesced"),
+    "gather": ("c10d::gather_", "gather"),
+    "scatter": ("c10d::scatter_", "scatter"),
+    "all_to_all_single": ("c10d::alltoall_base_", "all_to_all"),
+    "alltoall": ("c10d::alltoall_", "all_to_all"),
+    "barrier": ("c10d::barrier", "barrier"),
+    "coalesced collectives": ("c10d::end_coalescing", "end_coalescing"),
+    "send": ("c10d::send", "send"),
+    "recv": ("c10d::recv_", "recv"),
+    "recv_anysource": ("c10d::recv_any_source_", "recvAnySource"),
 }
 
 
 def dispatched(op: str, tensors: Sequence[Any]) -> Any:
     """The dispatcher's range of one collective, a context around its issue (the profiler is on)."""
-    return _RecordFunctionFast(DISPATCHED.get(op) or f"ncclavg::{op}", list(tensors))
+    return _RecordFunctionFast(NAMES[op][0] if op in NAMES else f"ncclavg::{op}", list(tensors))
 
 
 def begin(op: str, tensors: Sequence[Any]) -> Any:
     """The backend's open range of one collective or point-to-point call (the profiler is on), from issue
     to completion: end it with end(), on another thread (Note [Profiler ranges of a Python backend])."""
-    rf = _RecordFunctionFast(f"ncclavg:{TITLES.get(op, op)}", list(tensors))
+    rf = _RecordFunctionFast(f"ncclavg:{NAMES[op][1] if op in NAMES else op}", list(tensors))
     rf.__enter__()
     return rf
 

@@ -32,8 +32,7 @@ from torch._C._distributed_c10d import (AllgatherOptions, AllreduceCoalescedOpti
 from . import backend_setup, calls, flight, profiling
 from .backend_cpu import CpuCollectives
 from .backend_fast import DoneWork, fast_calls, fast_paths
-from .backend_lane import BackendError, BackendWork, Job, Lane, P2PWork
-from .backend_lane import issued_elsewhere as _issued_elsewhere
+from .backend_lane import BackendError, BackendWork, Job, Lane, P2PWork, issued_elsewhere
 from .backend_math import R, red_kind
 from .base import LazyText
 from .calls import Call
@@ -215,7 +214,7 @@ class ProcessGroupNcclavg(dist.ProcessGroup):
         """A point-to-point call while the profiler runs: gloo's work wrapped so that the call records its
         ranges as a collective does (Note [Profiler ranges of a Python backend] in profiling.py)."""
         with profiling.dispatched(op, tensors):
-            job = Job(_issued_elsewhere, tensors, self._what(op, tensors), self._timeout)
+            job = Job(issued_elsewhere, tensors, self._what(op, tensors), self._timeout)
             job.prof = profiling.begin(op, tensors)
             try:
                 work = issue()
