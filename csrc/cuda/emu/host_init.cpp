@@ -106,11 +106,10 @@ SCENARIO(init_rank_threads, 20) {
 
 // init_ranks across processes: towers 2+2 and 1+2, ranks numbered process-major.
 static void towers_of_processes(const std::vector<int>& towers) {
-  const std::string uid = unique_id();
   int total = 0;
   for (int t : towers) total += t;
   // Limits far above the ~1 s these take: a loaded 2-core machine runs four threads of two processes here.
-  run_processes(static_cast<int>(towers.size()), 90.0, [&](int p) {
+  run_processes(static_cast<int>(towers.size()), 90.0, unique_id(), [&](int p, const std::string& uid) {
     int first = 0;
     for (int q = 0; q < p; ++q) first += towers[q];
     std::vector<int> devices;

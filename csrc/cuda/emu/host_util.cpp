@@ -13,6 +13,7 @@
 #include <map>
 #include <mutex>
 #include <thread>
+#include <vector>
 
 #include "../../common/elementwise.h"
 #include "../nccl_api.h"
@@ -186,26 +187,81 @@ void run_threads(int n, const std::function<void(int)>& f) {
   for (auto& t : ts) t.join();
 }
 
-void run_processes(int n, double timeout_s, const std::function<void(int)>& f) {
+// Note [Children by fork and exec]
+// A child made by fork() alone inherits every lock that another thread held at that instant, with no
+// thread left to release it: the harness already runs its budget watchdog, the emulated runtime its stream
+// threads, and ASan's allocator takes a lock on every thread's start and on many allocations. One run in
+// about fifteen of the 2+2 init froze that way in the child's first allocation (both processes then
+// reported an init timeout). So a child is this executable again (/proc/self/exe, the same scenario),
+// exec'd right after the fork with nothing but async-signal-safe calls in between; it is told its index
+// and the parent's `shared` value through the environment and runs only f(index) when it reaches
+// run_processes. A pending alarm() survives the exec: an orphan never outlives the scenario for long.
+namespace {
+constexpr const char* kChildIndexEnv = "NCCLEMU_HOST_CHILD";
+constexpr const char* kChildSharedEnv = "NCCLEMU_HOST_SHARED";
+
+std::string to_hex(const std::string& b) {
+  static const char* digits = "0123456789abcdef";
+  std::string h;
+  for (unsigned char c : b) {
+    h += digits[c >> 4];
+    h += digits[c & 15];
+  }
+  return h;
+}
+
+std::string from_hex(const char* h) {
+  auto nibble = [](char c) { return c <= '9' ? c - '0' : c - 'a' + 10; };
+  std::string b;
+  for (; h[0] && h[1]; h += 2) b += static_cast<char>(nibble(h[0]) << 4 | nibble(h[1]));
+  return b;
+}
+
+[[noreturn]] void run_child(int index, const std::string& shared, const std::function<void(int, const std::string&)>& f) {
+  try {
+    f(index, shared);
+  } catch (const std::exception& e) {
+    fail_now("process " + std::to_string(index) + ": " + e.what());
+  }
+  std::fflush(stdout);
+  std::fflush(stderr);
+  _exit(0);  // no static destructors: stream threads of the emulated runtime may still run
+}
+}  // namespace
+
+void run_processes(int n, double timeout_s, const std::string& shared,
+                   const std::function<void(int, const std::string&)>& f) {
+  if (const char* child = std::getenv(kChildIndexEnv); child && child[0]) {
+    const char* given = std::getenv(kChildSharedEnv);
+    run_child(std::atoi(child), from_hex(given ? given : ""), f);
+  }
+  // Everything the child needs is built here, before the fork.
+  std::vector<std::string> env_own;
+  for (char** e = environ; *e; ++e) env_own.emplace_back(*e);
+  env_own.push_back(std::string(kChildSharedEnv) + "=" + to_hex(shared));
+  env_own.emplace_back();  // the index, set per child below
+  std::string self = "/proc/self/exe";
   std::vector<pid_t> kids;
   for (int i = 1; i < n; ++i) {
+    env_own.back() = std::string(kChildIndexEnv) + "=" + std::to_string(i);
+    std::vector<char*> envp;
+    for (auto& v : env_own) envp.push_back(v.data());
+    envp.push_back(nullptr);
+    std::vector<char*> argv{self.data(), g_scenario.data(), nullptr};
     fflush(stdout);
     fflush(stderr);
     const pid_t pid = fork();
     if (pid == 0) {
-      alarm(static_cast<unsigned>(timeout_s) + 1);  // an orphan never outlives the scenario for long
-      try {
-        f(i);
-      } catch (const std::exception& e) {
-        fail_now("process " + std::to_string(i) + ": " + e.what());
-      }
-      fflush(stdout);
-      fflush(stderr);
-      _exit(0);  // no static destructors: stream threads of the emulated runtime may still run
+      alarm(static_cast<unsigned>(timeout_s) + 1);
+      execve(self.c_str(), argv.data(), envp.data());
+      static const char msg[] = "FAIL: cannot exec the harness for a child process\n";
+      (void)!write(1, msg, sizeof msg - 1);
+      _exit(4);
     }
+    if (pid < 0) fail("fork failed");
     kids.push_back(pid);
   }
-  f(0);
+  f(0, shared);
   const double end = now() + timeout_s;
   for (pid_t pid : kids) {
     int status = 0;

@@ -105,9 +105,13 @@ void sleep_s(double s);
 
 // Runs f(0..n-1) on n threads and rethrows the first failure.
 void run_threads(int n, const std::function<void(int)>& f);
-// Runs f(0..n-1) in n processes (fork; f(0) in this one) and fails if any child fails or does not
-// finish within `timeout_s`. Must be called before this process starts any thread.
-void run_processes(int n, double timeout_s, const std::function<void(int)>& f);
+// Runs f(p, shared) for p = 0..n-1 in n processes (f(0) in this one) and fails if any child fails or does
+// not finish within `timeout_s`. Each child is this harness started afresh on the same scenario (fork, then
+// exec at once: see Note [Children by fork and exec] in host_util.cpp), so the scenario's code before this
+// call runs in every process and must only prepare; a child gets this process's `shared` in place of its
+// own (e.g. the one NCCL unique id of the communicator).
+void run_processes(int n, double timeout_s, const std::string& shared,
+                   const std::function<void(int, const std::string&)>& f);
 
 // A one-line result a test can grep, e.g. "INFO mode=blocking".
 void info(const std::string& line);
