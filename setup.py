@@ -332,6 +332,6 @@ def deps(src):
     return [ROOT / src, *(ROOT / "csrc").rglob("*.h")]
 
 
-ext = Pybind11Extension("ncclavg._C", sources("", "bindings.cpp") + sources("common", "*.cpp") + sources("cpu", "*.cpp")
+ext = Pybind11Extension("ncclavg._C", sources("", "bindings.cpp") + sources("common", "*.cpp") + sources("cpu", "*.cpp") + sources("transport", "*.cpp")
                         + sources("python", "*.cpp"))
 setup(version=VERSION, ext_modules=[ext], cmdclass={"build_ext": BuildExt})

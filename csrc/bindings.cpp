@@ -12,7 +12,7 @@
 #include "cpu/pack.h"
 #include "cpu/optim.h"
 #include "cpu/reduce.h"
-#include "cpu/shm_channel.h"
+#include "transport/shm_channel.h"
 #include "cpu/simd.h"
 #include "python/shm_fast_average.h"
 #include "cuda/nccl_api.h"
@@ -34,7 +34,7 @@ using namespace ncclavg;
 
 namespace {
 
-// A user call's tag from its two Python integers (Note [Call signatures] in csrc/cpu/shm_calls.cpp).
+// A user call's tag from its two Python integers (Note [Call signatures] in csrc/transport/shm_calls.cpp).
 cpu::ShmCallTag call_tag(uint64_t word, int64_t count) {
   cpu::ShmCallTag t;
   t.word = word;
@@ -328,7 +328,7 @@ PYBIND11_MODULE(_C, m) {
         py::call_guard<py::gil_scoped_release>(),
         "dsts[i] = srcs[i] (float32) rounded to dsts[i]'s dtype (nearest even).");
 
-  // ---- shared-memory channel between the processes of one host (csrc/cpu/shm_channel.h)
+  // ---- shared-memory channel between the processes of one host (csrc/transport/shm_channel.h)
   {
     using cpu::ShmChannel;
     using Release = py::call_guard<py::gil_scoped_release>;
@@ -355,7 +355,7 @@ PYBIND11_MODULE(_C, m) {
              "Rank 0 creates the segment and opens the door `name`; the others join through it "
              "(Note [Shared-memory channel], Note [Segment without a name]).")
         .def("close_door", &ShmChannel::close_door, Release())
-        // tag, tag_count: the user's call (Note [Call signatures] in csrc/cpu/shm_calls.cpp)
+        // tag, tag_count: the user's call (Note [Call signatures] in csrc/transport/shm_calls.cpp)
         .def("all_reduce_sum",
              [](ShmChannel& c, uintptr_t data, int64_t count, int type, double timeout_s, double mul, double div,
                 uint64_t tag, int64_t tag_count) {
@@ -397,7 +397,7 @@ PYBIND11_MODULE(_C, m) {
       d["dtypes"] = cpu::shm_dtype_names();
       d["ops"] = cpu::shm_op_names();
       return d;
-    }, "The tables behind a call tag's codes (Note [Call signatures] in csrc/cpu/shm_calls.cpp).");
+    }, "The tables behind a call tag's codes (Note [Call signatures] in csrc/transport/shm_calls.cpp).");
     m.def("shm_describe_call", [](uint64_t tag, int64_t tag_count) {
       const cpu::ShmCallTag t = call_tag(tag, tag_count);
       return cpu::describe_call(t);

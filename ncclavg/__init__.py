@@ -4,11 +4,14 @@ The compiled core, `ops`, `build_info()` and `ncclavg info` need only numpy. Eve
 torch modules (bucket plans, communicators, the averager, optimizers, the trainer) is imported on first
 use, so `import ncclavg` works, and says what it has, on a machine without torch.
 
-Layout: the core is this folder (buffers, ops, bucketing, averager, optim, master, the `ncclavg`
-command); `ncclavg.comm` holds the Communicator and its backends, `ncclavg.train` TowerTrainer and what
-only training needs, `ncclavg.bench` the `ncclavg bench` command. The core imports none of them when it
-loads; comm imports only the core; train and bench import comm and the core, never each other
-(tests/test_layering.py checks it).
+Layout: the core is this folder (buffers, ops, bucketing, averager, optim, master, errors, the `ncclavg`
+command); `ncclavg.transport` holds what both communication faces use (the shared-memory channel's
+Python side, call signatures, heartbeats, the flight recorder, profiler ranges); `ncclavg.comm` the
+Communicator and its backends; `ncclavg.process_group` the `ncclavg` torch.distributed backend (its
+ProcessGroup, CPU collectives, DDP hook and FSDP2 comms); `ncclavg.train` TowerTrainer and what only
+training needs; `ncclavg.bench` the `ncclavg bench` command. The core imports none of them when it loads;
+transport imports only the core; comm the core and transport; process_group those and comm; train and
+bench any of them, never each other (tests/test_layering.py checks it; docs/architecture.md draws it).
 
 `import ncclavg` also registers the `ncclavg` torch.distributed backend, lightly: Note [Registering the
 torch.distributed backend] below.
@@ -66,12 +69,12 @@ __all__ = [
 # the registration is the one call Backend.register_backend("ncclavg", creator), made when
 # torch.distributed's distributed_c10d module exists: now if torch is imported already, else right after
 # it loads (a one-shot finder on sys.meta_path wraps that module's loader). The creator imports the
-# backend itself (ncclavg/comm/torch_backend.py) when torch creates the first group.
+# backend itself (ncclavg/process_group/group.py) when torch creates the first group.
 _C10D = "torch.distributed.distributed_c10d"
 
 
 def _create_torch_group(dist_opts, backend_options):
-    from .comm.torch_backend import _create
+    from .process_group.group import _create
 
     return _create(dist_opts, backend_options)
 

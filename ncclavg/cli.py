@@ -1,6 +1,6 @@
 """The `ncclavg` command: info | bench | train | trace.
 
-`info` and `trace` (the reader of the flight recorder's dumps, ncclavg/comm/flight_reader.py, imported
+`info` and `trace` (the reader of the flight recorder's dumps, ncclavg/transport/flight_reader.py, imported
 when the command runs) live here; `bench` and `train` live in ncclavg/bench/cli.py and
 ncclavg/train/cli.py, each adding its subparser. Shared conventions: a bad argument raises
 `ncclavg.errors.UsageError`, which `main` prints on one line (`ncclavg train: error: ...`) with exit code 2.
@@ -29,7 +29,7 @@ def _cmd_info(args: argparse.Namespace) -> int:
 
 
 def _cmd_trace(args: argparse.Namespace) -> int:
-    from .comm import flight_reader   # on use only: building the parser stays torch-free
+    from .transport import flight_reader   # on use only: building the parser stays torch-free
 
     try:
         return flight_reader.main(args.dumps, args.last)

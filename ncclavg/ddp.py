@@ -8,7 +8,7 @@ still adds in float32.
 
 `register(model, *, wire=None, predivide=None, timeout=None)` returns the hook's `HookState`;
 `allreduce_hook(state, bucket)` is the hook itself, for `model.register_comm_hook(HookState(...), hook)`.
-The implementation lives in ncclavg/comm/ddp_hook.py (Note [The DDP hook's engine], Note [Low-precision
+The implementation lives in ncclavg/process_group/ddp_hook.py (Note [The DDP hook's engine], Note [Low-precision
 wire with fp32 accumulation]); this module only forwards to it, so that importing it stays light.
 """
 from __future__ import annotations
@@ -17,22 +17,22 @@ from typing import Any, Optional
 
 
 def register(model: Any, *, wire: Any = None, predivide: Optional[bool] = None, timeout: Optional[float] = None) -> Any:
-    """See ncclavg/comm/ddp_hook.py: register()."""
-    from .comm.ddp_hook import register as _register
+    """See ncclavg/process_group/ddp_hook.py: register()."""
+    from .process_group.ddp_hook import register as _register
 
     return _register(model, wire=wire, predivide=predivide, timeout=timeout)
 
 
 def allreduce_hook(state, bucket):  # no annotations: DDP checks a hook's (and this module's are strings)
     """The DDP comm hook (state: a HookState)."""
-    from .comm.ddp_hook import allreduce_hook as _hook
+    from .process_group.ddp_hook import allreduce_hook as _hook
 
     return _hook(state, bucket)
 
 
 def __getattr__(name: str) -> Any:
     if name == "HookState":
-        from .comm.ddp_hook import HookState
+        from .process_group.ddp_hook import HookState
 
         return HookState
     raise AttributeError(f"module 'ncclavg.ddp' has no attribute {name!r}")

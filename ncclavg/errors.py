@@ -8,8 +8,19 @@ classes are created there so C++ can raise them); the others are raised by the P
                                       or reordered a bucket); raised on every rank
     LayoutMismatchError (ValueError)  towers/ranks hold parameter lists that do not line up
     UsageError (ValueError)           a bad command-line argument of `ncclavg bench` / `ncclavg train`
+    BackendError (torch's DistBackendError and CommError)  a collective of the `ncclavg` torch.distributed
+                                      backend failed, or its group refused one after an earlier failure
+    BackendTimeoutError (BackendError)   one of them did not complete within its timeout
+    BackendMismatchError (BackendError)  the ranks called different collectives: raised on every rank
+
+The three Backend* classes derive from torch.distributed's DistBackendError, so that torch's launchers and
+users' `except DistBackendError` see them; `import ncclavg` loads no torch, so they are made on first
+use (module `__getattr__`), once, and are the same classes everywhere after that.
 """
 from __future__ import annotations
+
+import threading
+from typing import Any
 
 from ._ext import _C
 
@@ -60,3 +71,43 @@ def is_timeout(e: BaseException) -> bool:
         return True
     text = str(e).lower()
     return "timed out" in text or "timeout" in text
+
+
+_BACKEND_ERRORS = ("BackendError", "BackendTimeoutError", "BackendMismatchError")
+_backend_errors_lock = threading.Lock()
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _BACKEND_ERRORS:
+        raise AttributeError(f"module 'ncclavg.errors' has no attribute {name!r}")
+    with _backend_errors_lock:   # two threads asking at once must get one class, not two
+        if name not in globals():
+            globals().update(_make_backend_errors())
+    return globals()[name]
+
+
+def _make_backend_errors() -> dict:
+    import torch.distributed as dist
+
+    class BackendError(dist.DistBackendError, CommError):
+        """A collective of the `ncclavg` backend failed (a peer process died, the channel was aborted, the
+        ranks called different collectives), or the process group refused a collective because an earlier
+        one failed. Both torch's DistBackendError and ncclavg's CommError."""
+
+        is_timeout = False   # by type, never by its text (is_timeout): BackendTimeoutError says True
+
+    class BackendTimeoutError(BackendError):
+        """A collective of the `ncclavg` backend did not complete within its timeout; the message names the
+        rank that stopped responding when that can be told."""
+
+        is_timeout = True
+
+    class BackendMismatchError(BackendError):
+        """The ranks called different collectives (or the same one with different sizes, dtypes, ops or
+        roots): raised on every rank, naming both calls."""
+
+    made = {"BackendError": BackendError, "BackendTimeoutError": BackendTimeoutError,
+            "BackendMismatchError": BackendMismatchError}
+    for cls in made.values():   # pickled by reference (Ray, multiprocessing): ncclavg.errors.<name>
+        cls.__module__, cls.__qualname__ = __name__, cls.__name__
+    return made

@@ -156,7 +156,7 @@ def fsdp2_job(rank, world, port):
                 fully_shard(layer, mesh=mesh)
         fully_shard(m, mesh=mesh)
         if custom:
-            from ncclavg.comm.fsdp_comms import use_ncclavg
+            from ncclavg.process_group.fsdp_comms import use_ncclavg
 
             assert use_ncclavg(m) == 4
         opt = torch.optim.SGD(m.parameters(), lr=0.1)

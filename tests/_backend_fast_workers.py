@@ -1,5 +1,5 @@
 """Bodies of tests/comm/test_backend_fast.py: the `ncclavg` backend's fast path for a synchronous
-all_reduce (Note [The backend's fast path] in ncclavg/comm/backend_fast.py) against the general path."""
+all_reduce (Note [The backend's fast path] in ncclavg/process_group/fast_path.py) against the general path."""
 import gc
 import os
 

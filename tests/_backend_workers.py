@@ -20,8 +20,8 @@ def init_backend(rank, world, port, timeout_s=60, layout=None, init="tcp"):
     torch.set_num_threads(1)
     import ncclavg  # noqa: F401  (registers the backend)
 
-    if layout:   # pretend hosts: Note [When the shared-memory channel is used] in ncclavg/comm/shm.py
-        import ncclavg.comm.backend_setup as setup
+    if layout:   # pretend hosts: Note [When the shared-memory channel is used] in ncclavg/transport/shm.py
+        import ncclavg.process_group.connect as setup
 
         setup.host_identity = lambda: f"test-host-{layout[rank]}"
     method = f"tcp://127.0.0.1:{port}" if init == "tcp" else init
@@ -362,7 +362,7 @@ def subgroups_job(rank, world, port):
 
 def mismatch_job(rank, world, port):
     """Ranks that call a collective with different sizes fail with an error naming both, never hang."""
-    from ncclavg.comm.backend_lane import BackendError
+    from ncclavg.process_group.lane import BackendError
 
     init_backend(rank, world, port, timeout_s=20)
     t = torch.ones(10 + rank)

@@ -1,5 +1,5 @@
 """Bodies of the flight recorder's and the profiler's multi-process tests (spawned children import this
-module by name): ncclavg/comm/flight.py, flight_reader.py, profiling.py."""
+module by name): ncclavg/transport/flight.py, flight_reader.py, profiling.py."""
 import os
 import signal
 import time
@@ -12,10 +12,10 @@ from _backend_workers import init_backend
 
 def frozen_peer_job(rank, world, port, outdir, timeout):
     """A few collectives in step (all issued async: a synchronous float all_reduce may take the fast
-    path, backend_fast.py), then rank 1 writes its record on demand and freezes (SIGSTOP); rank 0's next
+    path, fast_path.py), then rank 1 writes its record on demand and freezes (SIGSTOP); rank 0's next
     collective, a broadcast rank 1 never issues, times out and rank 0's record is written by the failure."""
     from _fault_util import report
-    from ncclavg.comm import flight
+    from ncclavg.transport import flight
 
     os.environ["NCCLAVG_TRACE_DIR"] = outdir
     init_backend(rank, world, port, timeout_s=timeout)
@@ -88,7 +88,7 @@ def mixed_paths_job(rank, world, port, outdir):
     import torch.distributed as dist
 
     from _backend_workers import init_backend
-    from ncclavg.comm import flight
+    from ncclavg.transport import flight
 
     init_backend(rank, world, port)
     x, out = torch.ones(5), torch.empty(5 * world)

@@ -3,11 +3,13 @@ by importing each module alone. Kept apart from test_layering.py so the negative
 same checks on a copy of the package with a rule broken on purpose.
 
 The rules (also in ncclavg/__init__.py and each subpackage's __init__):
-- the core (the modules directly in ncclavg/) imports nothing from ncclavg.comm, ncclavg.train or
-  ncclavg.bench when it loads; inside a function it may (the `ncclavg` command builds the bench and
-  train subcommands, `ncclavg.TowerTrainer` loads on first use);
-- ncclavg.comm imports only the core (and itself);
-- ncclavg.train and ncclavg.bench import ncclavg.comm and the core, never each other;
+- the core (the modules directly in ncclavg/) imports no subpackage when it loads; inside a function
+  it may (the `ncclavg` command builds the bench and train subcommands, `ncclavg.TowerTrainer` loads on
+  first use, the torch backend's creator loads ncclavg.process_group when torch makes a group);
+- ncclavg.transport (what both communication faces use) imports only the core;
+- ncclavg.comm (ncclavg's Communicator) imports the core and ncclavg.transport;
+- ncclavg.process_group (the torch.distributed face) imports those and ncclavg.comm, never the reverse;
+- ncclavg.train and ncclavg.bench import any of the above, never each other;
 - no import cycles: no module imports, directly or through others, a module that imports it.
 
 An edge of the import graph is an import a module writes (`import x`, `from x import y`, relative or
@@ -26,7 +28,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 TOP = "ncclavg"
-SUBPACKAGES = ("comm", "train", "bench")
+SUBPACKAGES = ("transport", "comm", "process_group", "train", "bench")
+# what each subpackage may import besides the core and itself (at any depth, when it loads or later)
+MAY_IMPORT = {
+    "transport": set(),
+    "comm": {"transport"},
+    "process_group": {"transport", "comm"},
+    "train": {"transport", "comm", "process_group"},
+    "bench": {"transport", "comm", "process_group"},
+}
 COMPILED = {"ncclavg._C"}   # the compiled core: an extension module, it imports nothing of the package
 
 
@@ -128,10 +138,10 @@ def layer_violations(edges: list[Edge]) -> list[str]:
             if e.module_level:
                 out.append(f"{e.src} (line {e.line}) imports {e.dst} when it loads: the core may import "
                            f"ncclavg.{b} only inside a function")
-        elif a == "comm":
-            out.append(f"{e.src} (line {e.line}) imports {e.dst}: ncclavg.comm may import only the core")
-        elif {a, b} == {"train", "bench"}:
-            out.append(f"{e.src} (line {e.line}) imports {e.dst}: ncclavg.{a} must not import ncclavg.{b}")
+        elif b not in MAY_IMPORT[a]:
+            allowed = ", ".join(["the core", *(f"ncclavg.{x}" for x in SUBPACKAGES if x in MAY_IMPORT[a])])
+            out.append(f"{e.src} (line {e.line}) imports {e.dst}: ncclavg.{a} must not import ncclavg.{b} "
+                       f"(it may import only {allowed})")
     return out
 
 
@@ -235,7 +245,7 @@ def load_violations(results: list[dict]) -> list[str]:
             b = layer(other)
             if a == b or b == "core":
                 continue
-            if a in ("core", "comm") or {a, b} == {"train", "bench"}:
+            if a == "core" or b not in MAY_IMPORT[a]:
                 who = "the core" if a == "core" else f"ncclavg.{a}"
                 out.append(f"import {mod} alone loads {other}: {who} must not import ncclavg.{b} when it loads")
     return out

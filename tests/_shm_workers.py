@@ -122,7 +122,7 @@ def out_of_step(rank, world, name, slot, case, q):
         div = 1.0 if rank == 0 else float(world)
         call = lambda: ch.all_reduce_sum(x.data_ptr(), 10, 0, 30.0, 1.0, div)   # noqa: E731
     elif case.startswith("tag"):   # the same channel call, made for different user calls
-        from ncclavg.comm import calls
+        from ncclavg.transport import calls
 
         R = torch.distributed.ReduceOp
         if case == "tag":

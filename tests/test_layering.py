@@ -40,6 +40,11 @@ def test_the_checker_sees_the_whole_package():
     pairs = {(e.src, e.dst) for e in edges}
     assert ("ncclavg.cli", "ncclavg.bench.cli") in pairs and ("ncclavg.cli", "ncclavg.train.cli") in pairs
     assert ("ncclavg.train.engines", "ncclavg.comm") in pairs
+    # the two faces over the one transport, and the torch face above the Communicator's fast path
+    assert ("ncclavg.comm.gloo", "ncclavg.transport.shm") in pairs
+    assert ("ncclavg.process_group.connect", "ncclavg.transport.shm") in pairs
+    assert ("ncclavg.process_group.group", "ncclavg.comm.shm_fast") in pairs
+    assert ("ncclavg", "ncclavg.process_group.group") in pairs   # the creator torch calls, on use
     assert ("ncclavg", "ncclavg.train.trainer") in pairs  # the lazy table of ncclavg/__init__.py
     assert all(not e.module_level for e in edges if e.src == "ncclavg.cli" and L.layer(e.dst) != "core")
 
@@ -86,9 +91,27 @@ def test_negative_comm_importing_train_is_caught(pkg_copy):
     _insert(pkg_copy / "comm" / "local.py", "from __future__ import annotations\n",
             "from ..train import data as _not_allowed  # noqa\n")
     found = L.layer_violations(L.import_edges(pkg_copy))
-    assert len(found) == 1 and "ncclavg.comm.local" in found[0] and "may import only the core" in found[0], found
+    assert len(found) == 1 and "ncclavg.comm.local" in found[0] and "must not import ncclavg.train" in found[0], found
     loaded = L.load_violations(L.import_alone(pkg_copy.parent, ["ncclavg.comm.local"]))
     assert any("loads ncclavg.train.data" in v for v in loaded), loaded
+
+
+def test_negative_comm_importing_the_torch_adapter_is_caught_even_inside_a_function(pkg_copy):
+    # the Communicator is the lower face: a lazy import of the torch backend from it is caught too
+    _append(pkg_copy / "comm" / "gloo.py",
+            "\n\ndef _not_allowed():\n    from ..process_group import lane  # noqa\n    return lane\n")
+    found = L.layer_violations(L.import_edges(pkg_copy))
+    assert len(found) == 1 and "ncclavg.comm.gloo" in found[0] and "must not import ncclavg.process_group" in found[0], found
+
+
+def test_negative_transport_importing_comm_when_it_loads_is_caught(pkg_copy):
+    _insert(pkg_copy / "transport" / "shm.py", "from __future__ import annotations\n",
+            "from ..comm import dist as _not_allowed  # noqa\n")
+    found = L.layer_violations(L.import_edges(pkg_copy))
+    assert len(found) == 1 and "ncclavg.transport.shm" in found[0] and "must not import ncclavg.comm" in found[0], found
+    # comm's __init__ loads gloo.py, which imports shm.py: importing shm.py alone now fails half-way
+    loaded = L.load_violations(L.import_alone(pkg_copy.parent, ["ncclavg.transport.shm"]))
+    assert len(loaded) == 1 and "import ncclavg.transport.shm alone failed" in loaded[0], loaded
 
 
 def test_negative_core_importing_a_subpackage_when_it_loads_is_caught(pkg_copy):

@@ -1,4 +1,4 @@
-"""torch.profiler ranges of ncclavg's own API (ncclavg/comm/profiling.py): the Communicator's collectives
+"""torch.profiler ranges of ncclavg's own API (ncclavg/transport/profiling.py): the Communicator's collectives
 as `ncclavg::<method>` with their inputs' shapes, and TowerTrainer's phases as `ncclavg:train:<phase>`;
 nothing is recorded, and the result is the same, with no profiler running."""
 import pytest

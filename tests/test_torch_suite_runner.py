@@ -139,11 +139,11 @@ def test_summary_counts_and_keeps_reasons():
 
 def test_scrub_leaves_no_directory_of_the_machine():
     text = ('File "/opt/venv/lib/python3.11/site-packages/torch/distributed/c10d.py", line 3\n'
-            'File "/home/me/ncclavg/ncclavg/comm/backend_cpu.py", line 9\n'
+            'File "/home/me/ncclavg/ncclavg/process_group/cpu_collectives.py", line 9\n'
             "init file /tmp/torch-suite-x1/tmpq: gone")
     out = torch_suite.scrub(text, ("/home/me/ncclavg", "/tmp/torch-suite-x1"))
     assert out == ('File "torch/distributed/c10d.py", line 3\n'
-                   'File "ncclavg/comm/backend_cpu.py", line 9\n'
+                   'File "ncclavg/process_group/cpu_collectives.py", line 9\n'
                    "init file tmpq: gone")
 
 

@@ -10,7 +10,7 @@
 #include <mutex>
 #include <vector>
 
-#include "../cpu/shm_channel.h"
+#include "../transport/shm_channel.h"
 
 namespace ncclavg {
 namespace py_glue {
@@ -29,7 +29,7 @@ struct ReleaseGilWhenBlocking : cpu::ShmBlockingHook {
   void before_blocking() override { saved = PyEval_SaveThread(); }
 };
 
-// The order of one transport's collectives (ncclavg/comm/shm.py): a lock held while one runs, and the
+// The order of one transport's collectives (ncclavg/transport/shm.py): a lock held while one runs, and the
 // count of those submitted and not yet done. Native, so that the fast path checks both in nanoseconds;
 // Python uses it like a threading.Lock (acquire, release, `with`), blocking without the GIL.
 class ShmExec {
@@ -54,7 +54,7 @@ class ShmExec {
 // comm.all_reduce_avg([t]) through `channel`, for tensors it has seen before. `prepare(t)` (Python:
 // the general path's checks) returns (data_ptr, numel, type code, divisor, call tag) or None for a
 // tensor the fast path must not take (the tag: the user call the channel checks, Note [Call
-// signatures] in csrc/cpu/shm_calls.cpp; its count is numel). Nothing may be outstanding on `exec` and its lock must be free, and the
+// signatures] in csrc/transport/shm_calls.cpp; its count is numel). Nothing may be outstanding on `exec` and its lock must be free, and the
 // communicator must not have disabled it (a failure or close()), else the call returns False and the
 // general path runs it in order (or says why it refuses).
 class ShmFastAverage {

@@ -1,17 +1,16 @@
-"""ncclavg.comm: the Communicator and its backends.
+"""ncclavg.comm: the Communicator and its backends (ncclavg's own API).
 
 What lives here: `Communicator` (base.py: the constructors, argument checks, failure state) and `Work`,
 and one module per backend: local.py (CPU towers of one process, the core's one-pass host average),
-gloo.py (CPU towers of several processes through torch.distributed, Note [Hierarchical CPU average]),
-shm.py (gloo.py's transport between processes that share a host: the core's shared-memory channel),
-dist.py (the bounded torch.distributed plumbing), nccl.py (the core's NCCL communicator), plus
-liveness.py (heartbeats that name a lost rank) and debug.py (NCCLAVG_DEBUG's cross-rank sequence check).
-The torch-facing adapters, loaded only on use (never by this __init__): torch_backend.py (the `ncclavg`
-torch.distributed backend, registered lightly by ncclavg/__init__.py) with backend_lane.py (its ordered
-worker, works and errors), backend_setup.py (its host channels and heartbeats) and backend_cpu.py (its CPU
-collectives); ddp_hook.py (the DDP comm hook behind ncclavg.ddp) and fsdp_comms.py (FSDP2 custom comms).
-What it may import: the core (`ncclavg.ops`, `buffers`, `_ext`, `errors`, ...) and torch; never
-`ncclavg.train` or `ncclavg.bench`.
+gloo.py (CPU towers of several processes through torch.distributed, Note [Hierarchical CPU average],
+over the transport's shared-memory channel where processes share a host), nccl.py (the core's NCCL
+communicator); dist.py (the bounded torch.distributed plumbing), shm_fast.py (the native fast path of
+a small host average on the channel, which the torch backend borrows) and debug.py (NCCLAVG_DEBUG's
+cross-rank sequence check). Two old addresses stay as aliases: flight.py (ncclavg.transport.flight)
+and backend_lane.py (the torch backend's errors, now in ncclavg.errors).
+What it may import: the core (`ncclavg.ops`, `buffers`, `_ext`, `errors`, ...), `ncclavg.transport`
+and torch; never `ncclavg.process_group` (the torch face sits above this one), `ncclavg.train` or
+`ncclavg.bench`.
 Where to start reading: base.py's `Communicator`, then local.py, the simplest backend.
 """
 from .._ext import default_nccl_runtime_connect

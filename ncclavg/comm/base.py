@@ -204,7 +204,7 @@ class Communicator:
             devs = [_default_process_device() if device is None else torch.device(device)]
         if devs[0].type == "cpu":
             # any backend that runs CPU tensors: gloo, mpi, or ncclavg's own (whose groups then each get a
-            # channel of their own: Note [One channel per group] in backend_setup.py)
+            # channel of their own: Note [One channel per group] in connect.py)
             backend = str(dist.get_backend(group)).lower()
             if not any(name in backend for name in ("gloo", "mpi", "ncclavg")):
                 raise ValueError(f"device: cpu towers need a process group that runs CPU tensors, but this group's "

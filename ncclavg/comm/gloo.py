@@ -28,13 +28,13 @@ import torch
 
 from .._ext import _C
 from ..buffers import as_buffer
-from . import calls, profiling
-from .profiling import enabled as _profiling
+from ..transport import calls, profiling
+from ..transport.profiling import enabled as _profiling
 from .base import Communicator, Work, check_count, check_timeout
-from .calls import Call, average_call
+from ..transport.calls import Call, average_call
 from .dist import _DistWork, _allgather_object_bounded, _debug_allgather_dist, _issue_dist, _wait_dist
-from .liveness import Liveness
-from .shm import ShmTransport, host_identity, supports as shm_supports
+from ..transport.liveness import Liveness
+from ..transport.shm import ShmTransport, host_identity, supports as shm_supports
 from .shm_fast import CHANNEL_ERRORS, channel_failed, fast_average
 
 
@@ -102,7 +102,9 @@ class GlooCommunicator(Communicator):
         self._uniform = len(set(self.tower_counts)) == 1
         # See Note [Naming the lost rank] in liveness.py
         self._liveness = Liveness.for_group(dist, group, self.rank, self.world_size) if self.world_size > 1 else None
-        self._shm = ShmTransport.connect(self, dist, group, [h for _, h in found], self.timeout)
+        self._shm = ShmTransport.connect(
+            self.rank, self.world_size, lambda obj: _allgather_object_bounded(self, dist, group, obj, self.timeout),
+            [h for _, h in found], self.timeout, dist=dist, group=group)
         # between the processes: "shm", the shared-memory channel (one host); "shm+gloo", a channel per host
         # and torch.distributed between the hosts (Note [Several hosts] in shm.py); "gloo", torch.distributed
         self.transport = self._shm.kind if self._shm is not None else "gloo"
@@ -121,7 +123,7 @@ class GlooCommunicator(Communicator):
     # through the shared-memory channel when there is one and it takes the dtype, else torch.distributed.
     # sync=True: the caller waits at once.
     # `call`: the user's call, compared across the ranks by the channel (Note [Call signatures] in
-    # csrc/cpu/shm_calls.cpp); torch.distributed's path has no such check.
+    # csrc/transport/shm_calls.cpp); torch.distributed's path has no such check.
     def _sum(self, what: str, t: torch.Tensor, sync: bool = True, timeout: Optional[float] = None,
              divisor: float = 1.0, call: Optional[Call] = None) -> Any:
         """divisor != 1 (one-host channel only): the channel divides the sum in the same pass."""

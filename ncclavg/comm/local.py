@@ -39,7 +39,7 @@ import torch
 from .._ext import _C, cuda_built
 from ..errors import CommError, CommTimeoutError
 from .base import Communicator, CompletedWork, Work, check_count, check_timeout
-from . import profiling
+from ..transport import profiling
 
 INLINE_BYTES = 64 * 1024   # per tower; See Note [Small averages run inline]
 MAX_CUDA_TOWERS = 256      # kMaxBuffers of the CUDA average kernel; See Note [Towers sharing one GPU]

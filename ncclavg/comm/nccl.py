@@ -31,7 +31,7 @@ from .._ext import _C, cuda_built, nccl_info
 from ..buffers import as_buffers
 from ..errors import CommTimeoutError
 from .base import Communicator, Work, check_timeout
-from . import profiling
+from ..transport import profiling
 from .dist import _allgather_object_bounded
 
 _UID_SEQ = itertools.count()  # one store key per communicator built under torch.distributed

@@ -25,9 +25,9 @@ import weakref
 from typing import Any, NoReturn, Optional
 
 from .._ext import _C
-from .calls import average_call
+from ..transport.calls import average_call
 from .dist import _is_timeout, _raise_failure
-from .shm import TYPE_CODES, supports
+from ..transport.shm import TYPE_CODES, supports
 
 
 CHANNEL_ERRORS = (_C.ShmPeerError, _C.CommTimeoutError)   # what the channel raises for a failed round

@@ -28,7 +28,7 @@ class StepTimes:
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
         """Times the phase `name`; while torch's profiler runs it is also the range `ncclavg:train:<name>`."""
-        from ..comm import profiling   # here: this module is read by torch-free commands too
+        from ..transport import profiling   # here: this module is read by torch-free commands too
 
         t0 = time.perf_counter()
         try:

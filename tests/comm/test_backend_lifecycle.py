@@ -51,7 +51,7 @@ def test_diagnosis_never_prints_from_its_thread(capsys):
     """The store's host gone: the diagnosis says "unknown" and its helper thread prints nothing."""
     import threading
 
-    from ncclavg.comm.liveness import diagnose
+    from ncclavg.transport.liveness import diagnose
 
     class GoneStore:
         def add(self, key, value):

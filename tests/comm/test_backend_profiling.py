@@ -1,4 +1,4 @@
-"""torch.profiler on the `ncclavg` backend (ncclavg/comm/profiling.py): every collective as gloo's
+"""torch.profiler on the `ncclavg` backend (ncclavg/transport/profiling.py): every collective as gloo's
 is seen, the dispatcher's range `c10d::<op>` around the issue and the backend's own `ncclavg:<title>`
 from issue to completion, ended on another thread (async), each with its shapes; point-to-point calls
 the same; the transport steps on the lane's worker when every thread is recorded."""

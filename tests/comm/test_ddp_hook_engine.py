@@ -1,7 +1,7 @@
 """The DDP hook sends a CUDA bucket through its `ncclavg` engine (whose CUDA half is NCCL), never through
 DDP's own group: with DDP over gloo, the bucket went to gloo, where ReduceOp.AVG raises (torch before
 gloo learnt AVG) and CUDA tensors take gloo's slow path. Note [The DDP hook's engine] in
-ncclavg/comm/ddp_hook.py.
+ncclavg/process_group/ddp_hook.py.
 
 No GPU here, so this is a stand-in: it drives the hook's CUDA route (`_cuda_average`) with CPU tensors
 over two gloo ranks, and records the group that every torch.distributed collective of the route is
@@ -20,7 +20,7 @@ def cuda_route_job(rank, world, port, predivide, wire):
     import torch.distributed as dist
 
     import ncclavg  # noqa: F401  (registers the ncclavg backend)
-    from ncclavg.comm import ddp_hook
+    from ncclavg.process_group import ddp_hook
 
     init_rank(rank, world, port)   # DDP's own group: gloo
     state = ddp_hook.HookState(dist.group.WORLD, wire=wire, predivide=predivide, timeout=60)

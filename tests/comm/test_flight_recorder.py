@@ -1,4 +1,4 @@
-"""The `ncclavg` backend's flight recorder (ncclavg/comm/flight.py) and its reader (flight_reader.py,
+"""The `ncclavg` backend's flight recorder (ncclavg/transport/flight.py) and its reader (flight_reader.py,
 `ncclavg trace`): a frozen peer's last collectives on both ranks and the reader's verdict on them; the
 ring's bound; dumps written whole; the reader on hand-made dumps."""
 import json
@@ -9,7 +9,7 @@ import _flight_workers as FW
 import pytest
 from _fault_util import read_reports, spawn_ranks
 
-from ncclavg.comm import flight, flight_reader
+from ncclavg.transport import flight, flight_reader
 
 TIMEOUT = 4.0
 
@@ -55,7 +55,7 @@ def test_fast_and_queued_calls_get_the_same_numbers_and_words(tmp_path):
 def test_the_ring_keeps_the_last_n(tmp_path):
     import torch
 
-    from ncclavg.comm import calls
+    from ncclavg.transport import calls
 
     rec = _rec(5)
     t = torch.ones(3)

@@ -1,4 +1,4 @@
-"""The core's shared-memory channel (csrc/cpu/shm_channel.cpp) on its own: spawned processes meet in one
+"""The core's shared-memory channel (csrc/transport/shm_channel.cpp) on its own: spawned processes meet in one
 segment, no torch.distributed. Results are compared bit for bit with the arithmetic the channel
 defines (Note [Shared-memory channel]: rank order, fp32 accumulation, one rounding), so no tolerance is
 involved; failures must name the peer and end within their bounds."""
@@ -41,7 +41,7 @@ MISMATCHES = {
     "root": (3, ("broadcast of 10 float32 from root 0", "broadcast of 10 float32 from root 1")),
     "zero": (2, ("all_reduce_sum of 0 float32", "all_reduce_sum of 10 float32")),
     "scale": (2, ("all_reduce_sum of 10 float32 (scaled)",)),
-    # the same bytes on the wire, different user calls (Note [Call signatures] in csrc/cpu/shm_calls.cpp)
+    # the same bytes on the wire, different user calls (Note [Call signatures] in csrc/transport/shm_calls.cpp)
     "tag": (2, ("all_reduce(MAX) of 10 float32", "all_gather of 10 float32")),
     "tag_root": (2, ("reduce(SUM) of 10 float32 to root 0", "reduce(SUM) of 10 float32 to root 1")),
     "tag_count": (2, ("all_reduce_coalesced(SUM) of 10 float32", "all_reduce_coalesced(SUM) of 11 float32")),
@@ -159,7 +159,7 @@ def test_door_checks_who_joins():
 
 
 def test_transport_settings(monkeypatch):
-    from ncclavg.comm import shm
+    from ncclavg.transport import shm
 
     monkeypatch.setenv("NCCLAVG_SHM", "maybe")
     with pytest.raises(ValueError, match="NCCLAVG_SHM"):
@@ -177,18 +177,16 @@ def test_transport_settings(monkeypatch):
 
 
 def test_processes_on_different_hosts_keep_gloo(monkeypatch):
-    from ncclavg.comm.shm import ShmTransport
+    from ncclavg.transport.shm import ShmTransport
 
-    class Comm:   # connect() decides before any collective when the identities differ
-        rank, world_size, backend = 0, 2, "gloo"
-
+    # connect() decides before any exchange when the identities differ: it is handed none
     monkeypatch.setenv("NCCLAVG_SHM", "auto")
-    assert ShmTransport.connect(Comm(), None, None, ["host-a", "host-b"], 5.0) is None
+    assert ShmTransport.connect(0, 2, None, ["host-a", "host-b"], 5.0) is None
     monkeypatch.setenv("NCCLAVG_SHM", "1")
     with pytest.raises(CommError, match="no two processes of this group are on one host"):
-        ShmTransport.connect(Comm(), None, None, ["host-a", "host-b"], 5.0)
+        ShmTransport.connect(0, 2, None, ["host-a", "host-b"], 5.0)
     monkeypatch.setenv("NCCLAVG_SHM", "0")
-    assert ShmTransport.connect(Comm(), None, None, ["host-a", "host-a"], 5.0) is None
+    assert ShmTransport.connect(0, 2, None, ["host-a", "host-a"], 5.0) is None
 
 
 def test_exec_lock_orders_calls_across_threads():

@@ -152,7 +152,7 @@ def test_a_job_in_another_pid_namespace_leaves_this_one_alone():
 
 
 def test_heartbeat_keys_agree_between_ranks_that_build_different_groups():
-    from ncclavg.comm import liveness
+    from ncclavg.transport import liveness
 
     saved = dict(liveness._SEQ)
     try:

@@ -32,7 +32,7 @@ def test_hook_bad_arguments_name_them():
 
     with pytest.raises(TypeError, match="model"):
         ncclavg.ddp.register(torch.nn.Linear(2, 2))
-    from ncclavg.comm.ddp_hook import HookState
+    from ncclavg.process_group.ddp_hook import HookState
 
     with pytest.raises(ValueError, match="wire"):
         HookState(wire="int8")
@@ -43,7 +43,7 @@ def test_hook_bad_arguments_name_them():
 
 
 def test_fsdp_helper_bad_arguments_name_them():
-    from ncclavg.comm.fsdp_comms import use_ncclavg
+    from ncclavg.process_group.fsdp_comms import use_ncclavg
 
     with pytest.raises(TypeError, match="model"):
         use_ncclavg("not a module")

@@ -1,6 +1,6 @@
 """A process of a multi-process TowerTrainer run killed or frozen (SIGSTOP) mid-run: every survivor
 raises CommError / CommTimeoutError within its timeout, naming the rank it lost (Note [Naming the lost
-rank] in ncclavg/comm/liveness.py), exits non-zero, and the checkpoint directory holds only complete
+rank] in ncclavg/transport/liveness.py), exits non-zero, and the checkpoint directory holds only complete
 checkpoints."""
 import os
 import signal

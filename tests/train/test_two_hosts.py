@@ -96,7 +96,7 @@ def stop(procs):
 
 # 2 hosts x 1 process x 2 towers: torch.distributed between the processes ("gloo"); 2 hosts x 2
 # processes x 1 tower: a shared-memory channel within each host, torch.distributed between the hosts'
-# leaders ("shm+gloo", Note [Several hosts] in ncclavg/comm/shm.py). Either way 4 towers in all.
+# leaders ("shm+gloo", Note [Several hosts] in ncclavg/transport/shm.py). Either way 4 towers in all.
 @pytest.mark.slow   # ~15 s each: two network namespaces, a torchrun node in each
 @pytest.mark.parametrize("nproc,towers,transport", [(1, "2", "gloo"), (2, "1", "shm+gloo")])
 def test_two_hosts_take_the_steps_of_one_process_of_four(hosts, tmp_path, nproc, towers, transport):
@@ -143,7 +143,7 @@ def test_losing_the_second_host_ends_the_first_with_an_error_within_the_timeout(
     timeout_s = 10   # NCCLAVG_TIMEOUT: the communicators' bound on any collective
     # Host 0's worker learns of the loss at its next collective: at once when the kernel resets the dead
     # worker's connections, at the latest when the timeout expires. Naming the lost rank then takes at
-    # most DIAGNOSE_S (2 s, ncclavg/comm/liveness.py) and torchrun notices its worker's exit within a
+    # most DIAGNOSE_S (2 s, ncclavg/transport/liveness.py) and torchrun notices its worker's exit within a
     # second; 15 s more cover those and a busy 2-core machine. A hang would last until RUN_TIMEOUT_S.
     bound_s = timeout_s + 15
     cwds = [tmp_path, tmp_path]

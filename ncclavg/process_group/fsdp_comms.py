@@ -15,7 +15,7 @@ from typing import Any, Dict, Optional
 import torch
 import torch.distributed as dist
 
-from .torch_backend import NAME, ProcessGroupNcclavg
+from .group import NAME, ProcessGroupNcclavg
 
 try:   # torch >= 2.6: the public FSDP2 interfaces
     from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter

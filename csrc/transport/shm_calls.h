@@ -24,7 +24,7 @@ struct ShmCallTag {
   static constexpr uint64_t kRootMask = (uint64_t{1} << 20) - 1;
 };
 
-// The names behind the indices: Python encodes its calls with the same tables (ncclavg/comm/calls.py
+// The names behind the indices: Python encodes its calls with the same tables (ncclavg/transport/calls.py
 // reads them from here), so that one place says what each code means.
 const std::vector<std::string>& shm_collective_names();
 const std::vector<std::string>& shm_dtype_names();

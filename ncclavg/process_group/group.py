@@ -2,8 +2,8 @@
 
 CPU tensors go through the host channel (shared memory between the processes of one host, `shm+gloo`
 across hosts: exactly GlooCommunicator's choice, shm.py), on a lane that runs them in order
-(backend_lane.py); what the channel has no path for goes through an inner gloo backend of the same
-group (Note [Which CPU collectives take the channel] in backend_cpu.py). CUDA tensors go to an inner
+(lane.py); what the channel has no path for goes through an inner gloo backend of the same
+group (Note [Which CPU collectives take the channel] in cpu_collectives.py). CUDA tensors go to an inner
 torch ProcessGroupNCCL of the same group.
 
 Note [A ProcessGroup, not a Backend]
@@ -11,7 +11,7 @@ torch's C++ `Backend` has no Python constructor, so a backend written in Python 
 subclass, and torch uses the object the creator returns as the whole group: "cpu:ncclavg,cuda:nccl" would
 never create its NCCL half. So this group hands CUDA tensors to an NCCL group of its own (made here, its
 communicators created by NCCL on first use), and registers for both devices. It is registered with the
-extended API (backend_setup.py reads the members' global ranks), and it keeps its name for the functional
+extended API (connect.py reads the members' global ranks), and it keeps its name for the functional
 collectives (`group_name`, set by torch right after creation).
 
 Point-to-point calls (send, recv) go straight to gloo, outside the lane: a recv posted before the
@@ -29,14 +29,16 @@ from torch._C._distributed_c10d import (AllgatherOptions, AllreduceCoalescedOpti
                                         AllToAllOptions, BarrierOptions, BroadcastOptions, GatherOptions, PrefixStore,
                                         ReduceOptions, ReduceScatterOptions, ScatterOptions)
 
-from . import backend_setup, calls, flight, profiling
-from .backend_cpu import CpuCollectives
-from .backend_fast import DoneWork, fast_calls, fast_paths
-from .backend_lane import BackendError, BackendWork, Job, Lane, P2PWork, issued_elsewhere
-from .backend_math import R, red_kind
-from .base import LazyText
-from .calls import Call
-from .shm_fast import CHANNEL_ERRORS
+from . import connect
+
+from ..transport import calls, flight, profiling
+from .cpu_collectives import CpuCollectives
+from .fast_path import DoneWork, fast_calls, fast_paths
+from .lane import BackendError, BackendWork, Job, Lane, P2PWork, issued_elsewhere
+from .reductions import R, red_kind
+from ..comm.base import LazyText
+from ..transport.calls import Call
+from ..comm.shm_fast import CHANNEL_ERRORS
 
 NAME = "ncclavg"
 _profiling = profiling.enabled   # is torch's profiler on? ~20 ns
@@ -78,8 +80,8 @@ class ProcessGroupNcclavg(dist.ProcessGroup):
         self._timeout = timeout.total_seconds()
         self.global_ranks = list(global_ranks) if global_ranks else list(range(size))
         self._gloo = dist.ProcessGroupGloo(PrefixStore("gloo/", store), rank, size, timeout)
-        self._liveness = backend_setup.GroupLiveness(PrefixStore("beat/", store), rank, size)
-        self._lane: Lane = backend_setup.lane_for(PrefixStore("lane/", store), rank, size, self._gloo, timeout)
+        self._liveness = connect.GroupLiveness(PrefixStore("beat/", store), rank, size)
+        self._lane: Lane = connect.lane_for(PrefixStore("lane/", store), rank, size, self._gloo, timeout)
         self._cpu = CpuCollectives(self._lane.transport, self._gloo, rank, size)
         self._store = store
         self._nccl = self._nccl_options(timeout, backend_options)
@@ -90,7 +92,7 @@ class ProcessGroupNcclavg(dist.ProcessGroup):
         self._calls = fast_calls(self._lane.transport, size)   # the same, for broadcast, all-gather, reduce-scatter
         if self._calls is not None:
             self._lane.fast_paths.append(self._calls)
-        # Note [What a job records] in backend_lane.py; the fast paths record with Recorder.done
+        # Note [What a job records] in lane.py; the fast paths record with Recorder.done
         self._flight = flight.for_group(self._name, rank, size, self.global_ranks[rank], self.transport)
         self._lane.recorder = self._flight
 
@@ -202,7 +204,7 @@ class ProcessGroupNcclavg(dist.ProcessGroup):
             raise BackendError(f"ncclavg {op}: the process group was shut down")
         job = Job(body, result, self._what(op, tensors), _seconds(getattr(opts, "timeout", None), self._timeout),
                   self._liveness.diagnose, call)
-        if self._flight is not None and call is not None:   # Note [What a job records] in backend_lane.py
+        if self._flight is not None and call is not None:   # Note [What a job records] in lane.py
             job.rec = self._flight.issue(call, tensors)
         if _profiling():   # Note [Profiler ranges of a Python backend] in profiling.py: on the worker
             with profiling.dispatched(op, tensors):
@@ -644,12 +646,12 @@ def _end_of_process() -> None:
     """At exit: let every lane finish what was queued (bounded) and stop the worker threads before the
     interpreter stops, so that no thread of ours returns into Python while it shuts down (Note [Gloo
     teardown] in dist.py)."""
-    for lane in backend_setup.live_lanes():
+    for lane in connect.live_lanes():
         try:
             lane.close(timeout=10.0)
         except Exception:   # noqa: BLE001 (leaving anyway)
             pass
-    backend_setup.BEATS.stop()
+    connect.BEATS.stop()
 
 
 atexit.register(_end_of_process)

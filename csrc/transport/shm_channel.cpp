@@ -362,7 +362,7 @@ void ShmChannel::wait_for(Counter c, uint64_t target, int only_rank, const Call&
       if (phase != kSleeping && i % 64 != 0) continue;
       const Clock::time_point now = Clock::now();
       const int pid = line(r).pid.load(std::memory_order_acquire);
-      // the same words as the gloo path's diagnosis (ncclavg/comm/liveness.py): "rank N stopped responding"
+      // the same words as the gloo path's diagnosis (ncclavg/transport/liveness.py): "rank N stopped responding"
       if (now >= call.deadline) {
         std::ostringstream os;
         os << "shared-memory " << call.op << " timed out after " << call.timeout_s << " s: rank " << labels_[r]

@@ -1,4 +1,4 @@
-"""Setting up the `ncclavg` torch.distributed backend's transports (torch_backend.py): the host channel a
+"""Setting up the `ncclavg` torch.distributed backend's transports (group.py): the host channel a
 process group's CPU collectives use (shm.ShmTransport, chosen exactly as GlooCommunicator chooses it),
 one per group; and the heartbeats that name a lost rank.
 
@@ -13,13 +13,14 @@ on one rank with those of the other on another. A channel costs a segment of abo
 (Note [When the shared-memory channel is used] in shm.py), freed when its group is destroyed.
 
 The setup runs before torch has registered the group, so torch.distributed's functions cannot be used
-on it: the host identities travel through the group's store, and ShmTransport.connect, which speaks
-torch.distributed, is handed `_DistOverBackends`, the few functions it calls implemented on the group's
-inner gloo backend (and, across hosts, on a gloo backend of the hosts' leaders, made the same way).
+on it: ShmTransport.connect's exchanges (the host identities, the segment's name, each rank's outcome)
+go through the group's store (`_store_exchange`), and across hosts the leaders' steps, which speak
+torch.distributed, are handed `_DistOverBackends`: the few functions they call, implemented on the
+group's inner gloo backend and on a gloo backend of the hosts' leaders made the same way.
 
 Note [Naming the lost rank from the backend]
 The channel names a peer that exited itself (it watches the pids). A frozen peer, or one lost across
-hosts, is named from heartbeats, as ncclavg/comm/liveness.py does for the communicators: every process
+hosts, is named from heartbeats, as ncclavg/transport/liveness.py does for the communicators: every process
 adds 1 to `ncclavg/alive/<group rank>` in each of its groups' stores every PERIOD_S (one thread per
 process for all groups); a survivor whose collective failed marks itself failed, reads the counters
 twice 2.5 periods apart (liveness.diagnose: bounded, on a helper thread: the store may be gone with rank 0) and
@@ -28,18 +29,20 @@ names the ranks whose counter stopped.
 from __future__ import annotations
 
 import datetime
+import itertools
+import pickle
 import threading
 import weakref
-from typing import Any, List, Optional, Tuple
+from typing import Any, Callable, List, Optional, Tuple
 
 import torch.distributed as dist
-from torch._C._distributed_c10d import (AllgatherOptions, AllreduceOptions, AllToAllOptions, BroadcastOptions,
+from torch._C._distributed_c10d import (AllreduceOptions, AllToAllOptions, BroadcastOptions,
                                         PrefixStore)
 
-from . import shm
-from .backend_lane import BackendError, Lane
-from .liveness import diagnose
-from .shm import ShmTransport
+from ..transport import shm
+from ..transport.liveness import diagnose
+from ..transport.shm import ShmTransport
+from .lane import BackendError, Lane
 
 host_identity = shm.host_identity   # the tests replace it to pretend several hosts
 PERIOD_S = 0.5
@@ -117,16 +120,16 @@ class GroupLiveness:
 
 # ---------------------------------------------------------------------------------------------- the channel
 class _Group:
-    """A gloo backend and the group ranks it spans, in the shape ShmTransport.connect passes around."""
+    """A gloo backend and the group ranks it spans: the `group` of `_DistOverBackends`' functions."""
 
     def __init__(self, backend: Any, ranks: List[int]):
         self.backend, self.ranks = backend, ranks
 
 
 class _DistOverBackends:
-    """The torch.distributed functions ShmTransport.connect and its several-hosts steps call, on gloo
-    backends the group made itself (see the module's notes). Ranks are the
-    group's ranks throughout."""
+    """The torch.distributed functions the channel's several-hosts steps call (shm.py: the leaders' group,
+    all_reduce, all_to_all_single, broadcast), on gloo backends the group made itself (see the module's
+    notes). Ranks are the group's ranks throughout."""
 
     ReduceOp = dist.ReduceOp
 
@@ -142,14 +145,6 @@ class _DistOverBackends:
         store = PrefixStore("ncclavg-leaders/" + ",".join(map(str, ranks)) + "/", self._store)
         # the group's own timeout, not the channel's: a leader must not wait longer than its group does
         return _Group(dist.ProcessGroupGloo(store, ranks.index(self._rank), len(ranks), self._timeout), ranks)
-
-    def all_gather(self, outputs: list, tensor: Any, group: _Group, async_op: bool = True) -> Any:
-        return group.backend.allgather([outputs], [tensor], AllgatherOptions())
-
-    def all_gather_single(self, output: Any, tensor: Any, group: _Group, async_op: bool = True) -> Any:
-        return group.backend._allgather_base(output, tensor, AllgatherOptions())
-
-    all_gather_into_tensor = all_gather_single
 
     def all_reduce(self, tensor: Any, op: Any = dist.ReduceOp.SUM, group: Optional[_Group] = None,
                    async_op: bool = True) -> Any:
@@ -169,25 +164,18 @@ class _DistOverBackends:
                                            list(input_split_sizes or []), AllToAllOptions())
 
 
-class _SetupState:
-    """What ShmTransport.connect reads and records of a communicator while it sets up."""
+def _store_exchange(store: Any, rank: int, size: int, timeout: datetime.timedelta) -> Callable[[Any], list]:
+    """ShmTransport.connect's exchange over the group's store: round k of every rank under
+    `ncclavg/setup/<k>/<rank>`, waited for within the group's timeout (the store's wait raises then)."""
+    rounds = itertools.count()
 
-    backend = "ncclavg"
+    def exchange(obj: Any) -> list:
+        keys = [f"ncclavg/setup/{next(rounds)}/{r}" for r in range(size)]
+        store.set(keys[rank], pickle.dumps(obj))
+        store.wait(keys, timeout)
+        return [pickle.loads(store.get(k)) for k in keys]
 
-    def __init__(self, rank: int, size: int):
-        self.rank, self.world_size = rank, size
-        self.failure: Optional[str] = None
-        self._liveness = None
-
-    def _fail(self, msg: str) -> None:
-        self.failure = self.failure or msg
-
-
-def _host_identities(store: Any, rank: int, size: int, timeout: datetime.timedelta) -> List[str]:
-    store.set(f"ncclavg/host/{rank}", host_identity())
-    keys = [f"ncclavg/host/{r}" for r in range(size)]
-    store.wait(keys, timeout)
-    return [store.get(k).decode() for k in keys]
+    return exchange
 
 
 def connect_channel(store: Any, rank: int, size: int, gloo: Any, timeout: datetime.timedelta) -> Optional[ShmTransport]:
@@ -196,9 +184,10 @@ def connect_channel(store: Any, rank: int, size: int, gloo: Any, timeout: dateti
     if size < 2 or shm.setting() == "off":
         return None
     try:
-        identities = _host_identities(store, rank, size, timeout)
-        return ShmTransport.connect(_SetupState(rank, size), _DistOverBackends(store, rank, timeout),
-                                    _Group(gloo, list(range(size))), identities, CHANNEL_TIMEOUT_S)
+        exchange = _store_exchange(store, rank, size, timeout)
+        identities = exchange(host_identity())
+        return ShmTransport.connect(rank, size, exchange, identities, CHANNEL_TIMEOUT_S,
+                                    dist=_DistOverBackends(store, rank, timeout), group=_Group(gloo, list(range(size))))
     except BackendError:
         raise
     except Exception as e:   # noqa: BLE001 (the reason, in the backend's words)

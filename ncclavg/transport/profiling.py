@@ -1,4 +1,4 @@
-"""What torch.profiler shows of the `ncclavg` backend (torch_backend.py): each
+"""What torch.profiler shows of the `ncclavg` backend (group.py): each
 collective under the name torch's backends give it (`c10d::allreduce_`, ...), with the transport step
 inside it as a child range (`ncclavg:shm:all_reduce_sum`, `ncclavg:gloo:all_reduce`).
 
@@ -6,7 +6,7 @@ Note [Profiler ranges of a Python backend]
 torch records `c10d::allreduce_` when it dispatches a collective to a C++ backend, and the backend
 records its own event, `gloo:all_reduce` for gloo, from issue to completion, begun on the calling thread
 and ended on gloo's worker thread (torch's profiler marks such an event async). A backend written in
-Python (Note [A ProcessGroup, not a Backend] in torch_backend.py) is called past the dispatcher, so
+Python (Note [A ProcessGroup, not a Backend] in group.py) is called past the dispatcher, so
 nothing is recorded unless the backend records it. So `_submit`, which every lane collective passes,
 records both, under the same names as gloo's with `ncclavg` for `gloo` (NAMES), each with
 the inputs (their shapes and dtypes when `record_shapes=True`):
@@ -51,7 +51,7 @@ def enabled() -> bool:
 
 
 _NOTHING = contextlib.nullcontext()   # reusable: entering it does nothing
-# The op names of torch_backend.py's _submit -> (the name torch 2.13's dispatcher records for the same
+# The op names of group.py's _submit -> (the name torch 2.13's dispatcher records for the same
 # collective on gloo, the title of the backend's own event `ncclavg:<title>`: gloo's titles for its works,
 # `gloo:all_reduce`, ..., which torch's distributed tests look for as `<backend>:<title>`). Profiled:
 # dist.all_gather_into_tensor dispatches _allgather_base_, reduce_scatter_tensor _reduce_scatter_base_.

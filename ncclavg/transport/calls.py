@@ -1,5 +1,5 @@
 """The user-level call a collective serves, in the form the shared-memory channel's signatures carry it
-(Note [Call signatures] in csrc/cpu/shm_calls.cpp): which collective, the user's dtype, the reduction,
+(Note [Call signatures] in csrc/transport/shm_calls.cpp): which collective, the user's dtype, the reduction,
 the root and the element count. Ranks whose calls differ fail with both calls named, on every rank,
 whichever transport moves the data: the channel compares the calls in the round that moves the data
 (or in a round of its own before a gloo step), and without a channel `check_over_gloo` exchanges them.
@@ -19,7 +19,7 @@ _NAMES = _C.shm_call_names()
 _COLLECTIVES = {n: i for i, n in enumerate(_NAMES["collectives"]) if n}
 _DTYPES = {n: i for i, n in enumerate(_NAMES["dtypes"]) if n}
 _BYTES = _DTYPES["bytes"]
-_ROOT_LIMIT = 1 << 20   # the tag's root field (csrc/cpu/shm_calls.h)
+_ROOT_LIMIT = 1 << 20   # the tag's root field (csrc/transport/shm_calls.h)
 
 
 class Call:

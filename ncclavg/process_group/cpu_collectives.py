@@ -1,5 +1,5 @@
-"""The CPU collectives of the `ncclavg` torch.distributed backend (torch_backend.py), each run on the
-group's lane (backend_lane.py): through the host channel (shm.ShmTransport) where it has a path, through
+"""The CPU collectives of the `ncclavg` torch.distributed backend (group.py), each run on the
+group's lane (lane.py): through the host channel (shm.ShmTransport) where it has a path, through
 the group's inner gloo backend otherwise. Arguments arrive checked; every job carries the user's call
 (`job.call`, calls.py), which every rank compares before any data is combined.
 
@@ -10,10 +10,10 @@ Note [Which CPU collectives take the channel]
   channel's pass; AVG of float16 / bfloat16 sums an fp32 copy and divides before the one rounding (no
   overflow of the sum, one rounding instead of two).
 - Data movement (broadcast, all-gather, gather, scatter) of any dtype: the channel only copies bytes
-  there, so a tensor of any dtype travels as its bytes (backend_math.byte_wire).
+  there, so a tensor of any dtype travels as its bytes (reductions.byte_wire).
 - Every other reduction (integers, bool, MIN, MAX, PRODUCT, the bitwise ops, sums of other floating
   types): every rank's input is gathered through the channel, in pieces of at most GATHER_LIMIT bytes
-  gathered, and reduced here in rank order (Note [Reductions of gathered rows] in backend_math.py).
+  gathered, and reduced here in rank order (Note [Reductions of gathered rows] in reductions.py).
 - Without a channel (every process alone on its host, NCCLAVG_SHM=0), alltoall, a broadcast or scatter
   from a root other than 0 between hosts (the channel's several-hosts path broadcasts from rank 0), and
   lists whose sizes differ from rank to rank: gloo.
@@ -22,7 +22,7 @@ Note [Which CPU collectives take the channel]
 
 Note [Every call compared]
 Ranks that called different collectives fail on every rank with both calls named, before any result is
-written (Note [Call signatures] in csrc/cpu/shm_calls.cpp): a channel step carries `job.call` in its
+written (Note [Call signatures] in csrc/transport/shm_calls.cpp): a channel step carries `job.call` in its
 rounds' signatures; before a gloo step the call is compared by a round of its own (`transport.check`,
 one channel round on one host) or, without a channel, by one all-gather of two words over gloo. One
 comparison per collective is enough: what it moves after that follows from the call and the arguments
@@ -37,10 +37,10 @@ import torch
 from torch._C._distributed_c10d import (AllgatherOptions, AllreduceOptions, AllToAllOptions, BroadcastOptions,
                                         GatherOptions, ReduceOp, ReduceScatterOptions, ScatterOptions)
 
-from . import profiling, shm
-from .backend_lane import Job
-from .backend_math import R, as_bytes, byte_wire, exact_mean, padded, premul_factor, red_kind, reduce_rows
-from .calls import check_over_gloo
+from ..transport import profiling, shm
+from .lane import Job
+from .reductions import R, as_bytes, byte_wire, exact_mean, padded, premul_factor, red_kind, reduce_rows
+from ..transport.calls import check_over_gloo
 
 GATHER_LIMIT = 16 << 20   # bytes gathered at once by a reduction the channel cannot sum (all ranks' rows)
 _HALF = (torch.float16, torch.bfloat16)
@@ -61,7 +61,7 @@ class CpuCollectives:
     # ------------------------------------------------------------------ steps
     def _channel(self, job: Job, method: str, *args: Any, **kwargs: Any) -> None:
         """One channel collective of this job; the lane's watchdog ends it at the job's deadline (Note
-        [Per-collective deadlines] in backend_lane.py), the channel's own limit is the backstop."""
+        [Per-collective deadlines] in lane.py), the channel's own limit is the backstop."""
         limit = job.channel_limit()
         with profiling.step(job, self.transport.kind, method):   # Note [Profiler ranges of a Python backend]
             work = getattr(self.transport, method)(*args, sync=True, timeout=limit, call=job.call, **kwargs)

@@ -1,5 +1,5 @@
 // A collective channel between the processes of one host, through one shared-memory segment: the gloo
-// backend's transport when processes of the group share a host (ncclavg/comm/shm.py).
+// backend's transport when processes of the group share a host (ncclavg/transport/shm.py).
 // See Note [Shared-memory channel] in shm_channel.cpp and Note [Segment without a name] in shm_segment.cpp.
 #pragma once
 #include <atomic>

@@ -29,11 +29,11 @@ import torch
 import torch.distributed as dist
 
 from .._ext import _C
-from .backend_math import R
-from .calls import make
-from .shm import TYPE_CODES, supports
+from .reductions import R
+from ..transport.calls import make
+from ..transport.shm import TYPE_CODES, supports
 
-# What the general path sends as one channel all-reduce with the divisor given (backend_cpu._channel_sum):
+# What the general path sends as one channel all-reduce with the divisor given (cpu_collectives._channel_sum):
 # SUM of every float type the channel adds; AVG of float32 and float64 with the division in the pass (the
 # 16-bit types average through float32 there, another call).
 _SUM_TYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
@@ -119,7 +119,7 @@ class FastCalls:
     the call is done, False when the general path must run it (it then also raises what it raises); a
     failure of the round raises the channel's error (CHANNEL_ERRORS) for the group to fail by.
 
-    What goes to the channel is what the general path sends for the same call (backend_cpu.py): a
+    What goes to the channel is what the general path sends for the same call (cpu_collectives.py): a
     broadcast and an all-gather move bytes viewed as float32 words when the payload is a multiple of 4
     bytes, as float16 halves when it is even (an odd payload is padded there: left to the general path);
     a reduce-scatter adds in the tensors' own dtype, and AVG divides after. The signature is the same Call."""

@@ -1,5 +1,5 @@
 """The gloo backend's transport between processes that share a host: the core's shared-memory channel
-(Note [Shared-memory channel] in csrc/cpu/shm_channel.cpp), with torch.distributed's Work interface so
+(Note [Shared-memory channel] in csrc/transport/shm_channel.cpp), with torch.distributed's Work interface so
 that gloo.py issues and waits for it exactly as for a gloo collective (dist.py's bounded waits).
 
 Note [When the shared-memory channel is used]
@@ -10,7 +10,7 @@ machine". All on one host: one channel over every process (transport "shm"). Sev
 several processes: a channel per host and torch.distributed between the hosts' leaders (transport
 "shm+gloo", Note [Several hosts] below). Every process alone on its host: no channel ("gloo"). The setup
 is collective and bounded by the communicator's timeout: each host's leader creates its segment (a
-memory file without a name, Note [Segment without a name] in csrc/cpu/shm_segment.cpp) and opens a
+memory file without a name, Note [Segment without a name] in csrc/transport/shm_segment.cpp) and opens a
 door for it under a random name, one exchange tells the names, the others receive the segment through
 the doors, a second exchange tells everyone whether all of that worked, and the channels are used only
 if it worked everywhere. Then each leader closes its door. Nothing is left behind, even after a crash.
@@ -221,13 +221,13 @@ class ShmTransport:
 
     # ------------------------------------------------------------------ setup
     @classmethod
-    def connect(cls, comm: Any, dist: Any, group: Any, identities: list, timeout: float) -> Optional["ShmTransport"]:
+    def connect(cls, rank: int, world: int, exchange: Callable[[Any], list], identities: list, timeout: float,
+                dist: Any = None, group: Any = None) -> Optional["ShmTransport"]:
         """Collective: a transport when processes of the group share hosts, else None. See Note [When the
-        shared-memory channel is used]."""
-        from .dist import _allgather_object_bounded
-
+        shared-memory channel is used]. `exchange(obj)`: every rank's `obj`, in rank order (one object per
+        rank, all ranks calling; the caller bounds it), the setup's only exchange on one host; `dist` and
+        `group`: the torch.distributed functions and group the hosts' leaders meet through (several hosts)."""
         mode = setting()
-        world, rank = comm.world_size, comm.rank
         if mode == "off" or world < 2:
             return None
         hosts: list = []                     # group ranks per host, hosts in the order of their lowest rank
@@ -254,14 +254,14 @@ class ShmTransport:
                 channel = _C.ShmChannel(offer[0], 0, len(mine), size, offer[1], mine)   # errors name group ranks
             except (RuntimeError, ValueError) as e:
                 error = f"rank {rank}: {e}"
-        offers = _allgather_object_bounded(comm, dist, group, (offer, error), timeout)
+        offers = exchange((offer, error))
         if local > 0 and not offers[leader][1]:
             name, nonce = offers[leader][0]
             try:
                 channel = _C.ShmChannel(name, local, len(mine), size, nonce, mine)
             except (RuntimeError, ValueError) as e:
                 error = f"rank {rank}: {e}"
-        errors = [e for e in _allgather_object_bounded(comm, dist, group, error, timeout) if e]
+        errors = [e for e in exchange(error) if e]
         if local == 0 and channel is not None:
             channel.close_door()   # everyone has joined (or given up)
         leaders = None
@@ -289,7 +289,7 @@ class ShmTransport:
         return self._channel if self._hosts is None else None
 
     # `call` (calls.Call): the user's call this collective serves, compared across the ranks in the same
-    # round (Note [Call signatures] in csrc/cpu/shm_calls.cpp); None: the channel's own signature only.
+    # round (Note [Call signatures] in csrc/transport/shm_calls.cpp); None: the channel's own signature only.
     def all_reduce_sum(self, t: torch.Tensor, sync: bool = False, timeout: Optional[float] = None,
                        divisor: float = 1.0, call: Optional[Call] = None) -> _ShmWork:
         """divisor != 1: one host only (`channel` is not None); the channel divides in the same pass."""
@@ -367,7 +367,7 @@ class ShmTransport:
     # - broadcast is from rank 0, the leader of the first host.
     # A leader whose step (2) fails aborts its host's channel with the reason, so that its host's other
     # processes fail at once instead of waiting out the timeout.
-    # The user's call (Note [Call signatures] in csrc/cpu/shm_calls.cpp) is compared within each host by
+    # The user's call (Note [Call signatures] in csrc/transport/shm_calls.cpp) is compared within each host by
     # step (1)'s round, and between the hosts by the leaders (one all-gather of two words, before the
     # first step (2) of the call); a leader that finds a difference aborts its host's channel with it, so
     # every process of every host fails naming both calls.

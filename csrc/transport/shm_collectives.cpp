@@ -7,7 +7,7 @@
 
 #include "../common/check.h"
 #include "shm_internal.h"
-#include "simd.h"
+#include "../cpu/simd.h"
 
 namespace ncclavg {
 namespace cpu {

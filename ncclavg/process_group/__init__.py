@@ -1,0 +1,14 @@
+"""ncclavg.process_group: the `ncclavg` torch.distributed backend, the face most users reach ncclavg
+through (`init_process_group("ncclavg")`, DDP, FSDP2, DeepSpeed, transformers' Trainer, Ray Train).
+
+What lives here: group.py (`ProcessGroupNcclavg`, a `dist.ProcessGroup`, and `_create`, the creator
+that ncclavg/__init__.py registers with torch), lane.py (each group's ordered worker, its works and
+watchdog), connect.py (a group's host channel and heartbeats), cpu_collectives.py (the CPU collectives:
+channel first, then the group's inner gloo), fast_path.py (the inline synchronous all_reduce),
+reductions.py (the element math of the ops the channel does not do), ddp_hook.py (the DDP comm hook
+behind `ncclavg.ddp`) and fsdp_comms.py (FSDP2 custom comms). Its errors are in ncclavg/errors.py.
+What it may import: the core, `ncclavg.transport`, `ncclavg.comm` and torch; never `ncclavg.train` or
+`ncclavg.bench`. Nothing is imported here: the creator loads group.py when torch makes the first group.
+Where to start reading: group.py's `ProcessGroupNcclavg.allreduce`, then lane.py's `Lane`, then
+cpu_collectives.py.
+"""
