@@ -146,3 +146,43 @@ def test_negative_a_module_level_cycle_breaks_importing_one_module_alone(pkg_cop
     assert any({"ncclavg.averager", "ncclavg.bucketing"} <= set(c) for c in cyc), cyc
     loaded = L.load_violations(L.import_alone(pkg_copy.parent, ["ncclavg.bucketing"]))
     assert len(loaded) == 1 and "import ncclavg.bucketing alone failed" in loaded[0], loaded
+
+
+# ---------------------------------------------------------------- the addresses users were told about
+def test_old_addresses_users_were_told_about_still_work():
+    # docs once sent users to ncclavg.comm.backend_lane.BackendError and ncclavg.comm.flight.dump: both
+    # still resolve, to the very same objects (an alias, not a copy that a monkeypatch or isinstance misses)
+    import pickle
+
+    import torch.distributed as dist
+
+    import ncclavg.comm.backend_lane as old_lane
+    import ncclavg.comm.flight as old_flight
+    from ncclavg import errors
+    from ncclavg.process_group import lane
+    from ncclavg.transport import flight
+
+    assert old_flight is flight and old_flight.dump is flight.dump
+    for name in ("BackendError", "BackendTimeoutError", "BackendMismatchError"):
+        cls = getattr(errors, name)
+        assert getattr(old_lane, name) is cls and getattr(lane, name) is cls, name
+        assert cls.__module__ == "ncclavg.errors" and cls.__qualname__ == name
+        assert issubclass(cls, dist.DistBackendError) and issubclass(cls, errors.CommError)
+        again = pickle.loads(pickle.dumps(cls("rank 1 stopped responding")))   # Ray and multiprocessing do this
+        assert type(again) is cls and str(again) == "rank 1 stopped responding"
+    assert errors.BackendTimeoutError.is_timeout and not errors.BackendMismatchError.is_timeout
+    with pytest.raises(AttributeError, match="BackendErr"):
+        old_lane.BackendErr   # noqa: B018  (a typo is an AttributeError, not a silent None)
+
+
+def test_the_errors_module_loads_no_torch_until_a_backend_error_is_asked_for():
+    # `import ncclavg` must stay torch-free (the torch.backends entry point, `ncclavg info`): the three
+    # Backend* classes derive from torch's DistBackendError, so they are made on first use, once
+    import os
+    import subprocess
+    import sys
+    code = ("import sys, ncclavg.errors as e; assert 'torch' not in sys.modules, 'loaded torch';"
+            "a = e.BackendError; assert 'torch' in sys.modules; assert e.BackendError is a; print('ok')")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "NCCLAVG_AUTOLOAD": "0"})
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stdout + r.stderr
