@@ -1,14 +1,19 @@
-"""Shared helpers of the CPU benchmarks: timing, machine description, JSON output."""
+"""What the standalone CPU benchmarks in bench/ share and `ncclavg bench` does not: which copy of the
+package they import, their timing loop and copy reference, the machine block of their JSON, byte counts
+as their tables write them, and their thread pinning. The CPU model and the JSON file itself come from
+ncclavg.bench.report, imported where used: a script sets its environment before ncclavg loads."""
 from __future__ import annotations
 
 import datetime as _dt
-import json
 import os
 import platform
 import statistics
 import time
 from pathlib import Path
 from typing import Callable
+
+# The CPU model the results have always written when neither /proc/cpuinfo nor platform names one.
+UNKNOWN_CPU = "unknown"
 
 # Run from a source checkout built in place (`python setup.py build_ext --inplace`), use that copy;
 # otherwise the installed package. A checkout without a built core must not shadow an installed one.
@@ -31,24 +36,15 @@ def median_seconds(fn: Callable[[], object], reps: int = 9, warmup: int = 2) -> 
     return statistics.median(times)
 
 
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
 def machine() -> dict:
     import torch
 
     import ncclavg
+    from ncclavg.bench.report import cpu_model
 
     info = ncclavg.build_info()
     return {
-        "cpu": cpu_model(),
+        "cpu": cpu_model(UNKNOWN_CPU),
         "cores": os.cpu_count(),
         "threads_used": torch.get_num_threads(),
         "simd_level": info["simd_level"],
@@ -81,10 +77,12 @@ def human(n: int) -> str:
 
 
 def write_json(path: str | None, payload: dict) -> None:
+    """payload at path (nothing when no path was asked for), and a line saying so."""
     if not path:
         return
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps(payload, indent=2) + "\n")
+    from ncclavg.bench.report import dump_json
+
+    dump_json(path, payload, indent=2)
     print(f"wrote {path}")
 
 

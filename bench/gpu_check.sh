@@ -5,22 +5,26 @@
 #   bench/gpu_check.sh [--part core]  the core call, <= 345 s: build for sm_90 in place (NCCLAVG_CUDA=1),
 #                                 info (environment report, `ncclavg info`, one NCCL init logged with
 #                                 NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,ENV), tests (`pytest -m gpu`, one
-#                                 process per test file: bench/gpu_check_files.py), forced (the ordering
-#                                 and Work-lifetime tests again with NCCLAVG_TEST_REDUCTION=sum_divide:2,
-#                                 then premulsum:2, so that they test something on one rank), bench
-#                                 (bench/gpu_bench.py: kernels, copies, one-rank NCCL)
+#                                 process per test file: bench/gpu_check/gpu_check_files.py), forced
+#                                 (the ordering and Work-lifetime tests again with
+#                                 NCCLAVG_TEST_REDUCTION=sum_divide:2, then premulsum:2, so that they test
+#                                 something on one rank), bench (bench/gpu_bench.py: kernels, copies,
+#                                 one-rank NCCL)
 #   bench/gpu_check.sh --part extra   the optional second call while the machine is warm, <= 240 s: the
 #                                 build again (objects reused: a link only), info, trainer (bench/trainer.py
 #                                 on CUDA towers), sanitizer (compute-sanitizer memcheck over
-#                                 bench/sanitizer_driver.py). The wheel build needs no GPU (.ci/run builds
-#                                 and tests the wheel) and a sweep over one tower measures nothing that
-#                                 gpu_bench.py's one-rank rows do not: neither takes lease time.
+#                                 bench/gpu_check/sanitizer_driver.py). The wheel build needs no GPU
+#                                 (.ci/run builds and tests the wheel) and a sweep over one tower measures
+#                                 nothing that gpu_bench.py's one-rank rows do not: neither takes lease time.
 #   bench/gpu_check.sh --part all     both in one call (on a machine of your own), <= 450 s
 #   ... --dry-run                 the same steps without a GPU: the build (CUDA when a toolkit is here) into
 #                                 a scratch folder, import + info of that build, the GPU tests and the
 #                                 forced reruns (they skip), gpu_bench.py --dry-run, the trainer on CPU
 #                                 towers, the sanitizer driver on CPU tensors and the refusal detector
 #   ... --plan                    prints the steps, their limits and the budget arithmetic, runs nothing
+#
+# The programs only this check runs live in bench/gpu_check/ (its README.md says which does what); the
+# benchmarks it runs (gpu_bench.py, trainer.py) are bench/'s own and also run alone.
 #
 # Assumes the machine's python3 ($PYTHON) already has torch, cupy, pybind11 and an NCCL, and that nothing
 # can be downloaded: no isolated builds, no installs.
@@ -273,15 +277,17 @@ c.destroy()
 EOF
 }
 do_tests() {
-  # One pytest process per test file (bench/gpu_check_files.py): a hung or crashed test costs that test
-  # (Note [A hung test costs that test]), a test module that cannot be imported costs that module, one
-  # that needs a missing optional package is a skip (bench/gpu_check_pytest.py). The outcomes land in
-  # junit/<file>.xml; -rA puts them in the log too, so a step killed at its limit still says which passed.
-  "$PY" bench/gpu_check_files.py tests --out "$KEEP/junit" --test-timeout "$TEST_TIMEOUT_S"
+  # One pytest process per test file (bench/gpu_check/gpu_check_files.py): a hung or crashed test costs
+  # that test (Note [A hung test costs that test]), a test module that cannot be imported costs that
+  # module, one that needs a missing optional package is a skip (bench/gpu_check/gpu_check_pytest.py). The
+  # outcomes land in junit/<file>.xml; -rA puts them in the log too, so a step killed at its limit still
+  # says which passed.
+  "$PY" bench/gpu_check/gpu_check_files.py tests --out "$KEEP/junit" --test-timeout "$TEST_TIMEOUT_S"
 }
 do_forced() {
-  # The stream-ordering and Work-lifetime tests with a forced reduction: see bench/gpu_check_files.py.
-  "$PY" bench/gpu_check_files.py forced --out "$KEEP/junit" --test-timeout "$TEST_TIMEOUT_S"
+  # The stream-ordering and Work-lifetime tests with a forced reduction: see
+  # bench/gpu_check/gpu_check_files.py.
+  "$PY" bench/gpu_check/gpu_check_files.py forced --out "$KEEP/junit" --test-timeout "$TEST_TIMEOUT_S"
 }
 do_bench() {
   if ((DRY)); then "$PY" bench/gpu_bench.py --dry-run --out "$OUT_DIR/gpu_bench.json"
@@ -300,16 +306,16 @@ do_sanitizer() {
     # tells "refused here" from a finding.
     # (the staged build when the build step made one, as the info step imports it)
     if [[ -d $STAGE/ncclavg ]]; then
-      (cd "$STAGE" && PYTHONPATH="$STAGE" "$PY" "$ROOT/bench/sanitizer_driver.py" --device cpu)
+      (cd "$STAGE" && PYTHONPATH="$STAGE" "$PY" "$ROOT/bench/gpu_check/sanitizer_driver.py" --device cpu)
     else
-      "$PY" bench/sanitizer_driver.py --device cpu
+      "$PY" bench/gpu_check/sanitizer_driver.py --device cpu
     fi || { echo "the sanitizer driver failed on the CPU"; return 1; }
     printf '========= COMPUTE-SANITIZER\n========= Error: Device not supported\n' > "$SCRATCH/refused.txt"
     printf '========= Invalid __global__ write of size 4 bytes\n========= ERROR SUMMARY: 1 error\n' > "$SCRATCH/found.txt"
-    "$PY" bench/gpu_check_summary.py refused "$SCRATCH/refused.txt" || { echo "detector missed a refusal"; return 1; }
-    if "$PY" bench/gpu_check_summary.py refused "$SCRATCH/found.txt"; then echo "detector took a finding for a refusal"; return 1; fi
+    "$PY" bench/gpu_check/gpu_check_summary.py refused "$SCRATCH/refused.txt" || { echo "detector missed a refusal"; return 1; }
+    if "$PY" bench/gpu_check/gpu_check_summary.py refused "$SCRATCH/found.txt"; then echo "detector took a finding for a refusal"; return 1; fi
     if [[ -x $cs ]]; then "$cs" --version | tail -n 1; fi
-    echo "would run: $cs --tool memcheck --report-api-errors no --error-exitcode 3 $PY bench/sanitizer_driver.py"
+    echo "would run: $cs --tool memcheck --report-api-errors no --error-exitcode 3 $PY bench/gpu_check/sanitizer_driver.py"
     return 0
   fi
   [[ -x $cs ]] || { echo "not run: not installed here: no compute-sanitizer on PATH or at $cs"; return "$NOT_RUN_RC"; }
@@ -319,11 +325,11 @@ do_sanitizer() {
   # a run that did not finish is "not run" (it checked only part of the kernels), not a failure.
   local inner=$((STEP_LIMIT - 6))
   timeout --kill-after=2 "$inner" \
-    "$cs" --tool memcheck --report-api-errors no --error-exitcode 3 "$PY" bench/sanitizer_driver.py 2>&1 \
+    "$cs" --tool memcheck --report-api-errors no --error-exitcode 3 "$PY" bench/gpu_check/sanitizer_driver.py 2>&1 \
     | tee "$SCRATCH/sanitizer.out"
   rc=${PIPESTATUS[0]}
   # Some runtimes refuse the sanitizer ("Device not supported"); then it checked nothing, pass or fail.
-  if "$PY" bench/gpu_check_summary.py refused "$SCRATCH/sanitizer.out" > "$SCRATCH/refused.txt"; then
+  if "$PY" bench/gpu_check/gpu_check_summary.py refused "$SCRATCH/sanitizer.out" > "$SCRATCH/refused.txt"; then
     echo "not run: $(cat "$SCRATCH/refused.txt")"
     return "$NOT_RUN_RC"
   fi
@@ -350,7 +356,7 @@ for i in "${!STEPS[@]}"; do
 done
 
 # The summary (gpu_check.json, the table, the RESULT line), the archive of the logs and the check of $OUT.
-"$PY" bench/gpu_check_summary.py finish --out "$OUT_DIR" --keep "$KEEP" --part "$PART" $MODE \
+"$PY" bench/gpu_check/gpu_check_summary.py finish --out "$OUT_DIR" --keep "$KEEP" --part "$PART" $MODE \
   --seconds $(($(date +%s) - START)) --budget "$BUDGET"
 rc=$?
 case $rc in
@@ -358,6 +364,6 @@ case $rc in
   10) exit 1 ;;
   *)  # the helper broke: keep the logs anyway
     tar -C "$KEEP" -czf "$OUT_DIR/logs.tar.gz" . 2> /dev/null
-    echo "  RESULT: FAILED: the summary helper (bench/gpu_check_summary.py) exited $rc; logs in $OUT_DIR/logs.tar.gz"
+    echo "  RESULT: FAILED: the summary helper (bench/gpu_check/gpu_check_summary.py) exited $rc; logs in $OUT_DIR/logs.tar.gz"
     exit 1 ;;
 esac

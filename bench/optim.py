@@ -84,10 +84,11 @@ sys.path.insert(0, str(ROOT))
 import ncclavg  # noqa: E402
 from ncclavg import MasterWeights  # noqa: E402
 from ncclavg.buffers import as_buffer  # noqa: E402
+from ncclavg.bench.report import cpu_model  # noqa: E402
 from ncclavg.optim import CPUAdamW  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import cpu_model  # noqa: E402
+from _common import UNKNOWN_CPU  # noqa: E402
 
 torch.set_num_threads(args.threads)
 
@@ -118,7 +119,7 @@ def at_level(level: str, fn):
 
 
 def machine_slug() -> str:
-    slug = re.sub(r"[^a-z0-9]+", "-", cpu_model().lower()).strip("-")
+    slug = re.sub(r"[^a-z0-9]+", "-", cpu_model(UNKNOWN_CPU).lower()).strip("-")
     slug = re.sub(r"-(r|tm|cpu|processor)(?=-|$)", "", slug)
     return f"{slug[:40].strip('-')}-{os.cpu_count()}c"
 
@@ -355,7 +356,7 @@ def main() -> int:
     header = {
         "benchmark": "optim",
         "date": _dt.datetime.now().isoformat(timespec="seconds"),
-        "machine": machine_slug(), "cpu": cpu_model(), "cpu_count": os.cpu_count(),
+        "machine": machine_slug(), "cpu": cpu_model(UNKNOWN_CPU), "cpu_count": os.cpu_count(),
         "threads": args.threads, "omp_threads_core": ncclavg._C.core_info()["openmp_threads"],
         "python": platform.python_version(), "torch": torch.__version__, "ncclavg": ncclavg.__version__,
         "simd_level": info.get("simd_level") if isinstance(info, dict) else None,

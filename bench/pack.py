@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import ncclavg  # noqa: E402
 from ncclavg import Communicator, GradientAverager, ops  # noqa: E402
 from ncclavg._ext import _C  # noqa: E402
+from ncclavg.bench.report import cpu_model  # noqa: E402
 from ncclavg.buffers import as_buffer, as_buffers  # noqa: E402
 from ncclavg.comm import LocalCommunicator, CompletedWork  # noqa: E402
 
@@ -203,12 +204,7 @@ def bench_small_buckets(reps: int) -> dict:
 
 
 def machine() -> dict:
-    cpu = platform.processor()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
+    cpu = cpu_model(default="")   # no model name: platform.processor()'s answer, even an empty one
     info = ncclavg.build_info()
     return {"cpu": cpu, "cores": os.cpu_count(), "simd_level": info["simd_level"],
             "openmp_threads": info["openmp_threads"], "torch_threads": torch.get_num_threads(),

@@ -574,9 +574,11 @@ def main(argv: list[str] | None = None) -> int:
     def memcpy_gbps() -> float:   # libc memcpy, as bench/trainer.py and cpu_suite.py measure it
         return 2 * src.nbytes / _common.median_seconds(lambda: np.copyto(dst, src), reps=7) / 1e9
 
+    from ncclavg.bench.report import cpu_model
+
     load0 = os.getloadavg()
     copy0 = memcpy_gbps()
-    print(f"scale bench: {cores} cores ({_common.cpu_model()}); ncclavg 1x4, 2x2, 4x1"
+    print(f"scale bench: {cores} cores ({cpu_model(_common.UNKNOWN_CPU)}); ncclavg 1x4, 2x2, 4x1"
           + (" (+shard_master on 2x2, 4x1)" if shard else " (shard_master: not available in this build)")
           + f", DDP/gloo 4x1; {base['warmup']} warm-up + {base['rounds']} rounds x {base['steps']} timed steps; "
           f"threads per process = max(1, {cores} // (processes*towers)); memcpy {copy0:.1f} GB/s", flush=True)

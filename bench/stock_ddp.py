@@ -8,7 +8,7 @@ contender from the same initial weights (the models of bench/scale.py):
   ddp gloo+hook         DDP over gloo with ncclavg.ddp.register(model): the buckets through ncclavg
   fsdp2 gloo / ncclavg  fully_shard (each Linear, then the root) on a CPU DeviceMesh of the group
   fsdp2 gloo+comms      FSDP2 over gloo with ncclavg's custom all-gather / reduce-scatter
-                        (ncclavg.comm.fsdp_comms.use_ncclavg)
+                        (ncclavg.process_group.fsdp_comms.use_ncclavg)
 All use torch.optim.AdamW(fused=True), lr 1e-3, the global batch split over the P processes. The
 contenders take turns block by block after one warm-up block each (order rotated every round, a barrier
 before each block), so the machine's load falls on all alike. Reported: rank 0's median step time,
@@ -83,7 +83,7 @@ def _contender(kind: str, model, gloo, world: int):
                 fully_shard(layer, mesh=mesh)
         m = fully_shard(model, mesh=mesh)
         if kind.endswith("+comms"):
-            from ncclavg.comm.fsdp_comms import use_ncclavg
+            from ncclavg.process_group.fsdp_comms import use_ncclavg
 
             use_ncclavg(m)
     return m, torch.optim.AdamW(m.parameters(), lr=1e-3, fused=True)

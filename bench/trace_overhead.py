@@ -83,7 +83,7 @@ def hook_costs(n: int = 200000) -> dict:
 
     import torch
 
-    from ncclavg.comm import calls, flight, profiling
+    from ncclavg.transport import calls, flight, profiling
 
     rec = flight.Recorder("bench", 0, 2, 0, "shm", flight.DEFAULT_SIZE)
     t, call = torch.ones(2), calls.make("all_reduce", torch.float32, count=2)
@@ -133,8 +133,11 @@ def main() -> int:
         print(f"{case:<22}" + "".join(f"{med[c]:>14.2f}" for c in CONFIGS) +
               f"{ratio['recorder']:>14.3f}{ratio['profiler']:>14.3f}")
     costs = hook_costs()
+    from ncclavg.bench.report import cpu_model
+
     print("alone: " + ", ".join(f"{k} {v:.0f} ns" for k, v in costs.items()))
-    print(f"load average {load_before[0]:.2f} before, {load_after[0]:.2f} after; cpu: {_common.cpu_model()}")
+    cpu = cpu_model(_common.UNKNOWN_CPU)
+    print(f"load average {load_before[0]:.2f} before, {load_after[0]:.2f} after; cpu: {cpu}")
     if args.out:
         _common.write_json(args.out, {"machine": _common.machine(), "load_before": load_before,
                                       "load_after": load_after, "blocks": args.blocks, "results": rows,

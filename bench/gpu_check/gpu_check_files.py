@@ -2,9 +2,9 @@
 """The tests and forced steps of bench/gpu_check.sh: GPU tests in pytest processes of their own, so that
 a hung or crashed test costs that test and not the rest of the step.
 
-    python bench/gpu_check_files.py tests  --out DIR [--budget-s S] [--test-timeout T]
-    python bench/gpu_check_files.py forced --out DIR [--budget-s S] [--test-timeout T]
-    python bench/gpu_check_files.py list tests|forced        # the groups it would run, runs nothing
+    python bench/gpu_check/gpu_check_files.py tests  --out DIR [--budget-s S] [--test-timeout T]
+    python bench/gpu_check/gpu_check_files.py forced --out DIR [--budget-s S] [--test-timeout T]
+    python bench/gpu_check/gpu_check_files.py list tests|forced        # the groups it would run, runs nothing
 
 `tests`: one pytest process per test file that has GPU tests (`-m gpu`). `forced`: the stream-ordering
 test and the Work-lifetime tests again, once per forced reduction (NCCLAVG_TEST_REDUCTION=sum_divide:2,
@@ -12,7 +12,7 @@ then premulsum:2: Note [Forcing the reduction in tests] in csrc/cuda/comm_collec
 each: on one rank the plain average is the identity, which no ordering mistake can change; x/2 can.
 
 Note [A hung test costs that test]
-Each process runs with bench/gpu_check_pytest.py, which writes every test's start and outcome to a
+Each process runs with bench/gpu_check/gpu_check_pytest.py, which writes every test's start and outcome to a
 progress file as it happens and ends the process when a test runs past --test-timeout. When a process
 ends without finishing its session (a hang, a crash, a kill at the step's deadline), the test that had
 started and not ended is recorded as hung or crashed, and the group runs again with every test that
@@ -40,8 +40,9 @@ import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-PLUGIN = ROOT / "bench" / "gpu_check_pytest.py"
+HERE = Path(__file__).resolve().parent   # bench/gpu_check/
+ROOT = HERE.parent.parent
+PLUGIN = HERE / "gpu_check_pytest.py"
 HUNG_EXIT = 87          # gpu_check_pytest.HUNG_EXIT
 NOT_RUN_RC = 86         # gpu_check.sh's "not run"
 START_S = 10            # a group is not started with less than this left: a pytest process takes seconds
@@ -137,7 +138,7 @@ class Runner:
         self.failed = self.cut = 0
         self.cut_names: list[str] = []
         self.plugins = Path(tempfile.mkdtemp(prefix="gpu_check_plugins."))
-        shutil.copy(PLUGIN, self.plugins)   # from a folder of its own: bench/'s scripts must not shadow tests
+        shutil.copy(PLUGIN, self.plugins)   # from a folder of its own: the scripts beside it must not shadow tests
 
     def stop_child(self, *_):
         if self.child and self.child.poll() is None:

@@ -1,4 +1,4 @@
-"""pytest plugin of bench/gpu_check.sh (its tests and forced steps, through bench/gpu_check_files.py).
+"""pytest plugin of bench/gpu_check.sh (its tests and forced steps, through bench/gpu_check/gpu_check_files.py).
 
     PYTHONPATH=<folder holding this file> python -m pytest -p gpu_check_pytest ...
 

@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """The end of bench/gpu_check.sh: the summary, the packing of the logs, and the check of $OUT.
 
-    python bench/gpu_check_summary.py finish --out OUT --keep KEEP [--part P] [--dry-run] --seconds N --budget B
-    python bench/gpu_check_summary.py check OUT        # does OUT come back whole from a GPU machine?
-    python bench/gpu_check_summary.py refused LOG      # did compute-sanitizer refuse the device?
+    python bench/gpu_check/gpu_check_summary.py finish --out OUT --keep KEEP [--part P] [--dry-run] --seconds N --budget B
+    python bench/gpu_check/gpu_check_summary.py check OUT        # does OUT come back whole from a GPU machine?
+    python bench/gpu_check/gpu_check_summary.py refused LOG      # did compute-sanitizer refuse the device?
 
 `finish` reads what the steps left in KEEP (steps.tsv, logs/<step>.log, the junit XML of every pytest
 process in junit/*.xml, and pytest-gpu.xml of the older one-process layout), writes OUT/gpu_check.json

@@ -2,7 +2,7 @@
 """Every CUDA kernel of ncclavg over a few small tensors, each result checked: the program that
 bench/gpu_check.sh's sanitizer step runs under compute-sanitizer's memcheck.
 
-    python bench/sanitizer_driver.py [--device cuda|cpu]
+    python bench/gpu_check/sanitizer_driver.py [--device cuda|cpu]
 
 Small on purpose: memcheck slows every kernel down by one to two orders of magnitude, torch's start-up
 too, and a step of 45 s must finish. What it drives, and what memcheck then watches:

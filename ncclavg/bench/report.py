@@ -16,19 +16,25 @@ SHORT_LABELS = {
 }
 
 
-def machine_info() -> dict:
-    """CPU model, cores, memory, OS and GPUs: enough to tell two machines' results apart."""
-    from ..info import build_info
-
-    cpu = platform.processor() or platform.machine()
+def cpu_model(default: str | None = None) -> str:
+    """The CPU's model name from /proc/cpuinfo, else platform.processor(), else `default` (None:
+    platform.machine(), the architecture). The standalone scripts in bench/ pass their own default so
+    that their committed results keep the value they have always written."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
                 if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
+                    return line.split(":", 1)[1].strip()
     except OSError:
         pass
+    return platform.processor() or (platform.machine() if default is None else default)
+
+
+def machine_info() -> dict:
+    """CPU model, cores, memory, OS and GPUs: enough to tell two machines' results apart."""
+    from ..info import build_info
+
+    cpu = cpu_model()
     mem_gib = None
     try:
         mem_gib = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2 ** 30, 1)
@@ -160,11 +166,18 @@ def summary_lines(summary: dict) -> list[str]:
     return lines
 
 
-def write_json(path: str, header: dict, rows: list[dict], summary: dict) -> None:
+def dump_json(path: str, payload: dict, indent: int = 1) -> None:
+    """payload as JSON at path (its folder made), with a final newline. Encoded before the file is
+    opened, so a payload that cannot be encoded leaves no half-written file. indent: the standalone
+    scripts in bench/ keep the 2 of their committed results."""
+    text = json.dumps(payload, indent=indent) + "\n"
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
-        json.dump({"header": header, "rows": rows, "summary": summary}, f, indent=1)
-        f.write("\n")
+        f.write(text)
+
+
+def write_json(path: str, header: dict, rows: list[dict], summary: dict) -> None:
+    dump_json(path, {"header": header, "rows": rows, "summary": summary})
 
 
 # ----------------------------------------------------------------------------------------------- plot

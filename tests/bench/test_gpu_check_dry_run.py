@@ -70,7 +70,7 @@ def test_gpu_check_dry_run_walks_both_calls(tmp_path):
         assert f"tests/comm/test_gpu_nccl.py::test_ordering_after_the_callers_stream_and_before_the_readers " \
                f"[NCCLAVG_TEST_REDUCTION={reduction}]" in ids
     assert doc["tests"]["counts"]["total"] == len(ids) and doc["tests"]["counts"]["failed"] == 0
-    files = load_script(ROOT / "bench" / "gpu_check_files.py", "gpu_check_files")
+    files = load_script(ROOT / "bench" / "gpu_check" / "gpu_check_files.py", "gpu_check_files")
     groups = [g["name"] for g in files.groups("tests") + files.groups("forced")]
     assert names == ({f"logs/{s}.log" for s in PARTS["core"]} | {"steps.tsv"} | {f"junit/{g}.xml" for g in groups}
                      | {f"junit/{g}.jsonl" for g in groups})

@@ -1,4 +1,4 @@
-"""bench/gpu_check_files.py, the runner of gpu_check.sh's tests and forced steps, on a project of its own
+"""bench/gpu_check/gpu_check_files.py, the runner of gpu_check.sh's tests and forced steps, on a project of its own
 (no GPU, no torch): a hung test and a crashed test each cost only themselves (the rest of the file is
 rerun without them), every outcome lands in the group's junit XML as gpu_check_summary.py reads it, the
 forced reruns label their cases, and a group that cannot start before the deadline is "not run"."""
@@ -15,12 +15,12 @@ from _paths import ROOT, load_script
 
 @pytest.fixture(scope="module")
 def files():
-    return load_script(ROOT / "bench" / "gpu_check_files.py", "gpu_check_files")
+    return load_script(ROOT / "bench" / "gpu_check" / "gpu_check_files.py", "gpu_check_files")
 
 
 @pytest.fixture(scope="module")
 def summary():
-    return load_script(ROOT / "bench" / "gpu_check_summary.py", "gpu_check_summary")
+    return load_script(ROOT / "bench" / "gpu_check" / "gpu_check_summary.py", "gpu_check_summary")
 
 
 def _project(tmp_path):

@@ -1,4 +1,4 @@
-"""bench/gpu_check_pytest.py, the pytest plugin of gpu_check.sh's tests step: a test module that needs a
+"""bench/gpu_check/gpu_check_pytest.py, the pytest plugin of gpu_check.sh's tests step: a test module that needs a
 missing optional package is a skip that names it (and the summary shows that reason), while any other
 import error stays an error."""
 from __future__ import annotations
@@ -14,7 +14,7 @@ from _paths import ROOT, load_script
 
 
 def _load(name):
-    return load_script(ROOT / "bench" / f"{name}.py", name)
+    return load_script(ROOT / "bench" / "gpu_check" / f"{name}.py", name)
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +40,7 @@ def test_a_module_needing_a_missing_optional_package_is_skipped_with_its_name(tm
     (proj / "tests" / "test_installed.py").write_text("import json.not_a_submodule\n")
     plugins = tmp_path / "plugins"
     plugins.mkdir()
-    shutil.copy(ROOT / "bench" / "gpu_check_pytest.py", plugins)
+    shutil.copy(ROOT / "bench" / "gpu_check" / "gpu_check_pytest.py", plugins)
     xml = tmp_path / "junit.xml"
     env = dict(os.environ, PYTHONPATH=str(plugins) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "-p", "gpu_check_pytest",

@@ -1,4 +1,4 @@
-"""bench/gpu_check_summary.py, the end of bench/gpu_check.sh, on fake steps: the RESULT states (pass /
+"""bench/gpu_check/gpu_check_summary.py, the end of bench/gpu_check.sh, on fake steps: the RESULT states (pass /
 fail / not run / incomplete), the steps table, per-test outcomes from a real pytest junit XML, the $OUT
 rules of a GPU machine, the packing of the logs, and the compute-sanitizer refusal detector. Fast: no
 build, no GPU."""
@@ -18,7 +18,7 @@ from _paths import ROOT, load_script
 
 @pytest.fixture(scope="module")
 def gc():
-    return load_script(ROOT / "bench" / "gpu_check_summary.py", "gpu_check_summary")
+    return load_script(ROOT / "bench" / "gpu_check" / "gpu_check_summary.py", "gpu_check_summary")
 
 
 def steps(*spec):

@@ -1,4 +1,4 @@
-"""bench/sanitizer_driver.py, the program gpu_check.sh runs under compute-sanitizer: on CPU tensors every
+"""bench/gpu_check/sanitizer_driver.py, the program gpu_check.sh runs under compute-sanitizer: on CPU tensors every
 check holds, a wrong kernel answer fails it (it is a test of results as well as the thing memcheck
 watches), and without a CUDA device it says "not run" in gpu_check.sh's way."""
 from __future__ import annotations
@@ -13,7 +13,7 @@ pytest.importorskip("torch")
 
 @pytest.fixture
 def driver():
-    return load_script(ROOT / "bench" / "sanitizer_driver.py", "sanitizer_driver")
+    return load_script(ROOT / "bench" / "gpu_check" / "sanitizer_driver.py", "sanitizer_driver")
 
 
 def test_every_check_holds_on_cpu_tensors(driver, capsys):
