@@ -128,7 +128,7 @@ class Recorder:
         return target
 
     def failed(self, msg: str, job: Any = None) -> None:
-        """The group failed with `msg` (backend_lane.Lane._fail), during `job` (a backend_lane.Job) or
+        """The group failed with `msg` (process_group.lane.Lane._fail), during `job` (a lane.Job) or
         none: dumped once, and a failure to dump is a line on stderr, never an exception on the failing
         path. A job without a record (the fast path's failure, fast_path.py) is recorded now."""
         if self.failure is not None:

@@ -489,7 +489,7 @@ class ShmTransport:
 
     # ------------------------------------------------------------------ execution
     # Note [An order held by the caller]
-    # The torch backend orders its group's collectives itself (backend_lane.Lane: one per group, and one
+    # The torch backend orders its group's collectives itself (process_group.lane.Lane: one per group, and one
     # channel per group): a second queue here would only add a thread hop and a Work per step. So its
     # lane takes `exec_lock` (the lock the small-message fast path takes too), calls held(True) on the
     # thread that runs the job, and every collective called on that thread then runs at once, here, and
