@@ -1,13 +1,14 @@
 """ncclavg.train: TowerTrainer and everything only training needs.
 
 What lives here: trainer.py (`TowerTrainer`: split a batch over the towers, forward/backward, one
-average, the update), engines.py (the update: CPU master weights or one optimizer per device),
+average, the update), fit.py (its epoch loop, `fit`), trainer_state.py (its checkpoints: `state_dict`,
+`save`, `restore`, `load`), engines.py (the update: CPU master weights or one optimizer per device),
 offload.py (the pipelined CPU-master update for GPU towers), towers.py (devices, replicas, the
 thread-per-tower runner), amp.py, schedules.py, state.py and checkpoint.py (what a checkpoint holds and
 how it is written atomically), callbacks.py and metrics.py (progress, JSON lines, plots), data.py and
 models.py (digits, synthetic data, the demo models) and cli.py (`ncclavg train`).
-What it may import: the core (`ncclavg.averager`, `master`, `optim`, `bucketing`, ...) and
-`ncclavg.comm`; never `ncclavg.bench`. Nothing is imported here, so `ncclavg train --help` and
+What it may import: the core (`ncclavg.averager`, `master`, `optim`, `bucketing`, ...),
+`ncclavg.transport`, `ncclavg.comm` and `ncclavg.process_group`; never `ncclavg.bench`. Nothing is imported here, so `ncclavg train --help` and
 `ncclavg info` load no torch.
-Where to start reading: trainer.py (`TowerTrainer.train_step`, then `fit`), then engines.py.
+Where to start reading: trainer.py (`TowerTrainer.train_step`), fit.py (`fit`), then engines.py.
 """

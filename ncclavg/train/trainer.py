@@ -1,6 +1,11 @@
 """TowerTrainer: one model replica ("tower") per device in one process, every batch split across them,
 gradients averaged through ncclavg, fp32 master weights updated on the CPU (or on each device).
 
+What lives here: the class and its construction (the arguments checked, the towers, the engine), one
+training step (train_step), evaluation, the lazy buffer sync and the planning of the learning-rate
+schedule. The epoch loop (fit) is in fit.py, the checkpoints (state_dict, save, restore, load) in
+trainer_state.py: TowerTrainer inherits both.
+
 Note [Uneven batches]
 Towers average their gradients with equal weight, but a batch of B samples split over T towers gives
 tower t n_t samples, and the last batch of an epoch rarely divides evenly. Tower t therefore scales its
@@ -32,24 +37,31 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import os
 import time
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
 from torch import nn
 
-from . import checkpoint as ckpt
 from .amp import DynamicLossScale, autocast_context, normalise_amp
-from .callbacks import Callback
-from .distributed import processes_communicator, write_once
+from .distributed import processes_communicator
 from .engines import CpuMasterEngine, DeviceMasterEngine, OptimConfig
+from .fit import FitLoop
 from .metrics import PHASES, StepTimes
-from .schedules import LRSchedule, ScheduleSpec, from_state_dict, make_schedule, replan, schedule_name
+from .schedules import LRSchedule, ScheduleSpec, make_schedule, replan, schedule_name
+from .state import seed_everything
 from .towers import (TowerRunner, build_towers, default_devices, model_signature, parse_devices,
                      split_sizes, trainable_parameters, unpack_batch)
-from .state import (CHECKPOINT_FORMAT, CHECKPOINT_KIND, check_signature, extra_tensors,
-                            load_extra_tensors, rng_state, seed_everything, set_rng_state)
+from .trainer_state import TrainerState
+
+# Importable from here too, for callers that know them from this module; fit.py and trainer_state.py
+# are where they are used.
+from . import checkpoint as ckpt  # noqa: F401
+from .callbacks import Callback  # noqa: F401
+from .distributed import write_once  # noqa: F401
+from .schedules import from_state_dict  # noqa: F401
+from .state import (CHECKPOINT_FORMAT, CHECKPOINT_KIND, check_signature, extra_tensors,  # noqa: F401
+                    load_extra_tensors, rng_state, set_rng_state)
 
 OPTIMIZERS = ("adamw", "adam", "sgd")
 MASTERS = ("cpu", "device")
@@ -77,11 +89,12 @@ def _accuracy_counts(out: Any, y: Any) -> torch.Tensor | None:
     return None
 
 
-class TowerTrainer:
+class TowerTrainer(FitLoop, TrainerState):
     """Data-parallel training over towers: this process's `devices`, and under torchrun (or given `comm`)
     the towers of every process; see Note [Towers of several processes] in distributed.py. `timeout`
     (seconds, default NCCLAVG_TIMEOUT or 600) bounds every wait on another process. See the module
-    docstring and docs/architecture.md."""
+    docstring and docs/architecture.md. fit() comes from FitLoop (fit.py); state_dict, save, restore
+    and load from TrainerState (trainer_state.py)."""
 
     def __init__(self, model: nn.Module, devices: Sequence[Any] | str | None = None, optimizer: str = "adamw",
                  lr: float = 1e-3, lr_schedule: ScheduleSpec = None, weight_decay: float = 0.0,
@@ -559,221 +572,7 @@ class TowerTrainer:
         return {"loss": loss_sum / samples, "accuracy": None if correct is None else correct / samples,
                 "samples": samples}
 
-    # ------------------------------------------------------------------ fit
-    @staticmethod
-    def _new_epoch_acc() -> dict:
-        return {"loss_sum": 0.0, "samples": 0, "correct": 0, "train_s": 0.0, **{"t_" + k: 0.0 for k in PHASES}}
-
-    def epoch_progress(self) -> tuple[int | None, int]:
-        """(batches per epoch, batches done in the current epoch) of the loader being fitted."""
-        total = len(self._loader) if hasattr(self._loader, "__len__") else None
-        return total, int(getattr(self._loader, "batch", 0) or 0)
-
-    def fit(self, loader: Iterable, epochs: int = 1, eval_loader: Iterable | None = None,
-            callbacks: Sequence[Callback] = (), max_steps: int | None = None) -> list[dict]:
-        """Train until `epochs` epochs are complete in total (a resumed trainer continues where its
-        checkpoint stopped) or `max_steps` optimizer steps were taken in total. Returns the history of
-        epoch records. A loader with state_dict/load_state_dict/epoch (TensorLoader) is resumable mid-epoch;
-        any other iterable of (inputs..., target) batches is iterated once per epoch."""
-        if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
-            raise ValueError(f"epochs: must be a positive integer, got {epochs!r}")
-        if max_steps is not None and (isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps < 1):
-            raise ValueError(f"max_steps: must be a positive integer or None, got {max_steps!r}")
-        nominal = getattr(loader, "batch_size", None)
-        if isinstance(nominal, int) and nominal < self.total_towers:
-            raise ValueError(f"batch_size: the loader's batch size {nominal} is smaller than the number of "
-                             f"towers ({self.total_towers}); every tower needs at least one sample")
-        for i, cb in enumerate(callbacks):
-            if not isinstance(cb, Callback):
-                raise TypeError(f"callbacks[{i}]: expected an ncclavg.train.callbacks.Callback, got {type(cb).__name__}")
-        resumable = all(hasattr(loader, a) for a in ("state_dict", "load_state_dict", "epoch"))
-        if resumable and self._data_state is not None:
-            loader.load_state_dict(self._data_state)
-        self._data_state = None
-        steps_per_epoch = len(loader) if hasattr(loader, "__len__") else None
-        self.plan_schedule(steps_per_epoch, epochs, max_steps)
-        self._loader, self.target_epochs, self.stop_training = loader, epochs, False
-        fit_samples, fit_train_s, t_fit = 0, 0.0, time.perf_counter()
-        for cb in callbacks:
-            cb.on_fit_start(self)
-        try:
-            while not self.stop_training:
-                epoch = loader.epoch if resumable else self.epoch
-                if epoch >= epochs or (max_steps is not None and self.step >= max_steps):
-                    break
-                for cb in callbacks:
-                    cb.on_epoch_start(self, epoch)
-                completed = True
-                for batch, allow_idle in self._epoch_batches(loader, nominal):
-                    record = self.train_step(batch, _allow_idle_towers=allow_idle)
-                    fit_samples += record["samples"]
-                    fit_train_s += record["step_s"]
-                    for cb in callbacks:
-                        cb.on_step_end(self, record)
-                    if self.stop_training or (max_steps is not None and self.step >= max_steps):
-                        completed = False
-                        break
-                if not completed:
-                    break
-                self.epoch = epoch + 1
-                record = self._epoch_record(eval_loader)
-                self.history.append(record)
-                for cb in callbacks:
-                    cb.on_epoch_end(self, record)
-        except BaseException as error:   # See Note [Callbacks when fit fails] in callbacks.py
-            self._note_fit(fit_samples, fit_train_s, t_fit)
-            for cb in callbacks:
-                try:
-                    cb.on_fit_error(self, error)
-                except Exception as cb_error:   # the training error is the one to see; this one rides along
-                    error.add_note(f"while handling it, {type(cb).__name__}.on_fit_error raised "
-                                   f"{type(cb_error).__name__}: {cb_error}")
-            raise
-        self._note_fit(fit_samples, fit_train_s, t_fit)
-        for cb in callbacks:
-            cb.on_fit_end(self, self.history)
-        return self.history
-
-    def _note_fit(self, samples: int, train_s: float, t_fit: float) -> None:
-        self.last_fit = {"samples": samples, "train_s": train_s,
-                         "samples_per_s": samples / train_s if train_s > 0 else 0.0,
-                         "wall_s": time.perf_counter() - t_fit}
-
-    def _epoch_batches(self, loader: Iterable, nominal: Any) -> Iterable[tuple[Any, bool]]:
-        """(batch, may it leave towers idle). Only the trailing remainder of an epoch may be smaller than
-        the number of towers: with a loader that states its batch size (checked >= towers in fit) that
-        is any short batch; for other iterables, a last batch that follows a full one (one-batch
-        lookahead), so that a loader yielding too small batches fails before its first step."""
-        if isinstance(nominal, int):
-            for batch in loader:
-                yield batch, True
-            return
-        it = iter(loader)
-        sentinel = object()
-        current, seen = next(it, sentinel), 0
-        while current is not sentinel:
-            upcoming = next(it, sentinel)
-            yield current, upcoming is sentinel and seen > 0
-            current, seen = upcoming, seen + 1
-
-    def _epoch_record(self, eval_loader: Iterable | None) -> dict:
-        acc, self._epoch_acc = self._epoch_acc, self._new_epoch_acc()
-        n = acc["samples"]
-        record = {"epoch": self.epoch, "step": self.step, "loss": acc["loss_sum"] / n if n else None,
-                  "accuracy": acc["correct"] / n if n and acc["correct"] is not None else None,
-                  "samples": n, "train_s": acc["train_s"],
-                  "samples_per_s": n / acc["train_s"] if acc["train_s"] > 0 else None,
-                  "lr": self.current_lr(), **{"t_" + k: acc["t_" + k] for k in PHASES}}
-        if eval_loader is not None:
-            ev = self.evaluate(eval_loader)
-            record.update(val_loss=ev["loss"], val_accuracy=ev["accuracy"])
-        return record
-
-    # ------------------------------------------------------------------ checkpoints
-    def state_dict(self) -> dict:
-        return self._state(self.engine.master_state())
-
-    def _state(self, master: dict) -> dict:
-        self.sync_buffers()  # See Note [Lazy buffer sync]
-        loader = self._loader
-        data = loader.state_dict() if loader is not None and hasattr(loader, "state_dict") else self._data_state
-        return {"kind": CHECKPOINT_KIND, "format": CHECKPOINT_FORMAT, "signature": self.signature,
-                "config": dict(self.config), "master": master,
-                "extra": extra_tensors(self.towers[0]), "step": self.step, "epoch": self.epoch,
-                "data": data, "schedule": self._ensure_schedule(None, None).state_dict(),
-                "schedule_plan": self._schedule_plan,
-                "scaler": self.scaler.state_dict() if self.scaler is not None else None,
-                "rng": rng_state(self.devices), "history": list(self.history),
-                "processes": self.processes, "total_towers": self.total_towers,
-                "epoch_acc": dict(self._epoch_acc), "nonfinite_steps": self.nonfinite_steps}
-
-    def save(self, path: str, *, _manager: Any = None) -> str:
-        """Write a checkpoint atomically (temp file, fsync, rename) with a checksum; returns its path."""
-        if self.shard_master:   # a set of parts, one per process: Note [Sharded checkpoints]
-            return self._save_set(path, _manager)
-        state = self.state_dict()   # every process: it syncs buffers across them
-        if _manager is not None:    # See Note [Towers of several processes]: rank 0 writes
-            return write_once(self.comm, lambda: _manager.save(state, self.step))
-        return write_once(self.comm, lambda: ckpt.save(path, state))
-
-    def _save_set(self, path: str, manager: Any) -> str:
-        """Every process writes its part of the master, then rank 0 the checkpoint file (the commit)."""
-        from .sharded import shard_manifest, shard_part
-
-        state = self._state(shard_manifest(self.engine))   # every process: it syncs buffers across them
-        main = manager.path_for(self.step) if manager is not None else os.fspath(path)
-        error = None
-        try:
-            os.makedirs(os.path.dirname(os.path.abspath(main)), exist_ok=True)
-            ckpt.save(ckpt.part_path(main, self.rank, self.processes), shard_part(self.engine))
-        except Exception as e:   # reported to every process below, then raised here
-            error = e
-        failed = [(r, msg) for r, msg in enumerate(self.comm.allgather_object(
-            None if error is None else f"{type(error).__name__}: {error}")) if msg is not None]
-        if error is not None:
-            raise error
-        if failed:
-            raise RuntimeError(f"rank {failed[0][0]} could not write its part of {main}: {failed[0][1]}")
-        if manager is not None:
-            return write_once(self.comm, lambda: manager.save(state, self.step))
-        return write_once(self.comm, lambda: ckpt.save(main, state))
-
-    def load_state_dict(self, state: dict, path: str = "<state>") -> None:
-        check_signature(path, state, self.signature)
-        master = state["master"]
-        if isinstance(master, dict) and "sharded" in master:   # Note [Sharded checkpoints]
-            if path == "<state>":
-                raise ValueError("state: its master weights were saved as a set of parts next to the checkpoint "
-                                 "file; load it with restore(path) or TowerTrainer.load(path, ...)")
-            from .sharded import assemble_master
-
-            master = assemble_master(master["sharded"], path)
-        self.engine.load_master_state(master)
-        load_extra_tensors(self.towers, state["extra"])
-        self.step, self.epoch = int(state["step"]), int(state["epoch"])
-        self._data_state = state["data"]
-        self.schedule = from_state_dict(state["schedule"])
-        self._schedule_plan = state.get("schedule_plan")
-        self._planned_for = None
-        if self.scaler is not None and state.get("scaler"):
-            self.scaler.load_state_dict(state["scaler"])
-        set_rng_state(state["rng"], self.devices)
-        self.history = list(state["history"])
-        self._epoch_acc = dict(state["epoch_acc"])
-        self.nonfinite_steps = int(state.get("nonfinite_steps", 0))
-
-    def restore(self, path: str) -> str:
-        """Load a checkpoint file (or the newest complete one in a directory) into this trainer."""
-        path = ckpt.resolve(path)
-        self.load_state_dict(ckpt.load(path), path)
-        return path
-
-    @classmethod
-    def load(cls, path: str, model: nn.Module, devices: Sequence[Any] | str | None = None,
-             **overrides: Any) -> "TowerTrainer":
-        """A trainer rebuilt from a checkpoint (a file, or a directory: its newest complete checkpoint)
-        with the saved configuration, `overrides` applied on top. The model must have the parameters and
-        buffers the checkpoint was saved from; checked before the model is touched."""
-        path = ckpt.resolve(path)
-        state = ckpt.load(path)
-        check_signature(path, state, model_signature(model))
-        config = dict(state["config"])
-        saved_devices = config.pop("devices")
-        if devices is None:
-            devices = _resume_devices(path, state, saved_devices, overrides.get("comm"))
-        config.update(overrides)
-        if "lr_schedule" not in overrides:
-            config["lr_schedule"] = from_state_dict(state["schedule"])
-        trainer = cls(model, devices=devices, **config)
-        trainer.load_state_dict(state, path)
-        if "lr_schedule" in overrides:  # the user's new schedule, not the saved one (planned by fit if named)
-            trainer._schedule_spec = overrides["lr_schedule"]
-            trainer.schedule = None if isinstance(trainer._schedule_spec, str) else make_schedule(
-                trainer._schedule_spec, trainer.config["lr"])
-            trainer._schedule_plan = None
-            trainer._planned_for = None
-        return trainer
-
+    # ------------------------------------------------------------------ master weights, closing
     def master_params(self) -> list[torch.Tensor]:
         """fp32 CPU copies of the master weights, one per trainable parameter (registration order)."""
         return self.engine.master_params()
@@ -794,34 +593,3 @@ def _run_length(plan: dict) -> str:
     if spe and total:
         return f"{total // spe} epochs ({total} steps)"
     return f"{total} steps" if total else "an unknown number of steps"
-
-
-def _resume_devices(path: str, state: dict, saved: list, comm: Any) -> list | None:
-    """This process's towers for a checkpoint resumed without `devices`: the saved ones when the number
-    of processes is the same; the saved total of CPU towers spread evenly over a new number of processes
-    (4 towers saved by 1 process resume as 2 x 2 or 4 x 1); None (the defaults) for GPU towers resumed
-    without GPUs. See Note [Towers of several processes]."""
-    from .distributed import launched_with_processes
-
-    if comm is not None:
-        return list(comm.devices)
-    processes = 1
-    if launched_with_processes():
-        processes = int(os.environ.get("WORLD_SIZE", "0")) or _dist_world_size()
-    saved_processes, total = int(state.get("processes", 1)), int(state.get("total_towers", len(saved)))
-    try:
-        devices = parse_devices(saved)
-    except ValueError:  # saved on GPUs, resumed here without them
-        return None
-    if processes == saved_processes:
-        return devices
-    if devices[0].type == "cpu" and total % processes == 0:
-        return [torch.device("cpu")] * (total // processes)
-    raise ValueError(f"devices: {path} was saved by {saved_processes} process(es) with {total} towers in all; "
-                     f"with {processes} processes pass this process's devices explicitly")
-
-
-def _dist_world_size() -> int:
-    import torch.distributed as dist
-
-    return dist.get_world_size()

@@ -1,0 +1,127 @@
+"""TowerTrainer.fit: epochs of train_step over a loader, the callbacks around them, and one record per
+epoch (means over the epoch's steps, the evaluation when there is an eval loader).
+
+`FitLoop` is a mixin of TowerTrainer (trainer.py) and works on its attributes: `step`, `epoch`,
+`history`, `stop_training`, the loader being fitted, the running sums of the current epoch. It holds
+no state of its own.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Iterable, Sequence
+
+from .callbacks import Callback
+from .metrics import PHASES
+
+
+class FitLoop:
+    """The epoch loop of TowerTrainer: fit(), and what it reports (epoch records, `last_fit`)."""
+
+    @staticmethod
+    def _new_epoch_acc() -> dict:
+        return {"loss_sum": 0.0, "samples": 0, "correct": 0, "train_s": 0.0, **{"t_" + k: 0.0 for k in PHASES}}
+
+    def epoch_progress(self) -> tuple[int | None, int]:
+        """(batches per epoch, batches done in the current epoch) of the loader being fitted."""
+        total = len(self._loader) if hasattr(self._loader, "__len__") else None
+        return total, int(getattr(self._loader, "batch", 0) or 0)
+
+    def fit(self, loader: Iterable, epochs: int = 1, eval_loader: Iterable | None = None,
+            callbacks: Sequence[Callback] = (), max_steps: int | None = None) -> list[dict]:
+        """Train until `epochs` epochs are complete in total (a resumed trainer continues where its
+        checkpoint stopped) or `max_steps` optimizer steps were taken in total. Returns the history of
+        epoch records. A loader with state_dict/load_state_dict/epoch (TensorLoader) is resumable mid-epoch;
+        any other iterable of (inputs..., target) batches is iterated once per epoch."""
+        if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
+            raise ValueError(f"epochs: must be a positive integer, got {epochs!r}")
+        if max_steps is not None and (isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps < 1):
+            raise ValueError(f"max_steps: must be a positive integer or None, got {max_steps!r}")
+        nominal = getattr(loader, "batch_size", None)
+        if isinstance(nominal, int) and nominal < self.total_towers:
+            raise ValueError(f"batch_size: the loader's batch size {nominal} is smaller than the number of "
+                             f"towers ({self.total_towers}); every tower needs at least one sample")
+        for i, cb in enumerate(callbacks):
+            if not isinstance(cb, Callback):
+                raise TypeError(f"callbacks[{i}]: expected an ncclavg.train.callbacks.Callback, got {type(cb).__name__}")
+        resumable = all(hasattr(loader, a) for a in ("state_dict", "load_state_dict", "epoch"))
+        if resumable and self._data_state is not None:
+            loader.load_state_dict(self._data_state)
+        self._data_state = None
+        steps_per_epoch = len(loader) if hasattr(loader, "__len__") else None
+        self.plan_schedule(steps_per_epoch, epochs, max_steps)
+        self._loader, self.target_epochs, self.stop_training = loader, epochs, False
+        fit_samples, fit_train_s, t_fit = 0, 0.0, time.perf_counter()
+        for cb in callbacks:
+            cb.on_fit_start(self)
+        try:
+            while not self.stop_training:
+                epoch = loader.epoch if resumable else self.epoch
+                if epoch >= epochs or (max_steps is not None and self.step >= max_steps):
+                    break
+                for cb in callbacks:
+                    cb.on_epoch_start(self, epoch)
+                completed = True
+                for batch, allow_idle in self._epoch_batches(loader, nominal):
+                    record = self.train_step(batch, _allow_idle_towers=allow_idle)
+                    fit_samples += record["samples"]
+                    fit_train_s += record["step_s"]
+                    for cb in callbacks:
+                        cb.on_step_end(self, record)
+                    if self.stop_training or (max_steps is not None and self.step >= max_steps):
+                        completed = False
+                        break
+                if not completed:
+                    break
+                self.epoch = epoch + 1
+                record = self._epoch_record(eval_loader)
+                self.history.append(record)
+                for cb in callbacks:
+                    cb.on_epoch_end(self, record)
+        except BaseException as error:   # See Note [Callbacks when fit fails] in callbacks.py
+            self._note_fit(fit_samples, fit_train_s, t_fit)
+            for cb in callbacks:
+                try:
+                    cb.on_fit_error(self, error)
+                except Exception as cb_error:   # the training error is the one to see; this one rides along
+                    error.add_note(f"while handling it, {type(cb).__name__}.on_fit_error raised "
+                                   f"{type(cb_error).__name__}: {cb_error}")
+            raise
+        self._note_fit(fit_samples, fit_train_s, t_fit)
+        for cb in callbacks:
+            cb.on_fit_end(self, self.history)
+        return self.history
+
+    def _note_fit(self, samples: int, train_s: float, t_fit: float) -> None:
+        self.last_fit = {"samples": samples, "train_s": train_s,
+                         "samples_per_s": samples / train_s if train_s > 0 else 0.0,
+                         "wall_s": time.perf_counter() - t_fit}
+
+    def _epoch_batches(self, loader: Iterable, nominal: Any) -> Iterable[tuple[Any, bool]]:
+        """(batch, may it leave towers idle). Only the trailing remainder of an epoch may be smaller than
+        the number of towers: with a loader that states its batch size (checked >= towers in fit) that
+        is any short batch; for other iterables, a last batch that follows a full one (one-batch
+        lookahead), so that a loader yielding too small batches fails before its first step."""
+        if isinstance(nominal, int):
+            for batch in loader:
+                yield batch, True
+            return
+        it = iter(loader)
+        sentinel = object()
+        current, seen = next(it, sentinel), 0
+        while current is not sentinel:
+            upcoming = next(it, sentinel)
+            yield current, upcoming is sentinel and seen > 0
+            current, seen = upcoming, seen + 1
+
+    def _epoch_record(self, eval_loader: Iterable | None) -> dict:
+        acc, self._epoch_acc = self._epoch_acc, self._new_epoch_acc()
+        n = acc["samples"]
+        record = {"epoch": self.epoch, "step": self.step, "loss": acc["loss_sum"] / n if n else None,
+                  "accuracy": acc["correct"] / n if n and acc["correct"] is not None else None,
+                  "samples": n, "train_s": acc["train_s"],
+                  "samples_per_s": n / acc["train_s"] if acc["train_s"] > 0 else None,
+                  "lr": self.current_lr(), **{"t_" + k: acc["t_" + k] for k in PHASES}}
+        if eval_loader is not None:
+            ev = self.evaluate(eval_loader)
+            record.update(val_loss=ev["loss"], val_accuracy=ev["accuracy"])
+        return record
