@@ -403,7 +403,8 @@ def report(peers: list[dict]) -> list[str]:
     pinning = ("every launcher leaves the ranks unpinned (--bind none)" if binds == {"none"} else
                "each MPI pins the ranks as it does by default (--bind own)" if binds == {"own"} else "mixed")
     lines = ["MPI peers (MPI_Get_library_version, first line):", "", *peer_lines(peers), "",
-             f"Timing rule: {RULE}. Pinning: {pinning}; Note [Pinning the ranks] in bench/mpi_peer_envs.py.", "",
+             f"Timing rule: {RULE}. Pinning: {pinning}; Note [Pinning the ranks] in bench/mpi_peer_envs.py.",
+             "The two ratio columns are ratios of times: below 1.00x the first named is faster.", "",
              *table(merged, columns(peers))]
     spread = spread_line(merged)
     if spread:
