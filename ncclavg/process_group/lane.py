@@ -56,7 +56,7 @@ import torch
 import torch.distributed as dist
 
 from .._ext import _C
-from ..errors import BackendError, BackendMismatchError, BackendTimeoutError, CommError  # noqa: F401  (re-exported)
+from ..errors import BackendError, BackendMismatchError, BackendTimeoutError  # noqa: F401  (re-exported)
 from ..transport import flight, profiling
 from ..transport.liveness import DIAGNOSE_S
 
