@@ -4,7 +4,8 @@ What lives here: `Communicator` (base.py: the constructors, argument checks, fai
 and one module per backend: local.py (CPU towers of one process, the core's one-pass host average),
 gloo.py (CPU towers of several processes through torch.distributed, Note [Hierarchical CPU average],
 over the transport's shared-memory channel where processes share a host), nccl.py (the core's NCCL
-communicator); dist.py (the bounded torch.distributed plumbing), shm_fast.py (the native fast path of
+communicator); dist.py (the bounded torch.distributed plumbing), devices.py (tower devices from what users write, for
+the local communicator and the trainer alike), shm_fast.py (the native fast path of
 a small host average on the channel, which the torch backend borrows) and debug.py (NCCLAVG_DEBUG's
 cross-rank sequence check). Two old addresses stay as aliases: flight.py (ncclavg.transport.flight)
 and backend_lane.py (the torch backend's errors, now in ncclavg.errors).

@@ -37,6 +37,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from .._ext import _C, cuda_built
+from .devices import device_of, present_cuda_device
 from ..errors import CommError, CommTimeoutError
 from .base import Communicator, CompletedWork, Work, check_count, check_timeout
 from ..transport import profiling
@@ -116,38 +117,14 @@ class _CudaEventWork(Work):
 
 
 def _tower_device(device: Any) -> torch.device:
-    """'cpu' | 'cuda' | 'cuda:N' | N (GPU ordinal) | torch.device -> the validated device shared by the
-    towers, with errors naming the `device` argument."""
-    if isinstance(device, bool):
-        raise TypeError(f"device: expected 'cpu', 'cuda:N', a GPU ordinal or a torch.device, got {device!r}")
-    if isinstance(device, int):
-        if device < 0:
-            raise ValueError(f"device: a GPU ordinal must be >= 0, got {device}")
-        dev = torch.device("cuda", device)
-    elif isinstance(device, (str, torch.device)):
-        try:
-            dev = torch.device(device.strip().lower() if isinstance(device, str) else device)
-        except (RuntimeError, ValueError, TypeError):
-            raise ValueError(f"device: unknown device {device!r}; use 'cpu' or 'cuda:N'") from None
-    else:
-        raise TypeError(f"device: expected 'cpu', 'cuda:N', a GPU ordinal or a torch.device, got "
-                        f"{type(device).__name__}")
+    """The validated device shared by the towers, with errors naming the `device` argument."""
+    dev = device_of(device, "device")
     if dev.type == "cpu":
-        return torch.device("cpu")
-    if dev.type != "cuda":
-        raise ValueError(f"device: {dev} is not supported; towers of the local backend share 'cpu' or one "
-                         "'cuda:N'")
+        return dev
     if not cuda_built():
         raise ValueError(f"device: {dev} needs ncclavg built with CUDA support, but this build is CPU-only "
                          "(reinstall with the CUDA toolkit present: `NCCLAVG_CUDA=1 pip install .`)")
-    if not torch.cuda.is_available():
-        raise ValueError(f"device: {dev} needs a CUDA device, but torch.cuda.is_available() is False (torch "
-                         f"{torch.__version__}, CUDA build: {torch.version.cuda or 'no'})")
-    index = torch.cuda.current_device() if dev.index is None else dev.index
-    count = torch.cuda.device_count()
-    if index >= count:
-        raise ValueError(f"device: cuda:{index} does not exist ({count} visible CUDA device(s))")
-    return torch.device("cuda", index)
+    return present_cuda_device(dev, "device")
 
 
 class LocalCommunicator(Communicator):

@@ -9,49 +9,14 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
+from ..comm.devices import cuda_count, device_of, present_cuda_device
 from .data import check_sample_tensors
-
-
-def _cuda_count() -> int:
-    try:
-        return torch.cuda.device_count() if torch.cuda.is_available() else 0
-    except Exception:  # a broken driver reads as "no GPU", the error then names the device
-        return 0
 
 
 def parse_device(value: Any, name: str) -> torch.device:
     """'cpu' | 'cuda:N' | 'cuda' (current device) | N (GPU index) | torch.device -> torch.device."""
-    if isinstance(value, bool):
-        raise TypeError(f"{name}: expected a device name, index or torch.device, got {value!r}")
-    if isinstance(value, int):
-        if value < 0:
-            raise ValueError(f"{name}: GPU index must be >= 0, got {value}")
-        dev = torch.device("cuda", value)
-    elif isinstance(value, torch.device):
-        dev = value
-    elif isinstance(value, str):
-        text = value.strip().lower()
-        if text.isdigit():
-            dev = torch.device("cuda", int(text))
-        else:
-            try:
-                dev = torch.device(text)
-            except (RuntimeError, ValueError):
-                raise ValueError(f"{name}: unknown device {value!r}; use 'cpu', 'cuda:N' or a GPU index") from None
-    else:
-        raise TypeError(f"{name}: expected a device name, index or torch.device, got {type(value).__name__}")
-    if dev.type not in ("cpu", "cuda"):
-        raise ValueError(f"{name}: device {value!r} is not supported; towers run on 'cpu' or 'cuda:N'")
-    if dev.type == "cpu":
-        return torch.device("cpu")
-    count = _cuda_count()
-    if count == 0:
-        raise ValueError(f"{name}: {value!r} needs a CUDA device but torch sees none "
-                         f"(torch {torch.__version__}, CUDA build: {torch.version.cuda or 'no'})")
-    index = torch.cuda.current_device() if dev.index is None else dev.index
-    if index >= count:
-        raise ValueError(f"{name}: cuda:{index} does not exist; torch sees {count} CUDA device(s)")
-    return torch.device("cuda", index)
+    dev = device_of(value, name)
+    return dev if dev.type == "cpu" else present_cuda_device(dev, name)
 
 
 def parse_devices(devices: Any) -> list[torch.device]:
@@ -77,7 +42,7 @@ def default_devices(cpu_towers: int = 2) -> list[torch.device]:
     """Every visible GPU when torch and this build of ncclavg can use them; else `cpu_towers` CPU towers."""
     from .._ext import cuda_built
 
-    n = _cuda_count()
+    n = cuda_count()
     if n > 0 and cuda_built():
         return [torch.device("cuda", i) for i in range(n)]
     return [torch.device("cpu")] * cpu_towers

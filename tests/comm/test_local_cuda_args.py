@@ -133,3 +133,28 @@ def test_tower_communicator_distinct_gpus_use_nccl(monkeypatch):
 def test_tower_communicator_refuses_mixtures(devs, match):
     with pytest.raises(ValueError, match=match):
         tower_communicator(devs)
+
+
+@pytest.mark.parametrize("value", [True, 1.5, -1, "gpu0", "meta", "cuda:0", "cuda", 0, "7"])
+def test_the_local_device_and_the_trainers_devices_read_alike(value, monkeypatch):
+    """One parser behind both arguments: the same value fails the same way, each naming its argument."""
+    from ncclavg.train.towers import parse_device
+
+    monkeypatch.setattr(local_mod, "cuda_built", lambda: True)   # past the local-only build check
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises((TypeError, ValueError)) as local_err:
+        LocalCommunicator(2, device=value)
+    with pytest.raises((TypeError, ValueError)) as trainer_err:
+        parse_device(value, "devices[3]")
+    assert local_err.type is trainer_err.type
+    assert str(local_err.value).replace("device:", "devices[3]:", 1) == str(trainer_err.value)
+
+
+def test_a_digit_string_is_a_gpu_ordinal_for_both(fake_gpus):
+    from ncclavg.train.towers import parse_device
+
+    fake_gpus(2)
+    assert parse_device("1", "devices[0]") == torch.device("cuda", 1)
+    comm = LocalCommunicator(2, device=" 1 ")
+    assert comm.devices == ["cuda:1"] * 2
+    comm.close()
