@@ -58,7 +58,7 @@ def end_process(code: int = 0) -> None:
     os._exit(int(code))
 
 
-_is_timeout = is_timeout   # the one rule (errors.py); the old name, for shm_fast.py
+_is_timeout = is_timeout   # the one rule (errors.py), under the name this package uses
 
 
 def _lost(comm: Any) -> str:

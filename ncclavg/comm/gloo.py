@@ -32,10 +32,11 @@ from ..transport import calls, profiling
 from ..transport.profiling import enabled as _profiling
 from .base import Communicator, Work, check_count, check_timeout
 from ..transport.calls import Call, average_call
-from .dist import _DistWork, _allgather_object_bounded, _debug_allgather_dist, _issue_dist, _wait_dist
+from .dist import (_DistWork, _allgather_object_bounded, _debug_allgather_dist, _is_timeout, _issue_dist,
+                   _raise_failure, _wait_dist)
 from ..transport.liveness import Liveness
-from ..transport.shm import ShmTransport, host_identity, supports as shm_supports
-from .shm_fast import CHANNEL_ERRORS, channel_failed, fast_average
+from ..transport.shm import TYPE_CODES, ShmTransport, host_identity, supports as shm_supports
+from .shm_fast import CHANNEL_ERRORS, fast_average
 
 
 # Note [Reduce-scatter as all_to_all]
@@ -115,7 +116,8 @@ class GlooCommunicator(Communicator):
         # so this depends only on what every rank shares: the transport, and the dtype and the call.
         self._fuses_division = self._shm is not None and self._shm.channel is not None
         # one tower here and one host's channel over every process: Note [Small-message fast path]
-        self._fast = fast_average(self, self._shm) if self._fuses_division and towers == 1 else None
+        self._fast = (fast_average(self._fast_plan, self._shm.channel, self._shm.exec_lock)
+                      if self._fuses_division and towers == 1 else None)
         self._fast_run = self._fast.run if self._fast is not None else None
 
     # ------------------------------------------------------------------ the collectives between processes
@@ -161,6 +163,19 @@ class GlooCommunicator(Communicator):
             targets = [buf] if dsts is None else dsts
             _C.unpack_(buf, targets, [0] * len(targets), float(scale), float(divisor), 0)
 
+    def _fast_plan(self, t: torch.Tensor) -> Optional[tuple]:
+        """What the fast path needs of a tensor it has not seen (Note [Small-message fast path]): its
+        (data_ptr, numel, type code, divisor, call tag), after the general path's own checks and errors;
+        None sends the call down the general path (NCCLAVG_DEBUG's sequence check, a failed or closed
+        communicator that says why it refuses, a scale or dtype the channel's fused division lacks)."""
+        if self.debug or self._failure is not None or self._closed:
+            return None
+        self._checked_buffers([t], "tensors")
+        scale, pre_div, post_div = self._sum_factors()
+        if scale != 1.0 or pre_div != 1.0 or not shm_supports(t):
+            return None
+        return (t.data_ptr(), t.numel(), TYPE_CODES[t.dtype], float(post_div), average_call(t).tag)
+
     def _sum_factors(self) -> tuple:
         """(scale, divisor) for tower 0's buffer before the SUM, and the divisor after it, when every
         local tower holds this process's mean. See Note [Hierarchical CPU average]."""
@@ -182,8 +197,9 @@ class GlooCommunicator(Communicator):
             try:
                 if fast(tensors, limit):
                     return
-            except CHANNEL_ERRORS as e:
-                channel_failed(self, e, tensors, tag, limit)
+            except CHANNEL_ERRORS as e:   # the text names the peer
+                _raise_failure(self, e, str(self._what("all_reduce_avg", tensors, tag)), limit,
+                               limit if _is_timeout(e) else 0.0, "shared-memory channel", True)
         self._average(tensors, False, tag, debug_key, sync=True, timeout=limit).wait(limit)
 
     @profiling.ranged("all_reduce_avg_async")

@@ -22,41 +22,26 @@ sees the same collective, so ranks may mix the two freely. Measured with 2 proce
 from __future__ import annotations
 
 import weakref
-from typing import Any, NoReturn, Optional
+from typing import Any, Callable, Optional
 
 from .._ext import _C
-from ..transport.calls import average_call
-from .dist import _is_timeout, _raise_failure
-from ..transport.shm import TYPE_CODES, supports
 
 
 CHANNEL_ERRORS = (_C.ShmPeerError, _C.CommTimeoutError)   # what the channel raises for a failed round
 
 
-def fast_average(comm: Any, transport: Any) -> Any:
-    """comm.all_reduce_avg's fast path: `.run(tensors, limit)` runs the call and returns True, or
-    returns False when the general path must run it; it raises CHANNEL_ERRORS (see channel_failed)
-    and the general path's argument errors. The communicator calls `.disable()` when it fails or
-    closes. The checks of every call are the core's (_C.ShmFastAverage): the same in Python cost about
-    twice the channel's own round."""
-
-    owner = weakref.ref(comm)   # not the communicator itself: see ShmFastAverage::disable
+def fast_average(plan: Callable[[Any], Optional[tuple]], channel: Any, exec_lock: Any) -> Any:
+    """The native fast path (_C.ShmFastAverage) of one channel: `.run(tensors, limit)` runs the call
+    and returns True, or returns False when the general path must run it; it raises CHANNEL_ERRORS and
+    the general path's argument errors. `plan(t)` is the communicator's bound method that answers for
+    a tensor it has not seen (data_ptr, numel, type code, divisor, call tag), or None for "not this
+    one"; the owner calls `.disable()` when it fails or closes. The native object keeps only a weak
+    reference to the owner (weakref.WeakMethod), so that it and its communicator form no cycle that
+    holds the channel's segment mapped: see ShmFastAverage::disable."""
+    method = weakref.WeakMethod(plan)
 
     def prepare(t: Any) -> Optional[tuple]:
-        """(data_ptr, numel, type code, divisor, call tag) of a tensor the fast path may take, else None."""
-        comm = owner()
-        if comm is None or comm.debug or comm._failure is not None or comm._closed:
-            return None   # the general path checks the sequence (NCCLAVG_DEBUG) or says why it refuses
-        comm._checked_buffers([t], "tensors")   # the general path's checks and errors
-        scale, pre_div, post_div = comm._sum_factors()
-        if scale != 1.0 or pre_div != 1.0 or not supports(t):
-            return None
-        return (t.data_ptr(), t.numel(), TYPE_CODES[t.dtype], float(post_div), average_call(t).tag)
+        bound = method()
+        return None if bound is None else bound(t)
 
-    return _C.ShmFastAverage(transport.channel, transport._exec, prepare)
-
-
-def channel_failed(comm: Any, e: BaseException, tensors: Any, tag: Optional[str], limit: float) -> NoReturn:
-    """The communicator's failure for a fast-path call that failed with `e` (its text names the peer)."""
-    _raise_failure(comm, e, str(comm._what("all_reduce_avg", tensors, tag)), limit,
-                   limit if _is_timeout(e) else 0.0, "shared-memory channel", True)
+    return _C.ShmFastAverage(channel, exec_lock, prepare)
