@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from ..transport import calls
 from .reductions import R
+from .cpu_collectives import CpuCollectives
 from .lane import Job
 from .group import NAME, ProcessGroupNcclavg
 
@@ -74,14 +75,13 @@ def allreduce_hook(state, bucket):  # no annotations: DDP checks them, and this 
     buf = bucket.buffer()
     if buf.device.type == "cuda":
         return _cuda_average(state, buf)
-    engine = state.engine
     call = calls.make("all_reduce", buf.dtype, dist.ReduceOp.AVG, count=buf.numel())   # DDP's bucket, averaged
-    return engine._submit("ddp hook average", None, [buf], buf, lambda job: _cpu_average(state, job, buf),
-                          call).get_future()
+    return state.engine.submit_custom("ddp hook average", [buf], buf,
+                                      lambda cpu, job: _cpu_average(state, cpu, job, buf), call).get_future()
 
 
-def _cpu_average(state: HookState, job: Job, buf: torch.Tensor) -> None:
-    cpu, world = state.engine._cpu, state.size
+def _cpu_average(state: HookState, cpu: CpuCollectives, job: Job, buf: torch.Tensor) -> None:
+    world = state.size
     flat = buf.view(-1)
     wire = state.wire
     if wire is None or wire == buf.dtype or not buf.is_floating_point():

@@ -212,6 +212,14 @@ class ProcessGroupNcclavg(dist.ProcessGroup):
                 return self._lane.submit(job, inline=False)
         return self._lane.submit(job, inline=not getattr(opts, "asyncOp", True))
 
+    def submit_custom(self, op: str, tensors: List[torch.Tensor], result: Any, body: Any, call: Call) -> BackendWork:
+        """A collective of this package's own (the DDP comm hook's average) run as the group's collectives
+        are: in the group's order on its lane, under its timeout, recorded and profiled, compared across
+        ranks as `call`. `body(cpu, job)` runs it with the group's CpuCollectives; the work's result is
+        `result`."""
+        cpu = self._cpu
+        return self._submit(op, None, tensors, result, lambda job: body(cpu, job), call)
+
     def _profiled_p2p(self, op: str, tensors: List[torch.Tensor], issue: Any) -> Any:
         """A point-to-point call while the profiler runs: gloo's work wrapped so that the call records its
         ranges as a collective does (Note [Profiler ranges of a Python backend] in profiling.py)."""
