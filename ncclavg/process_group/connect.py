@@ -20,11 +20,11 @@ group's inner gloo backend and on a gloo backend of the hosts' leaders made the 
 
 Note [Naming the lost rank from the backend]
 The channel names a peer that exited itself (it watches the pids). A frozen peer, or one lost across
-hosts, is named from heartbeats, as ncclavg/transport/liveness.py does for the communicators: every process
-adds 1 to `ncclavg/alive/<group rank>` in each of its groups' stores every PERIOD_S (one thread per
-process for all groups); a survivor whose collective failed marks itself failed, reads the counters
-twice 2.5 periods apart (liveness.diagnose: bounded, on a helper thread: the store may be gone with rank 0) and
-names the ranks whose counter stopped.
+hosts, is named from heartbeats, the communicators' own (ncclavg/transport/liveness.py, Note [Naming the
+lost rank]): every process adds 1 to `ncclavg/alive/<group rank>` in each of its groups' stores every
+PERIOD_S (the one heartbeat thread of the process, for every group and communicator); a survivor whose
+collective failed marks itself failed, reads the counters twice 2.5 periods apart (bounded, on a helper
+thread: the store may be gone with rank 0) and names the ranks whose counter stopped.
 """
 from __future__ import annotations
 
@@ -40,82 +40,28 @@ from torch._C._distributed_c10d import (AllreduceOptions, AllToAllOptions, Broad
                                         PrefixStore)
 
 from ..transport import shm
-from ..transport.liveness import diagnose
+from ..transport.liveness import BEATS, Liveness
 from ..transport.shm import ShmTransport
 from .lane import BackendError, Lane
 
 host_identity = shm.host_identity   # the tests replace it to pretend several hosts
-PERIOD_S = 0.5
 CHANNEL_TIMEOUT_S = 7 * 24 * 3600.0   # the lane's watchdog enforces each group's own timeout
 
 
 # ---------------------------------------------------------------------------------------------- heartbeats
-class _Beats:
-    """The process's heartbeat thread: one counter per (store, key) registered."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._entries: List[Tuple[Any, str]] = []
-        self._thread: Optional[threading.Thread] = None
-        self._stop = threading.Event()
-
-    def add(self, store: Any, key: str) -> None:
-        store.add(key, 1)   # exists before the first collective can fail
-        with self._lock:
-            self._entries.append((store, key))
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._beat, name="ncclavg-backend-heartbeat", daemon=True)
-                self._thread.start()
-
-    def remove(self, store: Any) -> None:
-        with self._lock:
-            self._entries = [(s, k) for s, k in self._entries if s is not store]
-
-    def _beat(self) -> None:
-        while not self._stop.wait(PERIOD_S):
-            with self._lock:
-                entries = list(self._entries)
-            for store, key in entries:
-                try:
-                    store.add(key, 1)
-                except Exception:   # noqa: BLE001 (a store that is gone has nobody left to tell)
-                    self.remove(store)
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(2 * PERIOD_S)
+def heartbeats(store: Any, rank: int, size: int) -> Optional[Liveness]:
+    """The heartbeats of one process group in its own store (Note [Naming the lost rank from the
+    backend]), or None for a group of one or a store that refuses keys (errors then name nobody)."""
+    if size < 2:
+        return None
+    try:
+        return Liveness(store, rank, size, "ncclavg/alive/")
+    except Exception:   # noqa: BLE001 (any store error: run without heartbeats)
+        return None
 
 
-BEATS = _Beats()
-
-
-class GroupLiveness:
-    """Heartbeats of one process group (its store, its group ranks): `diagnose()` names the lost ranks."""
-
-    def __init__(self, store: Any, rank: int, size: int):
-        self._store, self._rank, self._size = store, rank, size
-        self.enabled = size > 1
-        if self.enabled:
-            try:
-                BEATS.add(store, self._key(rank))
-            except Exception:   # noqa: BLE001 (a store that refuses keys: errors then name nobody)
-                self.enabled = False
-
-    @staticmethod
-    def _key(rank: int) -> str:
-        return f"ncclavg/alive/{rank}"
-
-    def diagnose(self) -> str:
-        """' (rank 2 stopped responding: heartbeat stopped)', '' when every rank still beats, or a note
-        that the store did not answer. See Note [Naming the lost rank from the backend]."""
-        if not self.enabled:
-            return ""
-        return diagnose(self._store, self._rank, self._size, self._key, lambda r: f"ncclavg/failed/{r}")
-
-    def close(self) -> None:
-        if self.enabled:
-            BEATS.remove(self._store)
+def no_diagnosis() -> str:
+    return ""
 
 
 # ---------------------------------------------------------------------------------------------- the channel

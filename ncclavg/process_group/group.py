@@ -80,8 +80,14 @@ class ProcessGroupNcclavg(dist.ProcessGroup):
         self._timeout = timeout.total_seconds()
         self.global_ranks = list(global_ranks) if global_ranks else list(range(size))
         self._gloo = dist.ProcessGroupGloo(PrefixStore("gloo/", store), rank, size, timeout)
-        self._liveness = connect.GroupLiveness(PrefixStore("beat/", store), rank, size)
-        self._lane: Lane = connect.lane_for(PrefixStore("lane/", store), rank, size, self._gloo, timeout)
+        self._liveness = connect.heartbeats(PrefixStore("beat/", store), rank, size)
+        self._diagnose = self._liveness.diagnose if self._liveness is not None else connect.no_diagnosis
+        try:
+            self._lane: Lane = connect.lane_for(PrefixStore("lane/", store), rank, size, self._gloo, timeout)
+        except BaseException:
+            if self._liveness is not None:
+                self._liveness.stop()
+            raise
         self._cpu = CpuCollectives(self._lane.transport, self._gloo, rank, size)
         self._store = store
         self._nccl = self._nccl_options(timeout, backend_options)
@@ -203,7 +209,7 @@ class ProcessGroupNcclavg(dist.ProcessGroup):
         if self._shut:
             raise BackendError(f"ncclavg {op}: the process group was shut down")
         job = Job(body, result, self._what(op, tensors), _seconds(getattr(opts, "timeout", None), self._timeout),
-                  self._liveness.diagnose, call)
+                  self._diagnose, call)
         if self._flight is not None and call is not None:   # Note [What a job records] in lane.py
             job.rec = self._flight.issue(call, tensors)
         if _profiling():   # Note [Profiler ranges of a Python backend] in profiling.py: on the worker
@@ -271,7 +277,7 @@ class ProcessGroupNcclavg(dist.ProcessGroup):
     def _fast_failed(self, op: str, tensors: List[torch.Tensor], call: Call, limit: float,
                      e: BaseException) -> BackendWork:
         """The failed Work of a fast-path call: the group fails as the lane's job would have."""
-        job = Job(None, tensors, self._what(op, tensors[:1]), limit, self._liveness.diagnose, call)
+        job = Job(None, tensors, self._what(op, tensors[:1]), limit, self._diagnose, call)
         job._complete(self._lane._failed(job, e))
         return BackendWork(job, self._lane)
 
@@ -617,7 +623,8 @@ class ProcessGroupNcclavg(dist.ProcessGroup):
         if self._shut:
             return
         self._shut = True
-        self._liveness.close()
+        if self._liveness is not None:
+            self._liveness.stop()
         self._lane.close(min(self._timeout, 30.0))
         nccl = self._made_nccl()
         if nccl is not None:
