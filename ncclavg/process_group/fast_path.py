@@ -33,7 +33,7 @@ from .reductions import R
 from ..transport.calls import make
 from ..transport.shm import TYPE_CODES, supports
 
-# What the general path sends as one channel all-reduce with the divisor given (cpu_collectives._channel_sum):
+# What the general path sends as one channel all-reduce with the divisor given (cpu_paths.ChannelPaths.sum):
 # SUM of every float type the channel adds; AVG of float32 and float64 with the division in the pass (the
 # 16-bit types average through float32 there, another call).
 _SUM_TYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
