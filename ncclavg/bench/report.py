@@ -167,13 +167,21 @@ def summary_lines(summary: dict) -> list[str]:
 
 
 def dump_json(path: str, payload: dict, indent: int = 1) -> None:
-    """payload as JSON at path (its folder made), with a final newline. Encoded before the file is
-    opened, so a payload that cannot be encoded leaves no half-written file. indent: the standalone
+    """payload as JSON at path (its folder made), with a final newline, written atomically. Encoded
+    before any file is opened, so a payload that cannot be encoded leaves nothing behind. indent: the standalone
     scripts in bench/ keep the 2 of their committed results."""
     text = json.dumps(payload, indent=indent) + "\n"
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as f:
-        f.write(text)
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    # written beside the target and renamed over it: a run stopped halfway leaves the old file whole
+    tmp = os.path.join(folder, f".{os.path.basename(path)}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
 
 
 def write_json(path: str, header: dict, rows: list[dict], summary: dict) -> None:
