@@ -11,7 +11,7 @@ import torch.nn as nn
 
 from _dist_util import init_rank
 from _fault_util import report
-from _gloo_workers import MLP, pretend_hosts, rank_batch
+from _comm_gloo_workers import MLP, pretend_hosts, rank_batch
 
 BUCKETS = dict(bucket_cap_mb=0.001, first_bucket_mb=0.0003)   # 4 buckets for the tiny MLP: [5] [4 3] [2 1] [0]
 
@@ -47,7 +47,7 @@ def peer_dies_mid_step(rank, world, port, outdir, victim, timeout, how, layout=N
     """`victim` SIGKILLs (how="kill") or SIGSTOPs (how="stop": alive but silent, the classic hang)
     itself in the middle of backward of step 2, after its first buckets were launched. The others must
     raise within timeout + 10 s, naming the operation, bucket, bytes and rank. layout: pretend hosts
-    (_gloo_workers.pretend_hosts), so that the loss crosses a shared-memory channel and the hosts' link."""
+    (_comm_gloo_workers.pretend_hosts), so that the loss crosses a shared-memory channel and the hosts' link."""
     init_rank(rank, world, port, timeout_s=120)   # gloo's own timeout far above ours: ours must fire
     pretend_hosts(rank, layout)
     from ncclavg import Communicator, GradientAverager

@@ -4,7 +4,7 @@ collectives, a mismatch through it fails every rank naming both calls, and group
 nothing mapped."""
 import json
 
-import _backend_fast_workers as W
+import _process_group_fast_workers as W
 import pytest
 from _dist_util import run_ranks
 

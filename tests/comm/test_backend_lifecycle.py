@@ -4,7 +4,7 @@ require grad, ncclavg's Communicator over an `ncclavg` group, communicators buil
 again with nothing left mapped, and a diagnosis that never prints from its helper thread."""
 import json
 
-import _backend_lifecycle_workers as W
+import _process_group_lifecycle_workers as W
 import pytest
 from _dist_util import run_ranks
 

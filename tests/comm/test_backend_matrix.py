@@ -5,7 +5,7 @@ never a silent difference. Through the shared-memory channel here; through gloo 
 and across pretend hosts in the slow run."""
 import json
 
-import _backend_matrix_workers as W
+import _process_group_matrix_workers as W
 import pytest
 from _dist_util import run_ranks
 

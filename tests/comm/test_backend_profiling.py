@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-import _flight_workers as FW
+import _transport_flight_workers as FW
 from _dist_util import run_ranks
 
 

@@ -2,7 +2,7 @@
 against torch DDP(gloo) on the same model and data; through the shared-memory channel (the default on one
 host) and through torch.distributed (NCCLAVG_SHM=0)."""
 
-import _gloo_workers
+import _comm_gloo_workers
 import pytest
 from _dist_util import run_ranks
 
@@ -12,10 +12,10 @@ from _dist_util import run_ranks
 @pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_gloo_collectives_and_averager_match_ddp(world, shm, monkeypatch):
     monkeypatch.setenv("NCCLAVG_SHM", shm)   # the spawned ranks inherit it
-    run_ranks(_gloo_workers.collectives_and_ddp, world, timeout_s=180)
+    run_ranks(_comm_gloo_workers.collectives_and_ddp, world, timeout_s=180)
 
 
-# Several "hosts" on this machine (tests/_gloo_workers.pretend_hosts): a channel per host, torch.distributed
+# Several "hosts" on this machine (tests/_comm_gloo_workers.pretend_hosts): a channel per host, torch.distributed
 # between the hosts' leaders (Note [Several hosts] in ncclavg/transport/shm.py). Interleaved ranks check that
 # gathers come back in rank order; a host of one process has no channel; a 4 KiB slot makes every
 # bucket take several rounds per host.
@@ -24,13 +24,13 @@ def test_gloo_collectives_and_averager_match_ddp(world, shm, monkeypatch):
 def test_gloo_collectives_across_pretend_hosts(layout, slot_kb, monkeypatch):
     monkeypatch.setenv("NCCLAVG_SHM", "auto")
     monkeypatch.setenv("NCCLAVG_SHM_SLOT_KB", slot_kb)
-    run_ranks(_gloo_workers.collectives_and_ddp, len(layout), args=(layout,), timeout_s=180)
+    run_ranks(_comm_gloo_workers.collectives_and_ddp, len(layout), args=(layout,), timeout_s=180)
 
 
 @pytest.mark.parametrize("shm", ["auto", pytest.param("0", marks=pytest.mark.slow)])
 def test_gloo_wait_times_out(shm, monkeypatch):
     monkeypatch.setenv("NCCLAVG_SHM", shm)
-    run_ranks(_gloo_workers.timeout_job, 2, timeout_s=60)
+    run_ranks(_comm_gloo_workers.timeout_job, 2, timeout_s=60)
 
 
 # ~7 s each (a peer held back for seconds): all_reduce_avg through the channel in the quick suite, the
@@ -40,13 +40,13 @@ def test_gloo_wait_times_out(shm, monkeypatch):
                                                     ("reduce_scatter_avg", "all_gather", "broadcast_tensors")])
 def test_a_calls_own_timeout_bounds_it(op, shm, monkeypatch):
     monkeypatch.setenv("NCCLAVG_SHM", shm)
-    run_ranks(_gloo_workers.per_call_timeout_job, 2, args=(op,), timeout_s=60)
+    run_ranks(_comm_gloo_workers.per_call_timeout_job, 2, args=(op,), timeout_s=60)
 
 
 def test_small_message_fast_path_follows_its_tensors():
-    run_ranks(_gloo_workers.fast_path_job, 2, timeout_s=120)
+    run_ranks(_comm_gloo_workers.fast_path_job, 2, timeout_s=120)
 
 
 @pytest.mark.parametrize("required", [False, True])
 def test_shm_setup_failure_falls_back_or_raises(required):
-    run_ranks(_gloo_workers.shm_setup_fails_job, 2, args=(required,), timeout_s=60)
+    run_ranks(_comm_gloo_workers.shm_setup_fails_job, 2, args=(required,), timeout_s=60)

@@ -5,7 +5,7 @@ import json
 import os
 import signal
 
-import _flight_workers as FW
+import _transport_flight_workers as FW
 import pytest
 from _fault_util import read_reports, spawn_ranks
 

@@ -1,6 +1,6 @@
 """Several CPU towers per process over gloo (Note [Hierarchical CPU average] in ncclavg/comm/gloo.py):
 2 to 3 spawned processes on loopback, equal and unequal tower counts, with and without predivide."""
-import _gloo_tower_workers
+import _comm_gloo_tower_workers
 import pytest
 from _dist_util import run_ranks
 
@@ -10,12 +10,12 @@ from ncclavg import Communicator
 @pytest.mark.parametrize("counts,predivide", [((2, 2), False), ((1, 3), False), ((3, 1, 2), False),
                                               ((2, 2), True), ((1, 2), True)])
 def test_collectives_over_towers_of_every_process(counts, predivide):
-    run_ranks(_gloo_tower_workers.collectives, len(counts), args=(counts, predivide), timeout_s=180)
+    run_ranks(_comm_gloo_tower_workers.collectives, len(counts), args=(counts, predivide), timeout_s=180)
 
 
 @pytest.mark.parametrize("counts", [(2, 2), (1, 3)])
 def test_averager_over_towers_of_every_process(counts):
-    run_ranks(_gloo_tower_workers.averager, len(counts), args=(counts,), timeout_s=180)
+    run_ranks(_comm_gloo_tower_workers.averager, len(counts), args=(counts,), timeout_s=180)
 
 
 @pytest.mark.parametrize("devices,match", [

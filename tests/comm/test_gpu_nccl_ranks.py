@@ -3,7 +3,7 @@ process with one rank per tower), one rank per GPU when there are several, sever
 across processes (init_ranks: one communicator over every tower, ranks numbered process-major), no CUDA
 context on a GPU a rank does not use, and the no-hang guarantees: a rank whose peer never starts, and a
 collective that a live peer never joins, both raise CommTimeoutError within timeout + 10 s. Every rank
-is a subprocess running tests/_nccl_rank_worker.py with a hard time limit."""
+is a subprocess running tests/_comm_nccl_rank_worker.py with a hard time limit."""
 from __future__ import annotations
 
 import json
@@ -22,7 +22,7 @@ from ncclavg.comm.nccl import MULTI_RANK_GPU_ENV, multi_rank_gpu_problem
 
 pytestmark = pytest.mark.gpu
 
-WORKER = TESTS / "_nccl_rank_worker.py"
+WORKER = TESTS / "_comm_nccl_rank_worker.py"
 
 
 def rank_env(shared_gpu: bool, nranks: int = 2) -> dict:

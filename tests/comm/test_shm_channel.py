@@ -5,9 +5,9 @@ involved; failures must name the peer and end within their bounds."""
 import os
 import sys
 
-import _shm_workers
+import _transport_shm_workers
 import pytest
-from _shm_util import channel_name as _name, left_behind, run
+from _transport_shm_util import channel_name as _name, left_behind, run
 
 from ncclavg import _C
 from ncclavg.errors import CommError
@@ -23,14 +23,14 @@ SIZES = (0, 1, 33, 8191, 8193, 16389, 70001)
 # 3 ranks (an odd world: uneven reduce-scatter shards) in the quick suite, 2 in the slow run
 @pytest.mark.parametrize("world", [pytest.param(2, marks=pytest.mark.slow), 3])
 def test_collectives_bit_for_bit(world):
-    out = run(_shm_workers.collectives, world, 64 << 10, SIZES)
+    out = run(_transport_shm_workers.collectives, world, 64 << 10, SIZES)
     assert [m[1] for m in out] == ["ok"] * world, out
     assert {m[2] for m in out} == {4 * 8 * len(SIZES)}
     assert len({m[3] for m in out}) == 1, "the ranks disagree on the number of rounds"
 
 
 def test_smallest_slot_many_rounds():
-    out = run(_shm_workers.collectives, 2, 4096, (1, 1023, 5000))
+    out = run(_transport_shm_workers.collectives, 2, 4096, (1, 1023, 5000))
     assert [m[1] for m in out] == ["ok", "ok"], out
 
 
@@ -52,7 +52,7 @@ MISMATCHES = {
 @pytest.mark.parametrize("case", sorted(MISMATCHES))
 def test_collectives_out_of_step_fail_on_every_rank(case):
     world, names = MISMATCHES[case]
-    msgs = run(_shm_workers.out_of_step, world, 64 << 10, case, expect=2 * world)
+    msgs = run(_transport_shm_workers.out_of_step, world, 64 << 10, case, expect=2 * world)
     first = {}
     for rank, text, elapsed in msgs:
         first.setdefault(rank, []).append(text)
@@ -64,13 +64,13 @@ def test_collectives_out_of_step_fail_on_every_rank(case):
 
 
 def test_zero_count_calls_pair_with_each_other():
-    out = run(_shm_workers.zero_count_then_sum, 2, 64 << 10)
+    out = run(_transport_shm_workers.zero_count_then_sum, 2, 64 << 10)
     assert [m[1] for m in out] == [[30.0] * 4, [30.0] * 4], out
 
 
 @pytest.mark.parametrize("labels", [(), (4, 9)])
 def test_peer_exit_is_named_quickly(labels):
-    out = run(_shm_workers.peer_exits, 2, 64 << 10, labels, expect=2)
+    out = run(_transport_shm_workers.peer_exits, 2, 64 << 10, labels, expect=2)
     (_, first, elapsed), (_, second, _) = out
     lost = labels[1] if labels else 1   # a channel over some of a group's processes names group ranks
     assert first.startswith("ShmPeerError") and f"rank {lost} stopped responding (pid" in first, first
@@ -84,7 +84,7 @@ def test_peer_exit_is_named_quickly(labels):
 
 @pytest.mark.slow   # waits out a timeout (~6 s)
 def test_late_peer_times_out_and_finds_the_channel_aborted():
-    out = run(_shm_workers.peer_freezes, 2, 64 << 10)
+    out = run(_transport_shm_workers.peer_freezes, 2, 64 << 10)
     (_, first, elapsed0), (_, late, elapsed1) = out
     assert first.startswith("CommTimeoutError") and "timed out after 1 s" in first and "rank 1 stopped responding" in first, first
     assert elapsed0 < 3.5, elapsed0   # 1 s deadline, checked every few hundred microseconds
@@ -93,7 +93,7 @@ def test_late_peer_times_out_and_finds_the_channel_aborted():
 
 
 def test_abort_reason_reaches_the_peer():
-    out = run(_shm_workers.aborts, 2, 64 << 10)
+    out = run(_transport_shm_workers.aborts, 2, 64 << 10)
     for rank, text, _ in out:
         assert "aborted by rank 0" in text and "the user gave up" in text, (rank, text)
 

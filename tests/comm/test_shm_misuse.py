@@ -8,11 +8,11 @@ import subprocess
 import sys
 import time
 
-import _shm_misuse_workers as workers
-import _shm_workers
+import _transport_shm_misuse_workers as workers
+import _transport_shm_workers
 import pytest
 import torch.multiprocessing as mp
-from _shm_util import channel_name, left_behind, run
+from _transport_shm_util import channel_name, left_behind, run
 
 from ncclavg import _C
 
@@ -55,11 +55,11 @@ def test_another_user_is_refused_from_a_private_checkout(tmp_path):
     # this copy too (an editable install's finder is not active under -S)
     shutil.copy(os.path.join(os.path.dirname(os.path.dirname(ncclavg.__file__)), "_ncclavg_autoload.py"), home)
     (home / "tests").mkdir()
-    for name in ("_shm_misuse_workers.py", "_shm_workers.py", "_shm_util.py"):
+    for name in ("_transport_shm_misuse_workers.py", "_transport_shm_workers.py", "_transport_shm_util.py"):
         shutil.copy(os.path.join(TESTS, name), home / "tests" / name)
     site = os.path.dirname(os.path.dirname(torch.__file__))   # torch and numpy, readable by everyone
     code = (f"import sys; sys.path[:0] = [{str(home)!r}, {str(home / 'tests')!r}]; sys.path.append({site!r})\n"
-            "import _shm_misuse_workers as w\nfrom _shm_util import run\n"
+            "import _transport_shm_misuse_workers as w\nfrom _transport_shm_util import run\n"
             f"print(run(w.other_user_joins, 2, {SLOT})[1][1])\n")
     # from a directory without the package: sys.path[0] is the working directory
     res = subprocess.run([sys.executable, "-S", "-c", code], capture_output=True, text=True, timeout=120,
@@ -99,7 +99,7 @@ def test_a_waiting_rank_sleeps():
     # every 100 ms for the liveness check: about 30 wake-ups of ~0.1 ms, a few ms of CPU in all. The
     # bound, 1% of the wait (30 ms), is the target; a waiter that polls with short sleeps instead (as
     # this channel did: 5-7% of a core) or spins (100%) fails it.
-    out = run(_shm_workers.waits_idle, 2, SLOT, 3.0)
+    out = run(_transport_shm_workers.waits_idle, 2, SLOT, 3.0)
     _, cpu, switches, wall = out[1]
     assert wall >= 2.5, wall
     assert cpu < 0.01 * wall, f"rank 1 used {cpu * 1e3:.1f} ms of CPU while waiting {wall:.1f} s"
@@ -109,7 +109,7 @@ def test_a_waiting_rank_sleeps():
 @needs_root_unshare
 def test_a_reused_pid_is_not_taken_for_the_peer():
     proc = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", sys.executable,
-                           os.path.join(TESTS, "_shm_pid_reuse.py"), channel_name()],
+                           os.path.join(TESTS, "_transport_shm_pid_reuse.py"), channel_name()],
                           capture_output=True, text=True, timeout=180)
     line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT")), None)
     assert line is not None, proc.stdout + proc.stderr
@@ -136,7 +136,7 @@ def test_a_job_in_another_pid_namespace_leaves_this_one_alone():
     try:
         assert q.get(timeout=60)[1] == "ready"
         other = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-c",
-                                f"import sys; sys.path.insert(0, {TESTS!r}); import _shm_misuse_workers as w; "
+                                f"import sys; sys.path.insert(0, {TESTS!r}); import _transport_shm_misuse_workers as w; "
                                 f"w.namespace_job({channel_name()!r}, {SLOT})"],
                                capture_output=True, text=True, timeout=120)
         assert "JOB [(0, [3.0, 3.0, 3.0]), (1, [3.0, 3.0, 3.0])]" in other.stdout, other.stdout + other.stderr

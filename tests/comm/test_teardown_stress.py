@@ -7,7 +7,7 @@ import subprocess
 import sys
 import threading
 
-import _gloo_workers
+import _comm_gloo_workers
 import pytest
 from _dist_util import free_port, run_ranks
 from _paths import ROOT
@@ -54,7 +54,7 @@ def test_finished_gloo_runs_exit_cleanly_under_load(busy_cores):
         for i in range(GLOO_RUNS):
             try:
                 # raises, naming the rank and its exit code or signal, when any rank dies (an abort: SIGABRT)
-                run_ranks(_gloo_workers.collectives_and_ddp, 2, timeout_s=180)
+                run_ranks(_comm_gloo_workers.collectives_and_ddp, 2, timeout_s=180)
             except Exception as e:
                 failures.append(f"gloo job {i}: {type(e).__name__}: {e}")
     finally:

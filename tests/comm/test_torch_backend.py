@@ -2,7 +2,7 @@
 op against gloo's result in the same processes (bit for bit: the inputs are exact in any summation order),
 through the shared-memory channel (the default on one host), through gloo alone (NCCLAVG_SHM=0) and across
 pretend hosts (shm+gloo); subgroups and a 2-D DeviceMesh; sizes that differ across ranks."""
-import _backend_workers as W
+import _process_group_workers as W
 import pytest
 from _dist_util import run_ranks
 

@@ -1,7 +1,7 @@
 """Stock torch DDP and FSDP2 on the `ncclavg` backend, and the ncclavg.ddp hook, against the same runs on
 gloo in the same processes: weights and BatchNorm buffers bit for bit at 2 processes, gradients within a
-tolerance derived from the summation order at 3 and 4 (see tests/_backend_ddp_workers.py)."""
-import _backend_ddp_workers as W
+tolerance derived from the summation order at 3 and 4 (see tests/_process_group_ddp_workers.py)."""
+import _process_group_ddp_workers as W
 import pytest
 from _dist_util import run_ranks
 

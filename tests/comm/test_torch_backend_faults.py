@@ -5,7 +5,7 @@ same text arrives as the RuntimeError DDP's C++ reducer raises (Note [Backend wo
 import re
 import signal
 
-import _backend_workers as W
+import _process_group_workers as W
 import pytest
 from _fault_util import read_reports, spawn_ranks
 

@@ -7,8 +7,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from _backend_workers import init_backend
-from _gloo_workers import gamma
+from _process_group_workers import init_backend
+from _comm_gloo_workers import gamma
 
 STEPS = 4
 

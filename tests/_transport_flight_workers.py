@@ -7,7 +7,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from _backend_workers import init_backend
+from _process_group_workers import init_backend
 
 
 def frozen_peer_job(rank, world, port, outdir, timeout):
@@ -87,7 +87,7 @@ def mixed_paths_job(rank, world, port, outdir):
     import torch
     import torch.distributed as dist
 
-    from _backend_workers import init_backend
+    from _process_group_workers import init_backend
     from ncclavg.transport import flight
 
     init_backend(rank, world, port)

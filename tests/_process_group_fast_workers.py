@@ -6,7 +6,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from _backend_workers import init_backend
+from _process_group_workers import init_backend
 
 R = dist.ReduceOp
 

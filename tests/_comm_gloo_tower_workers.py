@@ -5,7 +5,7 @@ import torch
 import torch.nn as nn
 
 from _dist_util import init_rank
-from _gloo_workers import MLP, gamma, rank_inputs
+from _comm_gloo_workers import MLP, gamma, rank_inputs
 
 
 def _towers_of(rank, counts):

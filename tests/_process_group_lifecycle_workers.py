@@ -9,7 +9,7 @@ import threading
 import torch
 import torch.distributed as dist
 
-from _backend_workers import init_backend
+from _process_group_workers import init_backend
 from _dist_util import init_rank
 
 R = dist.ReduceOp

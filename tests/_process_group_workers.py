@@ -8,7 +8,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from _gloo_workers import gamma
+from _comm_gloo_workers import gamma
 
 R = dist.ReduceOp
 FLOATS = [torch.float32, torch.float64, torch.float16, torch.bfloat16]

@@ -4,7 +4,7 @@ import sys
 import time
 
 import torch
-from _shm_workers import attempt, open_channel
+from _transport_shm_workers import attempt, open_channel
 
 
 def impostor_joins(rank, world, name, slot, q, gate):

@@ -16,7 +16,7 @@ SLOT = 64 << 10
 
 def rank0(name, go, q):
     import torch
-    from _shm_workers import open_channel
+    from _transport_shm_workers import open_channel
 
     ch = open_channel(name, 0, 2, SLOT)
     x = torch.ones(4)
@@ -33,7 +33,7 @@ def rank0(name, go, q):
 
 def rank1(name):
     import torch
-    from _shm_workers import open_channel
+    from _transport_shm_workers import open_channel
 
     ch = open_channel(name, 1, 2, SLOT)
     x = torch.ones(4)
