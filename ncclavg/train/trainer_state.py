@@ -10,7 +10,7 @@ check that a checkpoint fits the model are state.py's; the parts of a sharded ma
 from __future__ import annotations
 
 import os
-from typing import Any, Sequence
+from typing import Any, Sequence, TypeVar
 
 import torch
 from torch import nn
@@ -21,6 +21,11 @@ from .schedules import from_state_dict, make_schedule
 from .state import (CHECKPOINT_FORMAT, CHECKPOINT_KIND, check_signature, extra_tensors, load_extra_tensors,
                     rng_state, set_rng_state)
 from .towers import model_signature, parse_devices
+
+
+# the class `load` is called on (TowerTrainer, or a user's subclass of it); a name of this module, since
+# trainer.py imports this one and cannot be imported back
+_Trainer = TypeVar("_Trainer", bound="TrainerState")
 
 
 class TrainerState:
@@ -105,8 +110,8 @@ class TrainerState:
         return path
 
     @classmethod
-    def load(cls, path: str, model: nn.Module, devices: Sequence[Any] | str | None = None,
-             **overrides: Any) -> "TowerTrainer":
+    def load(cls: type[_Trainer], path: str, model: nn.Module, devices: Sequence[Any] | str | None = None,
+             **overrides: Any) -> _Trainer:
         """A trainer rebuilt from a checkpoint (a file, or a directory: its newest complete checkpoint)
         with the saved configuration, `overrides` applied on top. The model must have the parameters and
         buffers the checkpoint was saved from; checked before the model is touched."""
