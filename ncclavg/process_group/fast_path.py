@@ -41,11 +41,11 @@ _AVG_TYPES = (torch.float32, torch.float64)
 
 
 class DoneWork(dist.Work):
-    """The Work of a collective that completed before it was handed out."""
+    """The Work of a collective that completed before it was handed out: made by `done_work`. It has no
+    __init__ of its own: a Python __init__ that calls dist.Work's costs ~0.4 us more per call than
+    dist.Work's own constructor, a tenth of a fast 8-byte all_reduce through torch."""
 
-    def __init__(self, result: List[torch.Tensor]):
-        super().__init__()
-        self._result = result
+    _result: List[torch.Tensor]
 
     def wait(self, timeout: Optional[datetime.timedelta] = None) -> bool:
         return True
@@ -69,6 +69,12 @@ class DoneWork(dist.Work):
         fut = torch.futures.Future()
         fut.set_result(list(self._result))
         return fut
+
+
+def done_work(result: List[torch.Tensor]) -> DoneWork:
+    work = DoneWork()
+    work._result = result
+    return work
 
 
 def fast_paths(pg: Any, transport: Any) -> Dict[Any, Any]:

@@ -33,7 +33,7 @@ from . import connect
 
 from ..transport import calls, flight, profiling
 from .cpu_collectives import CpuCollectives
-from .fast_path import DoneWork, fast_calls, fast_paths
+from .fast_path import done_work, fast_calls, fast_paths
 from .lane import BackendError, BackendWork, Job, Lane, P2PWork, issued_elsewhere
 from .reductions import R, red_kind
 from ..comm.base import LazyText
@@ -259,7 +259,7 @@ class ProcessGroupNcclavg(dist.ProcessGroup):
                         if self._flight is not None:   # Note [A ring of plain lists] in flight.py
                             t = tensors[0]
                             self._flight.done(("all_reduce", rop, None), t.dtype, t.numel())
-                        return DoneWork(tensors)
+                        return done_work(tensors)
                 except CHANNEL_ERRORS as e:
                     t = tensors[0]
                     return self._fast_failed("allreduce", tensors, calls.make("all_reduce", t.dtype, rop, count=t.numel()),
@@ -329,7 +329,7 @@ class ProcessGroupNcclavg(dist.ProcessGroup):
                     if self._calls.reduce_scatter(output, input, kind, limit):
                         if self._flight is not None:
                             self._flight.done(("reduce_scatter_tensor", kind, None), output.dtype, output.numel())
-                        return DoneWork([output])
+                        return done_work([output])
                 except CHANNEL_ERRORS as e:
                     return self._fast_failed("reduce_scatter_single", [input], calls.make(
                         "reduce_scatter_tensor", output.dtype, kind, count=output.numel()), limit, e)
@@ -407,7 +407,7 @@ class ProcessGroupNcclavg(dist.ProcessGroup):
                         if self._flight is not None:
                             t = tensors[0]
                             self._flight.done(("broadcast", None, root), t.dtype, t.numel())
-                        return DoneWork(tensors)
+                        return done_work(tensors)
                 except CHANNEL_ERRORS as e:
                     t = tensors[0]
                     return self._fast_failed("broadcast", tensors, calls.make("broadcast", t.dtype, None, root, t.numel()),
@@ -427,7 +427,7 @@ class ProcessGroupNcclavg(dist.ProcessGroup):
                 if self._calls.all_gather(output, input, limit):
                     if self._flight is not None:
                         self._flight.done(("all_gather_into_tensor", None, None), input.dtype, input.numel())
-                    return DoneWork([output])
+                    return done_work([output])
             except CHANNEL_ERRORS as e:
                 return self._fast_failed("all_gather_single", [input], calls.make(
                     "all_gather_into_tensor", input.dtype, count=input.numel()), limit, e)
