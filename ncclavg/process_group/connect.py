@@ -31,16 +31,15 @@ from __future__ import annotations
 import datetime
 import itertools
 import pickle
-import threading
 import weakref
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, Callable, List, Optional
 
 import torch.distributed as dist
 from torch._C._distributed_c10d import (AllreduceOptions, AllToAllOptions, BroadcastOptions,
                                         PrefixStore)
 
 from ..transport import shm
-from ..transport.liveness import BEATS, Liveness
+from ..transport.liveness import Liveness
 from ..transport.shm import ShmTransport
 from .lane import BackendError, Lane
 

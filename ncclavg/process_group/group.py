@@ -31,7 +31,7 @@ from torch._C._distributed_c10d import (AllgatherOptions, AllreduceCoalescedOpti
 
 from . import connect
 
-from ..transport import calls, flight, profiling
+from ..transport import calls, flight, liveness, profiling
 from .cpu_collectives import CpuCollectives
 from .fast_path import done_work, fast_calls, fast_paths
 from .lane import BackendError, BackendWork, Job, Lane, P2PWork, issued_elsewhere
@@ -666,7 +666,7 @@ def _end_of_process() -> None:
             lane.close(timeout=10.0)
         except Exception:   # noqa: BLE001 (leaving anyway)
             pass
-    connect.BEATS.stop()
+    liveness.BEATS.stop()   # the process's one heartbeat thread, for every group and communicator
 
 
 atexit.register(_end_of_process)

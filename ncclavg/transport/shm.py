@@ -398,7 +398,7 @@ class ShmTransport:
             raise
         except Exception as e:   # noqa: BLE001 (re-raised as a step (2) failure, after the host is told)
             if ok:
-                self._between_hosts("the calls' check", lambda: _Raise(e), timeout)
+                self._between_hosts("the calls' check", lambda err=e: _Raise(err), timeout)
 
     def _between_hosts(self, what: str, start: Callable[[], Any], timeout: float) -> None:
         try:
