@@ -10,7 +10,8 @@
 # CUDA wheel; NCCL not found, then found after `pip install nvidia-nccl-cu13`, or -cu12 for an
 # ncclavg-cu12 wheel: the NCCL wheel follows the wheel's name); `ncclavg train` (the default run, CPU);
 # torch and the wheel's OpenMP in one process (see Note [One OpenMP runtime or two] in
-# scripts/build_wheels.sh); the CPU tests that need no checkout, from a copy of tests/ alone.
+# scripts/build_wheels.sh); the backend registered by `import torch` alone, and a 2-process torchrun DDP
+# job that never imports ncclavg training on it; the CPU tests that need no checkout, from a copy of tests/ alone.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
@@ -104,6 +105,29 @@ fi
 say "the torch.backends entry point: import torch alone registers the backend; off with NCCLAVG_AUTOLOAD=0"
 python -c 'import sys, torch.distributed as dist; assert "ncclavg" in dist.Backend.backend_list, dist.Backend.backend_list; assert "ncclavg" in sys.modules; print("ok: import torch registered ncclavg")'
 NCCLAVG_AUTOLOAD=0 python -c 'import sys, torch.distributed as dist; assert "ncclavg" not in dist.Backend.backend_list and "ncclavg" not in sys.modules; print("ok: NCCLAVG_AUTOLOAD=0 turns it off")'
+
+say "a torchrun job that never imports ncclavg trains stock DDP on the backend (2 processes)"
+cat > "$WORK/ddp_no_import.py" <<'PY'
+import torch, torch.distributed as dist
+dist.init_process_group("ncclavg")   # registered by the entry point at `import torch`
+assert dist.get_backend() == "ncclavg", dist.get_backend()
+torch.manual_seed(0)
+model = torch.nn.parallel.DistributedDataParallel(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1)))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+g = torch.Generator().manual_seed(1 + dist.get_rank())   # each rank its own data
+for _ in range(20):
+    x = torch.randn(32, 8, generator=g)
+    loss = ((model(x) - x.sum(1, keepdim=True)) ** 2).mean()
+    opt.zero_grad(); loss.backward(); opt.step()
+flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+every = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
+dist.all_gather(every, flat)
+assert all(torch.equal(every[0], e) for e in every), "replicas differ"
+if dist.get_rank() == 0:
+    print(f"ok: {dist.get_world_size()} ranks on {dist.get_backend()}, replicas identical, loss {loss.item():.4f}")
+dist.destroy_process_group()
+PY
+(cd "$WORK" && torchrun --standalone --nproc-per-node 2 ddp_no_import.py)
 
 say "ncclavg train (the default run)"
 ncclavg train --metrics "$WORK/m.jsonl" | tee "$WORK/train.log" | tail -3
