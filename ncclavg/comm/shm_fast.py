@@ -7,8 +7,9 @@ An 8-byte all-reduce through the channel takes well under a microsecond; the gen
 errors) cost about 57 us, and the same checks written as a Python closure still 0.7 us. So a
 synchronous all_reduce_avg of one tower's tensor, on a communicator whose processes all share one
 channel, is one call into the core (_C.ShmFastAverage, csrc/python/shm_fast_average.cpp):
-- the first time it sees a tensor it asks the communicator's plan (gloo.py's `_fast_plan`: the general path's own checks and errors,
-  the division by the number of towers fused: Note [Division in the channel] in gloo.py) and keeps the
+- the first time it sees a tensor it asks the communicator's plan (gloo.py's `_fast_plan`: the general
+  path's own checks and errors, the division by the number of towers fused: Note [Division in the
+  channel] in gloo.py) and keeps the
   answer under the tensor's identity (a weak reference), its version counter and its data pointer (an
   in-place resize or set_ moves the version; a storage resized under it moves the pointer);
 - every call checks those three through the C API, takes the transport's native execution lock only if
