@@ -6,6 +6,7 @@ this layer exists to give errors in the user's terms (which argument, which tens
 """
 from __future__ import annotations
 
+import sys
 from typing import Any, Sequence
 
 from ._ext import _C
@@ -31,7 +32,7 @@ def dtype_code(name: str, argname: str = "dtype") -> int:
 
 def _kind(x: Any) -> str:
     mod = type(x).__module__ or ""
-    if mod.startswith("torch"):
+    if mod.startswith("torch") or _is_torch_subclass(type(x)):
         return "torch"
     if mod.startswith("cupy"):
         return "cupy"
@@ -40,6 +41,13 @@ def _kind(x: Any) -> str:
     if hasattr(x, "__array_interface__"):
         return "numpy"
     return "unknown"
+
+
+def _is_torch_subclass(cls: type) -> bool:
+    """A torch.Tensor subclass defined outside torch (a user's, a library's): a torch tensor all the same.
+    Asked only of types that are not torch's own; torch is not imported for it (no tensor without it)."""
+    torch = sys.modules.get("torch")
+    return torch is not None and issubclass(cls, torch.Tensor)
 
 
 _TORCH_CODES: dict = {}

@@ -93,3 +93,16 @@ def test_bad_simd_level_names_argument():
     with pytest.raises(ValueError, match="level"):
         _C.set_simd_level("sse9")
     assert _C.simd_level() in _C.simd_levels_supported()
+
+
+def test_a_tensor_subclass_from_outside_torch_is_a_torch_tensor():
+    # A user's (or a library's) torch.Tensor subclass is a torch tensor to the buffer layer, wherever its
+    # class was defined; before, only classes whose module starts with "torch" were.
+    class Mine(torch.Tensor):
+        pass
+
+    t = torch.arange(6, dtype=torch.float32).as_subclass(Mine)
+    b = as_buffer(t, "grad")
+    assert (b.ptr, b.numel) == (t.data_ptr(), 6)
+    with pytest.raises(TypeError, match="grad: dtype torch.int64"):
+        as_buffer(torch.arange(3).as_subclass(Mine), "grad")

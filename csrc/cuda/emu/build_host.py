@@ -17,6 +17,7 @@ init, no ncclCommSplit), 2.28.9 (what torch pins; everything), 2.30.7 (several r
 """
 import argparse
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -39,6 +40,7 @@ STANDIN_SOURCES = ("nccl_standin.cpp", "nccl_standin_world.cpp")
 SANITIZERS = {
     "address": ["-fsanitize=address,undefined", "-fno-sanitize-recover=all"],
     "thread": ["-fsanitize=thread"],
+    "none": [],   # the stand-in loaded by the emulated core in a Python process (build_pycore.py)
 }
 RUN_ENV = {
     "address": dict(build_emu.RUN_ENV),
@@ -48,6 +50,7 @@ RUN_ENV = {
     # (tsan.supp: a report inside glibc's loader, the file says which)
     "thread": {"TSAN_OPTIONS": "halt_on_error=1:second_deadlock_stack=1:exitcode=66:report_thread_leaks=0:"
                                f"suppressions={os.path.join(os.path.dirname(os.path.abspath(__file__)), 'tsan.supp')}"},
+    "none": {},
 }
 
 
@@ -61,73 +64,104 @@ def build(root, cache, sanitize="address", api=DEFAULT_API, mutations=None, jobs
 
     mutations: {path relative to csrc/ or a stand-in file name: [(old, new), ...]} applied to copies, for
     showing that a planted defect fails the scenarios."""
-    root, cache = Path(root).resolve(), Path(cache).resolve()
-    csrc = root / "csrc"
-    emu = csrc / "cuda" / "emu"
-    inc, why = build_emu.find_cuda_include()
-    cxx = build_emu.find_cxx()
-    if inc is None or cxx is None:
-        raise RuntimeError(why or "no g++ on PATH")
-    mutations = dict(mutations or {})
-    version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
-    headers = b"".join(p.read_bytes() for p in sorted(csrc.rglob("*.h")))
-    flags = _flags(sanitize)
-    base = [cxx, *flags, f"-I{csrc}", "-isystem", str(inc)]
-    emulated = ["-x", "c++", "-iquote", str(csrc / "cuda"), "-include", str(emu / "cuda_emu.h")]
-    (cache / "obj").mkdir(parents=True, exist_ok=True)
+    tc = Toolchain(root, cache, _flags(sanitize), mutations, jobs, log)
+    jobs_list = []  # (name, text, extra flags, suffix)
+    for name in KERNELS:
+        jobs_list.append(tc.kernel_job(f"cuda/{name}"))
+    for rel in PROJECT_SOURCES:
+        jobs_list.append(tc.job(rel))
+    for rel in EMU_SOURCES:
+        jobs_list.append(tc.job(f"cuda/emu/{rel}"))
+    standin = _standin_jobs(tc, api)
+    tc.check_mutations_used()
+    objects = tc.compile(jobs_list)
+    exe = _link(tc.cxx, tc.cache, "emu_host", objects, [*SANITIZERS[sanitize], "-pthread", "-rdynamic", "-ldl"])
+    return exe, _link_standin(tc, standin, sanitize)
 
-    def source(rel, path):
-        text = path.read_text()
-        for old, new in mutations.pop(rel, []):
+
+def build_standin(root, cache, sanitize="address", api=DEFAULT_API, jobs=2, log=None):
+    """The stand-in library alone (for the emulated core of build_pycore.py: sanitize="none")."""
+    tc = Toolchain(root, cache, _flags(sanitize), jobs=jobs, log=log)
+    return _link_standin(tc, _standin_jobs(tc, api), sanitize)
+
+
+def _standin_jobs(tc, api):
+    return [tc.job(f"cuda/emu/{rel}", ["-fPIC", f"-DNCCLEMU_API={api}"]) for rel in STANDIN_SOURCES]
+
+
+def _link_standin(tc, jobs_list, sanitize):
+    return _link(tc.cxx, tc.cache, "libnccl-standin.so", tc.compile(jobs_list),
+                 [*SANITIZERS[sanitize], "-pthread", "-shared"])
+
+
+class Toolchain:
+    """g++ and the CUDA headers for one build into `cache`: sources read (with their mutations applied)
+    into compile jobs, objects keyed on the compiler, the command, the text and every csrc/ header."""
+
+    def __init__(self, root, cache, flags, mutations=None, jobs=2, log=None, include=()):
+        self.root, self.cache = Path(root).resolve(), Path(cache).resolve()
+        self.csrc = self.root / "csrc"
+        self.emu = self.csrc / "cuda" / "emu"
+        inc, why = build_emu.find_cuda_include()
+        self.cxx = build_emu.find_cxx()
+        if inc is None or self.cxx is None:
+            raise RuntimeError(why or "no g++ on PATH")
+        self.mutations = dict(mutations or {})
+        self.jobs, self.log = jobs, log
+        self.version = subprocess.run([self.cxx, "--version"], capture_output=True, text=True).stdout
+        self.headers = b"".join(p.read_bytes() for p in sorted(self.csrc.rglob("*.h")))
+        self.base = [self.cxx, *flags, f"-I{self.csrc}", *[f"-I{i}" for i in include], "-isystem", str(inc)]
+        (self.cache / "obj").mkdir(parents=True, exist_ok=True)
+
+    def _text(self, rel):
+        text = (self.csrc / rel).read_text()
+        for old, new in self.mutations.pop(rel, []) + self.mutations.pop(Path(rel).name, []):
             if old not in text:
                 raise ValueError(f"mutation of {rel}: {old!r} does not occur")
             text = text.replace(old, new)
         return text
 
-    jobs_list = []  # (name, text, extra flags)
-    for name in KERNELS:
-        text = f'#line 1 "csrc/cuda/{name}"\n' + build_emu.rewrite_launches(source(f"cuda/{name}", csrc / "cuda" / name))
-        jobs_list.append((name, text, emulated, ".emu.cpp"))
-    for rel in PROJECT_SOURCES:
-        jobs_list.append((rel, f'#line 1 "csrc/{rel}"\n' + source(rel, csrc / rel), [], ".cpp"))
-    for rel in EMU_SOURCES:
-        jobs_list.append((rel, f'#line 1 "csrc/cuda/emu/{rel}"\n' + source(rel, emu / rel), [], ".cpp"))
-    standin = [(rel, f'#line 1 "csrc/cuda/emu/{rel}"\n' + source(rel, emu / rel), ["-fPIC", f"-DNCCLEMU_API={api}"], ".cpp")
-               for rel in STANDIN_SOURCES]
-    if mutations:
-        raise ValueError(f"mutations of files that are not built here: {sorted(mutations)}")
+    def job(self, rel, extra=()):
+        """A C++ source of csrc/ (`rel` relative to it), compiled as it is."""
+        return (rel, f'#line 1 "csrc/{rel}"\n' + self._text(rel), list(extra), ".cpp")
 
-    def compile_one(job):
+    def kernel_job(self, rel, extra=()):
+        """A .cu file of csrc/, its launches rewritten (Note [Launch rewrite] in build_emu.py) and the
+        emulator's shim (cuda_emu.h) force-included."""
+        text = f'#line 1 "csrc/{rel}"\n' + build_emu.rewrite_launches(self._text(rel))
+        return (rel, text, ["-x", "c++", "-iquote", str(self.csrc / "cuda"), "-include",
+                            str(self.emu / "cuda_emu.h"), *extra], ".emu.cpp")
+
+    def check_mutations_used(self):
+        if self.mutations:
+            raise ValueError(f"mutations of files that are not built here: {sorted(self.mutations)}")
+
+    def compile(self, jobs_list):
+        with ThreadPoolExecutor(max_workers=max(1, self.jobs)) as pool:
+            return list(pool.map(self._compile_one, jobs_list))
+
+    def _compile_one(self, job):
         name, text, extra, suffix = job
-        key = build_emu._digest(version, base, extra, text, headers, name)
-        obj = cache / "obj" / f"{Path(name).stem}-{key}.o"
+        key = build_emu._digest(self.version, self.base, extra, text, self.headers, name)
+        obj = self.cache / "obj" / f"{Path(name).stem}-{key}.o"
         if obj.exists():
             return obj
-        tmpdir = Path(tempfile.mkdtemp(dir=cache / "obj"))
+        tmpdir = Path(tempfile.mkdtemp(dir=self.cache / "obj"))
         try:
             # the copy sits next to its original's directory in the include search: -iquote below
             path = tmpdir / (Path(name).stem + suffix)
             path.write_text(text)
-            cmd = [*base, *extra, "-iquote", str((csrc / name).parent if "/" in name else emu), "-c", str(path),
+            cmd = [*self.base, *extra, "-iquote", str((self.csrc / name).parent), "-c", str(path),
                    "-o", str(tmpdir / "out.o")]
-            if log:
-                log(f"compiling {name}")
+            if self.log:
+                self.log(f"compiling {name}")
             r = subprocess.run(cmd, capture_output=True, text=True)
             if r.returncode != 0:
                 raise RuntimeError(f"compiling {name} failed:\n{' '.join(cmd)}\n{r.stdout}{r.stderr}")
-            os.replace(tmpdir / "out.o", obj)
+            os.replace(tmpdir / "out.o", obj)  # atomic: a concurrent build never sees half an object
         finally:
-            import shutil
             shutil.rmtree(tmpdir, ignore_errors=True)
         return obj
-
-    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
-        objects = list(pool.map(compile_one, jobs_list))
-        standin_objects = list(pool.map(compile_one, standin))
-    exe = _link(cxx, cache, "emu_host", objects, [*SANITIZERS[sanitize], "-pthread", "-rdynamic", "-ldl"])
-    lib = _link(cxx, cache, "libnccl-standin.so", standin_objects,
-                [*SANITIZERS[sanitize], "-pthread", "-shared"])
-    return exe, lib
 
 
 def _link(cxx, cache, name, objects, flags):

@@ -6,6 +6,7 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
@@ -254,6 +255,24 @@ cudaError_t cudaGetDevice(int* device) {
 cudaError_t cudaDriverGetVersion(int* version) {
   if (version == nullptr) return cudaErrorInvalidValue;
   *version = ncclavg_emu::sys.driver_version;
+  return cudaSuccess;
+}
+
+// What `ncclavg info` reads (runtime_info.cpp): the runtime the headers are from, each device's name
+// and compute capability.
+cudaError_t cudaRuntimeGetVersion(int* version) {
+  if (version == nullptr) return cudaErrorInvalidValue;
+  *version = CUDART_VERSION;
+  return cudaSuccess;
+}
+
+cudaError_t cudaGetDeviceProperties(cudaDeviceProp* prop, int device) {
+  if (prop == nullptr) return cudaErrorInvalidValue;
+  if (device < 0 || device >= ncclavg_emu::device_count()) return cudaErrorInvalidDevice;
+  std::memset(prop, 0, sizeof(*prop));
+  std::snprintf(prop->name, sizeof(prop->name), "emulated device %d (ncclavg_emu)", device);
+  prop->major = ncclavg_emu::sys.cc_major;
+  prop->minor = ncclavg_emu::sys.cc_minor;
   return cudaSuccess;
 }
 
