@@ -30,13 +30,14 @@ from __future__ import annotations
 
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, Callable, Optional, Sequence
 
 import torch
 
 from .._ext import _C, cuda_built
+from ..transport.executor import Executor
 from .devices import device_of, present_cuda_device
 from ..errors import CommError, CommTimeoutError
 from .base import Communicator, CompletedWork, Work, check_count, check_timeout
@@ -147,23 +148,31 @@ class LocalCommunicator(Communicator):
         self._device = dev
         self._cuda = dev.type == "cuda"
         self.devices = [str(dev)] * n
-        self._executor: Optional[ThreadPoolExecutor] = None
+        # the asynchronous host averages, in order on one worker (Note [One executor] in
+        # transport/executor.py); (future, description) of the jobs not known to be finished
+        self._executor = Executor("ncclavg-local")
         self._executor_lock = threading.Lock()
-        self._inflight: list = []   # (future, description) of jobs not known to be finished
+        self._inflight: list = []
 
     def _idle(self) -> bool:
         """No job queued or running on the worker thread."""
-        with self._executor_lock:
-            self._inflight = [(f, w) for f, w in self._inflight if not f.done()]
-            return not self._inflight
+        return self._executor.idle()
 
     def _submit(self, fn: Callable, what: str = "a queued job") -> Future:
+        fut: Future = Future()
+
+        def job() -> None:
+            try:
+                fut.set_result(fn())
+            except BaseException as e:   # noqa: BLE001 (the Work's to raise)
+                fut.set_exception(e)
+
         with self._executor_lock:
-            if self._executor is None:
-                self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ncclavg-local")
-            fut = self._executor.submit(fn)
+            why = self._executor.submit(job)
+            if why is not None:
+                raise RuntimeError(f"{what}: {why}")
             self._inflight = [(f, w) for f, w in self._inflight if not f.done()] + [(fut, what)]
-            return fut
+        return fut
 
     @profiling.ranged("all_reduce_avg")
     def all_reduce_avg(self, tensors: Sequence[torch.Tensor], *, tag: Optional[str] = None,
@@ -244,12 +253,9 @@ class LocalCommunicator(Communicator):
         worker finishes them on its own (they are host passes over memory: they do end)."""
         limit = self._timeout_arg(timeout)
         with self._executor_lock:
-            executor, self._executor = self._executor, None
             inflight, self._inflight = self._inflight, []
         super().close()
-        if executor is None:
-            return
-        executor.shutdown(wait=False)
+        self._executor.close(0)   # refuses new jobs; the worker ends once the queued ones ran
         deadline = time.monotonic() + limit
         for fut, what in inflight:
             try:

@@ -47,7 +47,6 @@ the group's last collectives behind (Note [Dumps are written whole] in flight.py
 from __future__ import annotations
 
 import datetime
-import queue
 import threading
 import time
 from typing import Any, Callable, List, Optional
@@ -58,6 +57,7 @@ import torch.distributed as dist
 from .._ext import _C
 from ..errors import BackendError, BackendMismatchError, BackendTimeoutError  # noqa: F401  (re-exported)
 from ..transport import flight, profiling
+from ..transport.executor import Executor
 from ..transport.liveness import DIAGNOSE_S
 
 WATCH_S = 0.2      # how often the watchdog looks at the running collective
@@ -209,123 +209,80 @@ class P2PWork(BackendWork):
         return self._inner._source_rank()
 
 
-class Lane:
-    """Runs jobs in order on one worker thread (or inline, see Note [Backend lanes]); the first failure
-    fails every later job (a failed lane stays failed: the ranks no longer agree on what comes next).
-    `transport` is the group's host channel (shm.ShmTransport), or None. `fast_paths`: objects with a
-    disable() (fast_path.py) that the lane turns off when it fails or closes."""
+class Lane(Executor):
+    """Runs jobs in order on one worker thread (or inline, see Note [Backend lanes]), on the executor of
+    both faces (Note [One executor] in transport/executor.py); the first failure fails every later job (a
+    failed lane stays failed: the ranks no longer agree on what comes next). `transport` is the group's
+    host channel (shm.ShmTransport), or None; with one, the lane's order is the channel's own lock and
+    count. `fast_paths`: objects with a disable() (fast_path.py) that the lane turns off when it fails or
+    closes."""
 
     def __init__(self, transport: Any, label: str):
+        super().__init__(f"ncclavg-lane-{label}", order=transport.exec_lock if transport is not None else None)
         self.transport = transport
         self.label = label
         self.failure: Optional[str] = None
-        self._lock = threading.Lock()
-        self._queue: "queue.SimpleQueue[Optional[Job]]" = queue.SimpleQueue()
-        self._pending = 0              # jobs submitted and not yet complete
-        self._idle = threading.Condition(self._lock)
         self._current: Optional[Job] = None
-        # held while a job runs: one at a time, in the order submitted; with a channel, the channel's own
-        # native lock, which the fast path takes too (it also reads the count of queued jobs kept there)
-        self._exec: Any = transport.exec_lock if transport is not None else threading.Lock()
-        self._counted = transport.exec_lock if transport is not None else None
         self.fast_paths: List[Any] = []
         self.recorder: Optional[flight.Recorder] = None   # set by the group (Note [What a job records])
-        self._worker: Optional[threading.Thread] = None
         self._watchdog: Optional[threading.Thread] = None
         self._stop = threading.Event()
-        self._closed = False
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
-    def alive(self) -> bool:
-        """False once the worker thread is gone while jobs still wait for it."""
-        worker = self._worker
-        return worker is None or worker.is_alive() or self._pending == 0
 
     # ------------------------------------------------------------------ submitting
-    def submit(self, job: Job, inline: bool = False) -> BackendWork:
+    def submit(self, job: Job, inline: bool = False) -> BackendWork:  # type: ignore[override]
         work = BackendWork(job, self)
-        with self._lock:
-            if self._closed:
-                refuse = f"{job.what}: the process group was shut down"
-            elif self.failure is not None:
-                refuse = (f"{job.what} refused: an earlier collective failed ({self.failure}); the process "
-                          "group is unusable now")
-            else:
-                refuse = None
-                run_here = inline and self._pending == 0
-                self._pending += 1
-                if self._counted is not None:
-                    self._counted.add_outstanding(1)
-                if run_here:
-                    self._exec.acquire()   # free, or held for a moment by a fast-path call (fast_path.py)
-                else:
-                    self._start_threads()
-                    self._queue.put(job)
+        refuse = super().submit(job, inline)
         if refuse is not None:
             job._complete(BackendError(refuse))
-        elif run_here:
-            self._execute(job, locked=True)
         return work
 
-    def _start_threads(self) -> None:
-        if self._worker is None:
-            self._worker = threading.Thread(target=self._serve, name=f"ncclavg-lane-{self.label}", daemon=True)
-            self._worker.start()
+    def _refusal(self, job: Job) -> Optional[str]:
+        if self._closed:
+            return f"{job.what}: the process group was shut down"
+        if self.failure is not None:
+            return (f"{job.what} refused: an earlier collective failed ({self.failure}); the process "
+                    "group is unusable now")
+        return None
+
+    def _started(self) -> None:
+        self._start_watchdog()
+
+    def _start_watchdog(self) -> None:
         if self._watchdog is None and self.transport is not None:
             self._watchdog = threading.Thread(target=self._watch, name=f"ncclavg-watch-{self.label}", daemon=True)
             self._watchdog.start()
 
-    def _serve(self) -> None:
-        while True:
-            job = self._queue.get()
-            if job is None:
-                return
-            self._execute(job)
-
     # ------------------------------------------------------------------ running
-    def _execute(self, job: Job, locked: bool = False) -> None:
-        error: Optional[BaseException] = None
-        if not locked:
-            self._exec.acquire()
+    def _run(self, job: Job) -> Optional[BaseException]:
+        """One job, holding the lane's order (the executor calls it); its error, or None."""
+        job.deadline = time.monotonic() + job.timeout
+        if job.rec is not None:
+            flight.start(job.rec)
+        if self.failure is not None:   # failed while this job waited in the queue
+            return BackendError(f"{job.what} refused: an earlier collective failed ({self.failure}); the "
+                                "process group is unusable now")
+        if self.transport is not None and self._watchdog is None:
+            with self._lock:
+                self._start_watchdog()
+        self._current = job
+        if self.transport is not None:
+            self.transport.held(True)
         try:
-            job.deadline = time.monotonic() + job.timeout
-            if job.rec is not None:
-                flight.start(job.rec)
-            if self.failure is not None:   # failed while this job waited in the queue
-                error = BackendError(f"{job.what} refused: an earlier collective failed ({self.failure}); the "
-                                     "process group is unusable now")
-            else:
-                if self.transport is not None and self._watchdog is None:
-                    with self._lock:
-                        self._start_threads()
-                self._current = job
-                if self.transport is not None:
-                    self.transport.held(True)
-                try:
-                    # the in-place steps on the user's tensors (an nn.Parameter too) are not autograd's
-                    with torch.no_grad():
-                        job.run(job)
-                except BaseException as e:   # noqa: BLE001 (handed to the waiter)
-                    error = self._failed(job, e)
-                finally:
-                    self._current = None
-                    if self.transport is not None:
-                        self.transport.held(False)
+            # the in-place steps on the user's tensors (an nn.Parameter too) are not autograd's
+            with torch.no_grad():
+                job.run(job)
+        except BaseException as e:   # noqa: BLE001 (handed to the waiter)
+            return self._failed(job, e)
         finally:
-            self._exec.release()
-        # counted out where the fast paths look (fast_path.py) before the waiter wakes, so that a
-        # synchronous call it makes next takes them, as after a call of its own; `_pending` (drain's, and
-        # the inline choice's) only once the job is complete
-        if self._counted is not None:
-            self._counted.add_outstanding(-1)
+            self._current = None
+            if self.transport is not None:
+                self.transport.held(False)
+        return None
+
+    def _finished(self, job: Job, error: Optional[BaseException]) -> None:
+        # after the job left the count where the fast paths look (Note [One executor]), so that a
+        # synchronous call its waiter makes next takes them, as after a call of its own
         job._complete(error)
-        with self._lock:
-            self._pending -= 1
-            if self._pending == 0:
-                self._idle.notify_all()
 
     def _failed(self, job: Job, e: BaseException) -> BaseException:
         """The error a failed job raises, and the lane failed with it unless nothing was sent. A mismatch
@@ -382,33 +339,18 @@ class Lane:
             self.transport.abort(job.expired)
 
     # ------------------------------------------------------------------ ending
-    def drain(self, timeout: float) -> bool:
-        """Waits until every submitted job is complete (at most `timeout` s); True when it is."""
-        deadline = time.monotonic() + timeout
-        with self._lock:
-            while self._pending:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
-                self._idle.wait(left)
-        return True
-
     def _disable_fast_paths(self) -> None:
         for fast in self.fast_paths:
             fast.disable()   # from now on every call takes the lane, which says why it refuses
 
-    def close(self, timeout: float = 10.0) -> None:
+    def close(self, timeout: float = 10.0) -> None:  # type: ignore[override]
         """Lets the queued jobs finish (at most `timeout` s), then stops the threads and the channel."""
         self.drain(timeout)
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
+        if self._closed:
+            return
+        super().close(timeout)
         self._disable_fast_paths()
         self._stop.set()
-        if self._worker is not None:
-            self._queue.put(None)
-            self._worker.join(timeout)
         if self._watchdog is not None:
             self._watchdog.join(timeout)
         if self.transport is not None:

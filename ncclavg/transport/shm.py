@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import queue
 import secrets
 import threading
 import time
@@ -43,6 +42,7 @@ import torch
 
 from .._ext import _C
 from ..errors import CommError, is_timeout
+from .executor import Executor
 from .calls import Call, CallMismatchError, check_over_gloo
 
 TYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float64: 3}
@@ -210,13 +210,11 @@ class ShmTransport:
             self._mine = next(h for h in hosts if rank in h)
         self.kind = "shm" if hosts is None else "shm+gloo"
         self.names_peers = hosts is None     # between hosts, torch.distributed's errors name nobody
-        self._lock = threading.Lock()        # guards the outstanding count and the worker's start
         # held while a collective runs (one at a time, in order), and the count of those submitted and
-        # not done: native, so that the small-message fast path reads both (shm_fast.py)
+        # not done: native, so that the small-message fast path reads both (shm_fast.py); the executor of
+        # the calls made here (Note [One executor] in executor.py)
         self._exec = _C.ShmExec()
-        self._queue: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
-        self._worker: Optional[threading.Thread] = None
-        self._closed = False
+        self._executor = Executor("ncclavg-shm", order=self._exec, run=_run_item)
         self._holder: Optional[int] = None   # the thread that holds `exec_lock` for its own order (held())
 
     # ------------------------------------------------------------------ setup
@@ -338,14 +336,7 @@ class ShmTransport:
             self._channel.abort(why, mismatch)
 
     def close(self) -> None:
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            if self._worker is not None:
-                self._queue.put(None)
-        if self._worker is not None:
-            self._worker.join(timeout=self._timeout)
+        self._executor.close(self._timeout)
 
     # ------------------------------------------------------------------ several hosts
     # Note [Several hosts]
@@ -515,36 +506,12 @@ class ShmTransport:
             return _DONE
         work = _ShmWork(self, keep)
         call = (fn, args + (self._timeout if timeout is None else float(timeout),) + after)
-        with self._lock:
-            if self._closed:
-                raise RuntimeError("the shared-memory channel is closed")
-            inline = sync and self._exec.outstanding == 0
-            self._exec.add_outstanding(1)
-            if inline:
-                self._exec.acquire()
-            else:
-                if self._worker is None:
-                    self._worker = threading.Thread(target=self._serve, name="ncclavg-shm", daemon=True)
-                    self._worker.start()
-                self._queue.put((work, call))
-        if inline:
-            try:
-                work._run(*call)
-            finally:
-                self._exec.release()
-                self._done()
+        if self._executor.submit((work, call), inline=sync) is not None:
+            raise RuntimeError("the shared-memory channel is closed")
         return work
 
-    def _done(self) -> None:
-        with self._lock:
-            self._exec.add_outstanding(-1)
 
-    def _serve(self) -> None:
-        while True:
-            item = self._queue.get()
-            if item is None:
-                return
-            work, call = item
-            with self._exec:
-                work._run(*call)
-            self._done()
+def _run_item(item: tuple) -> None:
+    """A queued channel call on the executor: the work records its own error (_ShmWork._run)."""
+    work, call = item
+    work._run(*call)
