@@ -19,12 +19,10 @@ import ctypes
 import importlib.util
 import os
 import sys
-import threading
 
 import torch
 
 _lib = None
-_tls = threading.local()
 
 
 def install(core_path: str, devices: int = 4) -> ctypes.CDLL:

@@ -18,7 +18,6 @@ harness (build_host.py). tests/_nccl_emu_core.py loads it in place of the real c
 import argparse
 import os
 import re
-import subprocess
 import sys
 import sysconfig
 import tempfile
