@@ -149,10 +149,10 @@ class LocalCommunicator(Communicator):
         self._cuda = dev.type == "cuda"
         self.devices = [str(dev)] * n
         # the asynchronous host averages, in order on one worker (Note [One executor] in
-        # transport/executor.py); (future, description) of the jobs not known to be finished
+        # transport/executor.py)
         self._executor = Executor("ncclavg-local")
         self._executor_lock = threading.Lock()
-        self._inflight: list = []
+        self._inflight: list = []   # (future, description) of jobs not known to be finished
 
     def _idle(self) -> bool:
         """No job queued or running on the worker thread."""

@@ -27,20 +27,18 @@ class ExecutorClosed(RuntimeError):
 
 
 class Executor:
-    """Runs jobs in order (Note [One executor]). Subclasses (or the `run` / `finished` arguments) say
-    what running and completing a job means: `run(job)` returns its error (None on success) and never
+    """Runs jobs in order (Note [One executor]). Subclasses (or the `run` argument) say what running and
+    completing a job means: `run(job)` returns its error (None on success) and never
     raises; `finished(job, error)` is called after the order lock was released. `refusal(job)` (checked
     under the executor's lock at submission, the executor closed too) names a reason not to take the job,
     or None."""
 
-    def __init__(self, name: str, order: Any = None, run: Any = None, finished: Any = None):
+    def __init__(self, name: str, order: Any = None, run: Any = None):
         self.name = name
         self._order = order if order is not None else threading.Lock()   # held while a job runs
         self._counted = order if hasattr(order, "add_outstanding") else None   # _C.ShmExec: shared counts
         if run is not None:
             self._run = run
-        if finished is not None:
-            self._finished = finished
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
         self._queue: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
@@ -66,10 +64,6 @@ class Executor:
         """Called (under the executor's lock) when the worker thread starts."""
 
     # ------------------------------------------------------------------ submitting and running
-    @property
-    def order(self) -> Any:
-        return self._order
-
     @property
     def closed(self) -> bool:
         return self._closed
