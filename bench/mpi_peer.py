@@ -34,6 +34,7 @@ Launch (it makes the venvs and starts each peer's mpiexec itself, once per peer 
     python bench/mpi_peer.py --procs 2 --sizes 8,65536 --rounds 3 --budget 0 --wait-s 0.2
                                                                # a smoke run: seconds per peer once the venvs exist
     python bench/mpi_peer.py --mpi-cache DIR ...               # the venvs elsewhere than ~/.cache/ncclavg/mpi-peers
+    python bench/mpi_peer.py --procs 2 --load 2                # a loaded machine: two busy `nice -n 19` processes
 A peer that cannot be installed or started here is reported with the reason, and the others go on
 (Intel MPI's wheel names a libfabric that PyPI lacks: it is installed without, and on one host it runs
 on its shared-memory path alone).
@@ -417,6 +418,13 @@ def report(peers: list[dict]) -> list[str]:
     return lines
 
 
+def start_load(n: int) -> list:
+    """n busy processes at the lowest priority (`nice -n 19`): the other jobs of a shared machine, which
+    take a core whenever the ranks leave it, and which a rank that spins keeps waiting."""
+    return [subprocess.Popen(["nice", "-n", "19", sys.executable, "-c", "while True: pass"],
+                             stdin=subprocess.DEVNULL) for _ in range(n)]
+
+
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--mpi", default=",".join(envs.PEERS),
@@ -434,6 +442,9 @@ def parser() -> argparse.ArgumentParser:
                     help=f"most rounds per size (default {ROUNDS}; at least 3 unless fewer are asked)")
     ap.add_argument("--wait-s", type=float, default=2.0, help="how late rank 0 comes in the waiting test")
     ap.add_argument("--timeout", type=float, default=1800.0, help="limit for each peer's and process count's run")
+    ap.add_argument("--load", type=int, default=0,
+                    help="busy processes (`nice -n 19`, a Python loop each) running beside the ranks for the "
+                         "whole run: the loaded-machine comparison (default 0: quiet)")
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--md", help="write the table (markdown) here")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -455,11 +466,23 @@ def main() -> None:
     except ValueError as e:
         ap.error(str(e))
     procs = [int(v) for v in args.procs.split(",")]
-    peers = [run_peer(peer, procs, args) for peer in chosen]
+    if args.load < 0:
+        ap.error("--load must be 0 or more")
+    busy = start_load(args.load)
+    try:
+        peers = [run_peer(peer, procs, args) for peer in chosen]
+    finally:
+        load_avg = os.getloadavg()
+        for b in busy:
+            b.kill()
+            b.wait()
     lines = report(peers)
+    if args.load:
+        lines = [f"Loaded machine: {args.load} busy `nice -n 19` processes ran beside the ranks throughout "
+                 f"(load average {load_avg[0]:.1f} at the end).", ""] + lines
     print("\n".join(lines))
     payload = {"machine": _common.machine(), "rule": RULE, "peers": peers, "merged": merge(peers),
-               "waiting": merge_waiting(peers)}
+               "waiting": merge_waiting(peers), "load": {"busy_processes": args.load, "load_avg_end": load_avg}}
     _common.write_json(args.json, payload)
     if args.md:
         m = payload["machine"]

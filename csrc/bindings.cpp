@@ -14,6 +14,7 @@
 #include "cpu/reduce.h"
 #include "transport/shm_channel.h"
 #include "cpu/simd.h"
+#include "python/group_allreduce.h"
 #include "python/shm_fast_average.h"
 #include "cuda/nccl_api.h"
 #ifdef NCCLAVG_WITH_CUDA
@@ -344,10 +345,17 @@ PYBIND11_MODULE(_C, m) {
     py::class_<py_glue::ShmFastAverage>(m, "ShmFastAverage")
         .def(py::init<ShmChannel*, py_glue::ShmExec*, py::object>(), py::arg("channel"), py::arg("exec"),
              py::arg("prepare"), py::keep_alive<1, 2>(), py::keep_alive<1, 3>())
-        .def("run", &py_glue::ShmFastAverage::run, py::arg("tensors"), py::arg("timeout_s"),
+        .def("run", [](py_glue::ShmFastAverage& f, py::handle tensors, double timeout_s) { return f.run(tensors, timeout_s); },
+             py::arg("tensors"), py::arg("timeout_s"),
              "all_reduce_avg of tensors[0] through the channel: True when done, False for the general path")
         .def("disable", &py_glue::ShmFastAverage::disable)
         .def_property_readonly("cached", &py_glue::ShmFastAverage::cached);
+    // The torch backend's allreduce for the calls the fast path takes (ncclavg/process_group/fast_path.py)
+    py::class_<py_glue::GroupAllreduce>(m, "GroupAllreduce")
+        .def(py::init<py_glue::ShmFastAverage*, py_glue::ShmFastAverage*, py::handle>(), py::arg("sum"), py::arg("avg"),
+             py::arg("hooks"), py::keep_alive<1, 2>(), py::keep_alive<1, 3>())
+        .def("__call__", &py_glue::GroupAllreduce::call, py::arg("tensors"), py::arg("opts") = py::none())
+        .def("disable", &py_glue::GroupAllreduce::disable);
     py::class_<ShmChannel>(m, "ShmChannel")
         .def(py::init<const std::string&, int, int, int64_t, uint64_t, std::vector<int>>(), py::arg("name"),
              py::arg("rank"), py::arg("nranks"), py::arg("slot_bytes"), py::arg("nonce"),

@@ -1,5 +1,6 @@
 """Bodies of tests/comm/test_backend_fast.py: the `ncclavg` backend's fast path for a synchronous
 all_reduce (Note [The backend's fast path] in ncclavg/process_group/fast_path.py) against the general path."""
+import datetime
 import gc
 import os
 
@@ -110,6 +111,63 @@ def groups_cycle_job(rank, world, port, cycles):
     gc.collect()
     assert _channel_mappings() == baseline, (_channel_mappings(), baseline)
     dist.barrier()
+
+
+def native_allreduce_job(rank, world, port):
+    """The group's native allreduce (fast_path.native_allreduce): a Work someone holds is never handed out
+    again for another call; only the last call's tensors stay referenced, and none after the group is
+    destroyed; the group itself is collected; a per-call timeout in the options ends a round whose peer
+    never comes, as a failed Work naming the call."""
+    import time
+    import weakref
+
+    from torch._C._distributed_c10d import AllreduceOptions
+
+    init_backend(rank, world, port)
+    g = dist.new_group()
+    assert type(g.allreduce).__name__ == "GroupAllreduce", type(g.allreduce)
+    opts = AllreduceOptions()
+    opts.reduceOp, opts.asyncOp = R.AVG, False
+    a, b = torch.full((3,), float(rank)), torch.full((5,), float(rank))
+    w1 = g.allreduce([a], opts)
+    w2 = g.allreduce([b], opts)
+    assert w1 is not w2 and w1.result()[0] is a and w2.result()[0] is b, (w1, w2)
+    mean = (world - 1) / 2
+    assert torch.equal(a, torch.full((3,), mean)) and torch.equal(b, torch.full((5,), mean)), (a, b)
+    assert w1.is_completed() and w1.wait() and w1.exception() is None
+    del w1, w2
+    first = torch.ones(3)
+    gone = weakref.ref(first)
+    dist.all_reduce(first, group=g)
+    del first
+    dist.all_reduce(torch.ones(4), group=g)   # the call after: what the first call held is let go
+    assert gone() is None, "the fast path kept an earlier call's tensor alive"
+    last = torch.ones(6)
+    held = weakref.ref(last)
+    dist.all_reduce(last, group=g)
+    group = weakref.ref(g)
+    dist.destroy_process_group(g)
+    del g, last
+    gc.collect()
+    assert held() is None, "the destroyed group kept its last call's tensor alive"
+    assert group() is None, "the destroyed group was not collected"
+
+    pg = dist.group.WORLD
+    dist.all_reduce(torch.ones(2))   # the world's fast path has seen this kind of call: cached
+    if rank == 1:
+        time.sleep(4)   # alive, never calls: rank 0's round can only time out
+        return
+    opts = AllreduceOptions()
+    opts.reduceOp, opts.asyncOp = R.SUM, False
+    opts.timeout = datetime.timedelta(seconds=0.5)
+    start = time.monotonic()
+    work = pg.allreduce([torch.ones(2)], opts)
+    try:
+        work.wait()
+        raise AssertionError("a round whose peer never came completed")
+    except Exception as e:   # noqa: BLE001 (judged here)
+        assert "allreduce of 2 x float32" in str(e) and "within 0.5 s" in str(e), e
+    assert time.monotonic() - start < 3.5, time.monotonic() - start
 
 
 # ------------------------------------------------------------------ broadcast, all-gather, reduce-scatter

@@ -84,7 +84,7 @@ const ShmFastAverage::Entry* ShmFastAverage::lookup(PyObject* t) {
   return nullptr;
 }
 
-bool ShmFastAverage::run(py::handle tensors, double timeout_s) {
+bool ShmFastAverage::run(py::handle tensors, double timeout_s, int64_t* count) {
   if (!enabled_ || !PyList_CheckExact(tensors.ptr()) || PyList_GET_SIZE(tensors.ptr()) != 1) return false;
   PyObject* t = PyList_GET_ITEM(tensors.ptr(), 0);
   Entry scratch;
@@ -118,6 +118,7 @@ bool ShmFastAverage::run(py::handle tensors, double timeout_s) {
     cpu::ShmCallTag tag;
     tag.word = e->tag;
     tag.count = e->count;
+    if (count != nullptr) *count = e->count;   // read now: `e` may not outlive a wait without the GIL
     channel_->all_reduce_sum(e->data, e->count, e->type, timeout_s, 1.0, e->div, tag);
   } catch (...) {
     exec_->release();

@@ -60,8 +60,9 @@ class ShmExec {
 class ShmFastAverage {
  public:
   ShmFastAverage(cpu::ShmChannel* channel, ShmExec* exec, py::object prepare);
-  // True: done. False: the general path must run it. Raises what the channel raises.
-  bool run(py::handle tensors, double timeout_s);
+  // True: done (and *count, when given, is the element count). False: the general path must run it.
+  // Raises what the channel raises.
+  bool run(py::handle tensors, double timeout_s, int64_t* count = nullptr);
   // For good: also lets go of `prepare` and the cache, which would otherwise keep the communicator
   // alive through a reference cycle that Python's collector cannot see into (prepare -> communicator
   // -> this object -> prepare).

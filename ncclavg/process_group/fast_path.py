@@ -18,14 +18,24 @@ sends for the same call (the same channel call, divisor and call signature), so 
 path for a call and still meet; anything else (a first sight the checks would refuse, another dtype or
 op, async_op=True, a failed or shut group) returns False and the general path runs the call, with its
 errors. A failure of the round fails the group as the lane's would (BackendTimeoutError and the rest).
+
+The all_reduce itself is answered in C++ (_C.GroupAllreduce, installed as the group's own `allreduce`
+attribute, so torch's dist.all_reduce calls it with no Python frame between): it reads the options,
+picks SUM or AVG by the ReduceOp's hash, runs the round, records it and hands back a finished Work. In
+Python those steps cost ~2.3 us; torch's own part is ~1.6 us. Two details carry most of the saving: the
+record names the op by its RedOpType (a ReduceOp read from the options is a new pybind11 object, and
+freeing one from the flight ring cost ~0.3 us), and the finished Work is reused while nobody but the
+group holds it (making and freeing a Python subclass of a pybind11 type costs ~0.4 us).
 """
 from __future__ import annotations
 
 import datetime
+import types
 import weakref
 from typing import Any, Dict, List, Optional
 
 import torch
+import torch.autograd.profiler as _torch_profiler
 import torch.distributed as dist
 
 from .._ext import _C
@@ -105,6 +115,31 @@ def fast_paths(pg: Any, transport: Any) -> Dict[Any, Any]:
         R.AVG: _C.ShmFastAverage(transport.channel, transport.exec_lock, preparer(R.AVG, _AVG_TYPES, float(size))),
     }
     return paths
+
+
+def _op_hashes() -> Optional[tuple]:
+    """(hash of ReduceOp SUM, hash of ReduceOp AVG) when each differs from every other op's hash (torch
+    hashes a ReduceOp by its kind, so the native path tells the two apart by one hash), else None."""
+    others = [hash(dist.ReduceOp(k)) for k in (R.PRODUCT, R.MIN, R.MAX, R.BAND, R.BOR, R.BXOR)]
+    others.append(hash(dist._make_nccl_premul_sum(1.0)))
+    pair = (hash(dist.ReduceOp(R.SUM)), hash(dist.ReduceOp(R.AVG)))
+    return pair if pair[0] != pair[1] and not set(pair) & set(others) else None
+
+
+def native_allreduce(pg: Any, paths: Dict[Any, Any], recorder: Any, default_s: float, unset: Any) -> Any:
+    """The group's `allreduce` for the calls its fast paths take, whole in C++ (_C.GroupAllreduce): the
+    same checks, call, record and Work as the Python it replaces, without ~2 us of bytecode around a
+    ~0.7 us round. It calls `pg._allreduce(tensors, opts)` for every other call and
+    `pg._fast_allreduce_failed` when a round fails. None when the group has no fast paths."""
+    hashes = _op_hashes()
+    if not paths or hashes is None:
+        return None
+    hooks = types.SimpleNamespace(
+        group=weakref.ref(pg),   # the group holds this object: a strong reference would be a cycle
+        done_work=done_work, record=recorder.done if recorder is not None else None, profiler=_torch_profiler,
+        unset=unset, default_s=float(default_s), sum_hash=hashes[0], avg_hash=hashes[1], sum_kind=R.SUM, avg_kind=R.AVG,
+        errors=(_C.ShmMismatchError, _C.ShmPeerError, _C.CommTimeoutError))
+    return _C.GroupAllreduce(paths[R.SUM], paths[R.AVG], hooks)
 
 
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)

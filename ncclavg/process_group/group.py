@@ -33,7 +33,7 @@ from . import connect
 
 from ..transport import calls, flight, liveness, profiling
 from .cpu_collectives import CpuCollectives
-from .fast_path import done_work, fast_calls, fast_paths
+from .fast_path import done_work, fast_calls, fast_paths, native_allreduce
 from .lane import BackendError, BackendWork, Job, Lane, P2PWork, issued_elsewhere
 from .reductions import R, red_kind
 from ..comm.base import LazyText
@@ -94,13 +94,16 @@ class ProcessGroupNcclavg(dist.ProcessGroup):
         self._shut = False
         self._fast = fast_paths(self, self._lane.transport)   # Note [The backend's fast path]
         self._lane.fast_paths.extend(self._fast.values())
-        self._fast_sum, self._fast_avg = self._fast.get(R.SUM), self._fast.get(R.AVG)
         self._calls = fast_calls(self._lane.transport, size)   # the same, for broadcast, all-gather, reduce-scatter
         if self._calls is not None:
             self._lane.fast_paths.append(self._calls)
         # Note [What a job records] in lane.py; the fast paths record with Recorder.done
         self._flight = flight.for_group(self._name, rank, size, self.global_ranks[rank], self.transport)
         self._lane.recorder = self._flight
+        native = native_allreduce(self, self._fast, self._flight, self._timeout, _UNSET_TIMEOUT)
+        if native is not None:   # shadows the method below for this group: the general path is _allreduce
+            self.allreduce = native
+            self._lane.fast_paths.append(native)
 
     @staticmethod
     def _nccl_options(timeout: datetime.timedelta, backend_options: Any) -> Any:
@@ -246,24 +249,8 @@ class ProcessGroupNcclavg(dist.ProcessGroup):
 
     # ------------------------------------------------------------------ all-reduce family
     def allreduce(self, tensors: List[torch.Tensor], opts: Any = None) -> Any:
-        if self._fast and opts is not None and not opts.asyncOp and not _profiling():   # Note [The backend's fast path]
-            # Written for speed: a ReduceOp compares with a RedOpType in a third of the time that reading
-            # its .op takes, and an unset timeout is one comparison (torch makes new options per call).
-            rop = opts.reduceOp
-            path = self._fast_sum if rop == R.SUM else self._fast_avg if rop == R.AVG else None
-            if path is not None:
-                timeout = opts.timeout
-                limit = self._timeout if timeout == _UNSET_TIMEOUT else _seconds(timeout, self._timeout)
-                try:
-                    if path.run(tensors, limit):
-                        if self._flight is not None:   # Note [A ring of plain lists] in flight.py
-                            t = tensors[0]
-                            self._flight.done(("all_reduce", rop, None), t.dtype, t.numel())
-                        return done_work(tensors)
-                except CHANNEL_ERRORS as e:
-                    t = tensors[0]
-                    return self._fast_failed("allreduce", tensors, calls.make("all_reduce", t.dtype, rop, count=t.numel()),
-                                             limit, e)
+        """The general path; a group whose processes share a channel answers `allreduce` with its native
+        fast path first (fast_path.native_allreduce), which hands here every call it does not take."""
         opts = opts if opts is not None else AllreduceOptions()
         t = self._one(tensors, "tensors")
         if isinstance(t, torch.Tensor) and t.layout == torch.sparse_coo:
@@ -273,6 +260,13 @@ class ProcessGroupNcclavg(dist.ProcessGroup):
         op = self._op(opts.reduceOp, t)
         return self._submit("allreduce", opts, [t], tensors, lambda job: self._cpu.allreduce(job, t, op),
                             calls.make("all_reduce", t.dtype, op, count=t.numel()))
+
+    _allreduce = allreduce   # what the native fast path calls for the general path
+
+    def _fast_allreduce_failed(self, tensors: List[torch.Tensor], op: Any, limit: float, e: BaseException) -> BackendWork:
+        """The failed Work of an all_reduce whose round on the native fast path failed with `e`."""
+        t = tensors[0]
+        return self._fast_failed("allreduce", tensors, calls.make("all_reduce", t.dtype, op, count=t.numel()), limit, e)
 
     def _fast_failed(self, op: str, tensors: List[torch.Tensor], call: Call, limit: float,
                      e: BaseException) -> BackendWork:

@@ -36,6 +36,10 @@ def test_groups_that_used_the_fast_path_leave_nothing_mapped():
     run_ranks(W.groups_cycle_job, 2, args=(20,), timeout_s=240)
 
 
+def test_native_allreduce_works_references_and_per_call_timeout():
+    run_ranks(W.native_allreduce_job, 2, timeout_s=120)
+
+
 def test_broadcast_all_gather_reduce_scatter_fast_and_general_paths_agree():
     run_ranks(W.calls_agree_job, 2, timeout_s=300)
 
