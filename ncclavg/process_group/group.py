@@ -33,6 +33,7 @@ from . import connect
 
 from ..transport import calls, flight, liveness, profiling
 from .cpu_collectives import CpuCollectives
+from .device_table import routed
 from .fast_path import done_work, fast_calls, fast_paths, native_allreduce
 from .lane import BackendError, BackendWork, Job, Lane, P2PWork, issued_elsewhere
 from .reductions import R, red_kind
@@ -67,6 +68,7 @@ def _describe(count: int, dtype: Optional[torch.dtype]) -> str:
     return "no tensors" if dtype is None else f"{count} x {str(dtype).replace('torch.', '')}"
 
 
+@routed   # Note [The device table]: CUDA tensors go to the inner NCCL group; the methods are the CPU path
 class ProcessGroupNcclavg(dist.ProcessGroup):
     """One process group of the `ncclavg` backend. Built by torch through the creator registered for
     the name "ncclavg" (init_process_group, new_group, DeviceMesh); see the module's notes."""
@@ -161,16 +163,13 @@ class ProcessGroupNcclavg(dist.ProcessGroup):
         return (f"ncclavg {op} of {_describe(count, dtype)} (group {self._name or '?'}, rank {self._rank} of "
                 f"{self._size}, {self.transport})")
 
-    def _device(self, tensors: List[torch.Tensor], argname: str) -> str:
-        """'cpu' or 'cuda' for the tensors of one call; raises naming the argument otherwise."""
+    def _kind(self, tensors: List[torch.Tensor], argname: str) -> str:
+        """'cpu' or 'cuda' for the tensors of one call; raises naming the argument otherwise (Note [The
+        device table] in device_table.py)."""
         kinds = set()
         for i, t in enumerate(tensors):
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"{argname}[{i}]: expected a torch.Tensor, got {type(t).__name__}")
-            if t.layout != torch.strided:
-                raise TypeError(f"{argname}[{i}]: the ncclavg backend takes dense tensors here, got {t.layout}")
-            if not t.is_contiguous():
-                raise ValueError(f"{argname}[{i}]: expected a contiguous tensor")
             kinds.add(t.device.type)
         if len(kinds) > 1:
             raise ValueError(f"{argname}: tensors on several device types {sorted(kinds)} in one call")
@@ -180,6 +179,16 @@ class ProcessGroupNcclavg(dist.ProcessGroup):
         if kind == "cuda" and self._nccl is None:
             raise ValueError(f"{argname}: CUDA tensors need CUDA and NCCL, which this process does not have")
         return kind
+
+    def _check_cpu(self, tensors: List[torch.Tensor], argname: str) -> None:
+        """The tensors of a call on the CPU path are dense contiguous CPU tensors; raises naming the argument."""
+        if self._kind(tensors, argname) != "cpu":   # CUDA tensors beside the ones the device table looked at
+            raise ValueError(f"{argname}: expected CPU tensors like the call's other tensors, got CUDA tensors")
+        for i, t in enumerate(tensors):
+            if t.layout != torch.strided:
+                raise TypeError(f"{argname}[{i}]: the ncclavg backend takes dense tensors here, got {t.layout}")
+            if not t.is_contiguous():
+                raise ValueError(f"{argname}[{i}]: expected a contiguous tensor")
 
     def _one(self, tensors: Any, argname: str) -> torch.Tensor:
         if isinstance(tensors, torch.Tensor) or len(tensors) != 1:
@@ -255,8 +264,7 @@ class ProcessGroupNcclavg(dist.ProcessGroup):
         t = self._one(tensors, "tensors")
         if isinstance(t, torch.Tensor) and t.layout == torch.sparse_coo:
             return self._sparse_allreduce(t, tensors, opts)
-        if self._device([t], "tensors") == "cuda":
-            return self._nccl_group().allreduce(tensors, opts)
+        self._check_cpu([t], "tensors")
         op = self._op(opts.reduceOp, t)
         return self._submit("allreduce", opts, [t], tensors, lambda job: self._cpu.allreduce(job, t, op),
                             calls.make("all_reduce", t.dtype, op, count=t.numel()))
@@ -280,10 +288,8 @@ class ProcessGroupNcclavg(dist.ProcessGroup):
         return self._timeout if timeout == _UNSET_TIMEOUT else _seconds(timeout, self._timeout)
 
     def _sparse_allreduce(self, t: torch.Tensor, tensors: List[torch.Tensor], opts: Any) -> Any:
-        if t.device.type == "cuda":
-            return self._nccl_group().allreduce(tensors, opts)
-        if t.device.type != "cpu":
-            raise ValueError(f"tensors: the ncclavg backend takes CPU and CUDA tensors, got {t.device.type}")
+        if self._kind([t], "tensors") != "cpu":   # the device table sent sparse CUDA tensors to NCCL
+            raise ValueError("tensors: expected a CPU tensor")
         if red_kind(opts.reduceOp) != R.SUM:
             raise ValueError(f"op: sparse all_reduce supports SUM only (as gloo's), got {red_kind(opts.reduceOp).name}")
         dense = 1
@@ -295,8 +301,7 @@ class ProcessGroupNcclavg(dist.ProcessGroup):
 
     def allreduce_coalesced(self, tensors: List[torch.Tensor], opts: Any = None) -> Any:
         opts = opts if opts is not None else AllreduceCoalescedOptions()
-        if self._device(tensors, "tensors") == "cuda":
-            return self._nccl_group().allreduce_coalesced(tensors, opts)
+        self._check_cpu(tensors, "tensors")
         for t in tensors:
             self._op(opts.reduceOp, t)
         op = opts.reduceOp
@@ -307,8 +312,7 @@ class ProcessGroupNcclavg(dist.ProcessGroup):
     def reduce(self, tensors: List[torch.Tensor], opts: Any = None) -> Any:
         opts = opts if opts is not None else ReduceOptions()
         t = self._one(tensors, "tensors")
-        if self._device([t], "tensors") == "cuda":
-            return self._nccl_group().reduce(tensors, opts)
+        self._check_cpu([t], "tensors")
         root, op = self._root(opts.rootRank), self._op(opts.reduceOp, t)
         return self._submit("reduce", opts, [t], tensors, lambda job: self._cpu.reduce(job, t, root, op),
                             calls.make("reduce", t.dtype, op, root, t.numel()))
@@ -328,8 +332,7 @@ class ProcessGroupNcclavg(dist.ProcessGroup):
                     return self._fast_failed("reduce_scatter_single", [input], calls.make(
                         "reduce_scatter_tensor", output.dtype, kind, count=output.numel()), limit, e)
         opts = opts if opts is not None else ReduceScatterOptions()
-        if self._device([output, input], "output_tensor, input_tensor") == "cuda":
-            return self._nccl_group()._reduce_scatter_base(output, input, opts)
+        self._check_cpu([output, input], "output_tensor, input_tensor")
         self._check_scatter_sizes(output, input)
         op = self._op(opts.reduceOp, output)
         return self._submit("reduce_scatter_single", opts, [input], output,
@@ -350,12 +353,7 @@ class ProcessGroupNcclavg(dist.ProcessGroup):
         opts = opts if opts is not None else ReduceScatterOptions()
         if len(outputs) != len(inputs):
             raise ValueError(f"inputs: expected {len(outputs)} tensors like outputs, got {len(inputs)}")
-        if self._device(list(outputs) + list(inputs), "outputs, inputs") == "cuda":
-            nccl = self._nccl_group()
-            works = [nccl._reduce_scatter_base(o, i, opts) for o, i in zip(outputs, inputs)]
-            for w in works[:-1]:
-                w.wait()
-            return works[-1]
+        self._check_cpu(list(outputs) + list(inputs), "outputs, inputs")
         for o, i in zip(outputs, inputs):
             self._check_scatter_sizes(o, i)
             self._op(opts.reduceOp, o)
@@ -380,8 +378,7 @@ class ProcessGroupNcclavg(dist.ProcessGroup):
         inputs = list(input_lists[0])
         if len(inputs) != self._size:
             raise ValueError(f"input_list: expected {self._size} tensors (one per rank), got {len(inputs)}")
-        if self._device([out] + inputs, "input_list") == "cuda":
-            return self._nccl_group().reduce_scatter(outputs, input_lists, opts)
+        self._check_cpu([out] + inputs, "input_list")
         if inputs[self._rank].numel() != out.numel() or any(x.dtype != out.dtype for x in inputs):
             raise ValueError(f"input_list[{self._rank}]: expected {out.numel()} elements of {out.dtype} like output")
         op = self._op(opts.reduceOp, out)
@@ -408,8 +405,7 @@ class ProcessGroupNcclavg(dist.ProcessGroup):
                                              limit, e)
         opts = opts if opts is not None else BroadcastOptions()
         t = self._one(tensors, "tensors")
-        if self._device([t], "tensors") == "cuda":
-            return self._nccl_group().broadcast(tensors, opts)
+        self._check_cpu([t], "tensors")
         root = self._root(opts.rootRank, "src")
         return self._submit("broadcast", opts, [t], tensors, lambda job: self._cpu.broadcast(job, t, root),
                             calls.make("broadcast", t.dtype, None, root, t.numel()))
@@ -426,8 +422,7 @@ class ProcessGroupNcclavg(dist.ProcessGroup):
                 return self._fast_failed("all_gather_single", [input], calls.make(
                     "all_gather_into_tensor", input.dtype, count=input.numel()), limit, e)
         opts = opts if opts is not None else AllgatherOptions()
-        if self._device([output, input], "output_tensor, input_tensor") == "cuda":
-            return self._nccl_group()._allgather_base(output, input, opts)
+        self._check_cpu([output, input], "output_tensor, input_tensor")
         self._check_gather_sizes(output, input)
         return self._submit("all_gather_single", opts, [input], output,
                             lambda job: self._cpu.all_gather_single(job, output, input),
@@ -447,12 +442,7 @@ class ProcessGroupNcclavg(dist.ProcessGroup):
         opts = opts if opts is not None else AllgatherOptions()
         if len(outputs) != len(inputs):
             raise ValueError(f"inputs: expected {len(outputs)} tensors like outputs, got {len(inputs)}")
-        if self._device(list(outputs) + list(inputs), "outputs, inputs") == "cuda":
-            nccl = self._nccl_group()
-            works = [nccl._allgather_base(o, i, opts) for o, i in zip(outputs, inputs)]
-            for w in works[:-1]:
-                w.wait()
-            return works[-1]
+        self._check_cpu(list(outputs) + list(inputs), "outputs, inputs")
         for o, i in zip(outputs, inputs):
             self._check_gather_sizes(o, i)
 
@@ -473,8 +463,7 @@ class ProcessGroupNcclavg(dist.ProcessGroup):
         if len(output_lists) != 1 or len(output_lists[0]) != self._size:
             raise ValueError(f"tensor_list: expected {self._size} tensors (one per rank)")
         outs = list(output_lists[0])
-        if self._device([inp] + outs, "tensor_list") == "cuda":
-            return self._nccl_group().allgather(output_lists, inputs, opts)
+        self._check_cpu([inp] + outs, "tensor_list")
         # every output like the input, as gloo requires (an uneven all_gather is refused before anything moves)
         self._same_size(outs, inp, "tensor_list")
         return self._submit("allgather", opts, [inp], outs, lambda job: self._cpu.allgather(job, outs, inp),
@@ -485,10 +474,9 @@ class ProcessGroupNcclavg(dist.ProcessGroup):
         opts = opts if opts is not None else AllgatherOptions()
         if len(output_lists) != self._size or any(len(o) != len(inputs) for o in output_lists):
             raise ValueError(f"output_tensor_lists: expected {self._size} lists of {len(inputs)} tensors")
-        if self._device(list(inputs), "input_tensor_list") == "cuda":
-            return self._nccl_group().allgather_coalesced(output_lists, inputs, opts)
+        self._check_cpu(list(inputs), "input_tensor_list")
         for r, outs in enumerate(output_lists):
-            self._device(list(outs), f"output_tensor_lists[{r}]")
+            self._check_cpu(list(outs), f"output_tensor_lists[{r}]")
             for k, (o, i) in enumerate(zip(outs, inputs)):
                 if o.dtype != i.dtype or o.numel() != i.numel():
                     raise ValueError(f"output_tensor_lists[{r}][{k}]: expected {i.numel()} elements of {i.dtype} "
@@ -510,8 +498,7 @@ class ProcessGroupNcclavg(dist.ProcessGroup):
         outs = list(output_lists[0]) if output_lists else []
         if self._rank == root and len(outs) != self._size:
             raise ValueError(f"gather_list: expected {self._size} tensors on the destination rank, got {len(outs)}")
-        if self._device([inp] + outs, "gather_list") == "cuda":
-            return self._nccl_group().gather(output_lists, inputs, opts)
+        self._check_cpu([inp] + outs, "gather_list")
         self._same_size(outs, inp, "gather_list")
         return self._submit("gather", opts, [inp], outs, lambda job: self._cpu.gather(job, outs, inp, root),
                             calls.make("gather", inp.dtype, None, root, inp.numel()))
@@ -523,8 +510,7 @@ class ProcessGroupNcclavg(dist.ProcessGroup):
         inputs = list(input_lists[0]) if input_lists else []
         if self._rank == root and len(inputs) != self._size:
             raise ValueError(f"scatter_list: expected {self._size} tensors on the source rank, got {len(inputs)}")
-        if self._device([out] + inputs, "scatter_list") == "cuda":
-            return self._nccl_group().scatter(outputs, input_lists, opts)
+        self._check_cpu([out] + inputs, "scatter_list")
         self._same_size(inputs, out, "scatter_list")
         return self._submit("scatter", opts, [out], outputs,
                             lambda job: self._cpu.scatter(job, out, inputs if self._rank == root else None, root),
@@ -533,8 +519,7 @@ class ProcessGroupNcclavg(dist.ProcessGroup):
     def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, output_splits: List[int],
                           input_splits: List[int], opts: Any = None) -> Any:
         opts = opts if opts is not None else AllToAllOptions()
-        if self._device([output, input], "output, input") == "cuda":
-            return self._nccl_group().alltoall_base(output, input, output_splits, input_splits, opts)
+        self._check_cpu([output, input], "output, input")
         if input.dtype != output.dtype:
             raise TypeError(f"output: expected {input.dtype} like input, got {output.dtype}")
         even = not output_splits and not input_splits   # then every rank moves as much as the others
@@ -548,8 +533,7 @@ class ProcessGroupNcclavg(dist.ProcessGroup):
         opts = opts if opts is not None else AllToAllOptions()
         if len(outputs) != self._size or len(inputs) != self._size:
             raise ValueError(f"output_tensor_list, input_tensor_list: expected {self._size} tensors each")
-        if self._device(list(outputs) + list(inputs), "output_tensor_list, input_tensor_list") == "cuda":
-            return self._nccl_group().alltoall(outputs, inputs, opts)
+        self._check_cpu(list(outputs) + list(inputs), "output_tensor_list, input_tensor_list")
         return self._submit("alltoall", opts, list(inputs), list(outputs),
                             lambda job: self._cpu.alltoall(job, list(outputs), list(inputs)),
                             calls.make("all_to_all", inputs[0].dtype if inputs else None))
@@ -569,8 +553,7 @@ class ProcessGroupNcclavg(dist.ProcessGroup):
     # ------------------------------------------------------------------ point to point: straight to gloo
     def send(self, tensors: List[torch.Tensor], dst: int, tag: int = 0) -> Any:
         t = self._one(tensors, "tensor")
-        if self._device([t], "tensor") == "cuda":
-            return self._nccl_group().send(tensors, dst, tag)
+        self._check_cpu([t], "tensor")
         peer = self._root(dst, "dst")
         if _profiling():
             return self._profiled_p2p("send", tensors, lambda: self._gloo.send(tensors, peer, tag))
@@ -578,8 +561,7 @@ class ProcessGroupNcclavg(dist.ProcessGroup):
 
     def recv(self, tensors: List[torch.Tensor], src: int, tag: int = 0) -> Any:
         t = self._one(tensors, "tensor")
-        if self._device([t], "tensor") == "cuda":
-            return self._nccl_group().recv(tensors, src, tag)
+        self._check_cpu([t], "tensor")
         peer = self._root(src, "src")
         if _profiling():
             return self._profiled_p2p("recv", tensors, lambda: self._gloo.recv(tensors, peer, tag))
@@ -587,8 +569,7 @@ class ProcessGroupNcclavg(dist.ProcessGroup):
 
     def recv_anysource(self, tensors: List[torch.Tensor], tag: int = 0) -> Any:
         t = self._one(tensors, "tensor")
-        if self._device([t], "tensor") == "cuda":
-            raise ValueError("tensor: receiving from any source is not supported for CUDA tensors")
+        self._check_cpu([t], "tensor")
         if _profiling():
             return self._profiled_p2p("recv_anysource", tensors, lambda: self._gloo.recv_anysource(tensors, tag))
         return self._gloo.recv_anysource(tensors, tag)
