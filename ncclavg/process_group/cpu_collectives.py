@@ -140,9 +140,7 @@ class CpuCollectives:
                 self._step("sum_scatter", job, acc, i.to(torch.float32))
                 o.copy_(acc.div_(self.size))
                 return
-            self._step("sum_scatter", job, o, i)
-            if kind == R.AVG:
-                o.div_(self.size)
+            self._step("sum_scatter", job, o, i, kind == R.AVG)
             return
         # anything else: the whole input all-reduced (by the rules above), this rank's slice kept
         whole = inp.reshape(-1).clone()

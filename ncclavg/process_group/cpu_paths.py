@@ -83,8 +83,14 @@ class ChannelPaths:
             if start >= flat.numel():
                 return
 
-    def sum_scatter(self, job: Job, out: torch.Tensor, inp: torch.Tensor) -> None:
+    def sum_scatter(self, job: Job, out: torch.Tensor, inp: torch.Tensor, average: bool = False) -> None:
+        """out = this rank's slice of the SUM (or AVG: float32 / float64) over the ranks of inp."""
+        if average and self._one_host:   # the division in the channel's pass: the same bits as div_ after it
+            self._run(job, "reduce_scatter_sum", out, inp, divisor=float(self.size))
+            return
         self._run(job, "reduce_scatter_sum", out, inp)
+        if average:
+            out.div_(self.size)
 
     # ------------------------------------------------------------------ data movement (bytes)
     def all_gather_bytes(self, job: Job, out_bytes: torch.Tensor, in_bytes: torch.Tensor) -> None:
@@ -249,12 +255,14 @@ class GlooPaths:
             mean = exact_mean(rows.view(t.dtype).view(self.size, -1).numpy())
             piece.copy_(torch.from_numpy(mean))
 
-    def sum_scatter(self, job: Job, out: torch.Tensor, inp: torch.Tensor) -> None:
+    def sum_scatter(self, job: Job, out: torch.Tensor, inp: torch.Tensor, average: bool = False) -> None:
         self.check(job)
         if out.numel():
             opts = ReduceScatterOptions()
             opts.reduceOp = ReduceOp(R.SUM)
             self._wait(job, self.gloo._reduce_scatter_base(out, inp, opts))
+            if average:
+                out.div_(self.size)
 
     # ------------------------------------------------------------------ data movement (as bytes: gloo lacks some dtypes)
     def all_gather_bytes(self, job: Job, out_bytes: torch.Tensor, in_bytes: torch.Tensor) -> None:

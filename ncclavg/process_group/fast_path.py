@@ -163,7 +163,7 @@ class FastCalls:
     What goes to the channel is what the general path sends for the same call (cpu_collectives.py): a
     broadcast and an all-gather move bytes viewed as float32 words when the payload is a multiple of 4
     bytes, as float16 halves when it is even (an odd payload is padded there: left to the general path);
-    a reduce-scatter adds in the tensors' own dtype, and AVG divides after. The signature is the same Call."""
+    a reduce-scatter adds in the tensors' own dtype, and AVG divides in the same pass. The signature is the same Call."""
 
     def __init__(self, channel: Any, exec_lock: Any, size: int):
         self._channel, self._exec, self._size = channel, exec_lock, size
@@ -224,7 +224,8 @@ class FastCalls:
         return True
 
     def reduce_scatter(self, out: Any, inp: Any, op: Any, limit: float) -> bool:
-        """op: R.SUM (every channel type) or R.AVG (float32 and float64: the sum, then div_, as the general path)."""
+        """op: R.SUM (every channel type) or R.AVG (float32 and float64: divided in the channel's pass, as
+        the general path does on one host)."""
         if not (_plain(out) and _plain(inp) and out.dtype == inp.dtype and inp.numel() == out.numel() * self._size):
             return False
         types = _SUM_TYPES if op == R.SUM else _AVG_TYPES
@@ -240,13 +241,10 @@ class FastCalls:
         if not self._idle():
             return False
         try:
-            self._channel.reduce_scatter_sum(inp.data_ptr(), out.data_ptr(), out.numel(), got[0], limit, 1.0, 1.0,
-                                             got[1], got[2])
+            self._channel.reduce_scatter_sum(inp.data_ptr(), out.data_ptr(), out.numel(), got[0], limit, 1.0,
+                                             float(self._size) if op == R.AVG else 1.0, got[1], got[2])
         finally:
             self._exec.release()
-        if op == R.AVG:
-            with torch.no_grad():   # as the lane's jobs run: an output that requires grad is written in place
-                out.div_(self._size)
         return True
 
 

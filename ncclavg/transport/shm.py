@@ -324,12 +324,15 @@ class ShmTransport:
                             sync, timeout, (1.0, float(divisor)) + _tag(call))
 
     def reduce_scatter_sum(self, out: torch.Tensor, inp: torch.Tensor, sync: bool = True,
-                           timeout: Optional[float] = None, call: Optional[Call] = None) -> _ShmWork:
+                           timeout: Optional[float] = None, call: Optional[Call] = None,
+                           divisor: float = 1.0) -> _ShmWork:
+        """divisor != 1: one host only (`channel` is not None); the channel divides in the same pass."""
         if self._hosts is not None:
+            assert divisor == 1.0, "only one host's channel divides"
             return self._submit(self._across_reduce_scatter, (out, inp), (out, inp), sync, timeout, (call,))
         return self._submit(self._channel.reduce_scatter_sum,
                             (inp.data_ptr(), out.data_ptr(), out.numel(), TYPE_CODES[out.dtype]), (out, inp), sync,
-                            timeout, (1.0, 1.0) + _tag(call))
+                            timeout, (1.0, float(divisor)) + _tag(call))
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor, sync: bool = True,
                    timeout: Optional[float] = None, call: Optional[Call] = None) -> _ShmWork:
