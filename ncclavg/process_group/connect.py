@@ -41,10 +41,9 @@ from torch._C._distributed_c10d import (AllreduceOptions, AllToAllOptions, Broad
 from ..transport import shm
 from ..transport.liveness import Liveness
 from ..transport.shm import ShmTransport
-from .lane import BackendError, Lane
+from .lane import BACKSTOP_S, BackendError, Lane
 
 host_identity = shm.host_identity   # the tests replace it to pretend several hosts
-CHANNEL_TIMEOUT_S = 7 * 24 * 3600.0   # the lane's watchdog enforces each group's own timeout
 
 
 # ---------------------------------------------------------------------------------------------- heartbeats
@@ -131,7 +130,10 @@ def connect_channel(store: Any, rank: int, size: int, gloo: Any, timeout: dateti
     try:
         exchange = _store_exchange(store, rank, size, timeout)
         identities = exchange(host_identity())
-        return ShmTransport.connect(rank, size, exchange, identities, CHANNEL_TIMEOUT_S,
+        # the transport's own limit, for what it runs without a call's limit (its setup between hosts): the
+        # group's timeout and the backstop; every collective passes its job's (Note [Per-collective deadlines])
+        limit = timeout.total_seconds() + BACKSTOP_S
+        return ShmTransport.connect(rank, size, exchange, identities, limit,
                                     dist=_DistOverBackends(store, rank, timeout), group=_Group(gloo, list(range(size))))
     except BackendError:
         raise
