@@ -259,3 +259,31 @@ def test_an_unknown_peer_is_refused_before_anything_is_made(tmp_path):
                            "--mpi-cache", str(tmp_path / "cache")], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "mvapich" in proc.stderr and "openmpi,mpich4,mpich5,impi" in proc.stderr
     assert not (tmp_path / "cache").exists()
+
+
+def test_the_load_is_busy_processes_at_the_lowest_priority(bench):
+    """--load N: N processes that each keep a core busy at nice 19 (the other jobs of a shared machine)."""
+    import os
+    import time
+
+    busy = bench.start_load(2)
+    try:
+        assert len(busy) == 2
+        time.sleep(0.5)
+        for b in busy:
+            assert b.poll() is None, "a load process ended by itself"
+            fields = Path(f"/proc/{b.pid}/stat").read_text().rsplit(")", 1)[1].split()
+            nice, cpu_ticks = int(fields[16]), int(fields[11]) + int(fields[12])   # stat fields 19, 14 + 15
+            assert nice == min(19, os.nice(0) + 19), nice
+            assert cpu_ticks > 0, "a load process is not running"
+    finally:
+        for b in busy:
+            b.kill()
+            b.wait()
+
+
+def test_a_negative_load_is_refused(tmp_path):
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "mpi_peer.py"), "--load", "-1",
+                           "--mpi-cache", str(tmp_path / "cache")], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "--load" in proc.stderr, proc.stderr
+    assert not (tmp_path / "cache").exists()
