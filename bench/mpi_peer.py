@@ -283,29 +283,34 @@ def merge(peers: list[dict]) -> list[dict]:
     """One row per (P, dtype, size) over every peer's runs: each peer's MPI time ("mpi_us", by peer key),
     and for each contender of NCCLAVG_SIDE the median of the times its runs measured ("time_us"), their
     (min, max) ("range_us") and how many ("runs"). ncclavg's bandwidth is from that median; the copy
-    bandwidth is the median of the runs' own."""
+    bandwidth is the median of the runs' own. "same_run": per peer, ncclavg's time over that MPI's in
+    the same run (the same minutes of the machine: on a loaded one the runs differ far more than the
+    contenders of one run), and "worst_same_run" the peer where that ratio is highest."""
     slots: dict[tuple, dict] = {}
     for e in peers:
         for run in e["runs"].values():
             for r in run.get("rows", []):
                 s = slots.setdefault((r["procs"], r["dtype"], r["size_bytes"]),
-                                     {"mpi": {}, "side": {c: [] for c in NCCLAVG_SIDE}, "copy": []})
+                                     {"mpi": {}, "side": {c: [] for c in NCCLAVG_SIDE}, "copy": [], "own": {}})
                 if r["contender"] == "MPI":
                     s["mpi"][e["peer"]] = r["time_us"]
                 elif r["contender"] in s["side"]:
                     s["side"][r["contender"]].append(r["time_us"])
                 if r["contender"] == "ncclavg":
                     s["copy"].append(r["copy_gbps"])
+                    s["own"][e["peer"]] = r["time_us"]
     rows = []
     for (p, d, b), s in sorted(slots.items()):
         t = {c: statistics.median(v) if v else None for c, v in s["side"].items()}
         best = min(s["mpi"], key=s["mpi"].get) if s["mpi"] else None
         nc, tnc = t["ncclavg"], t["torch ncclavg"]
         algbw = b / (nc * 1e-6) / 1e9 if nc else None
+        same = {k: s["own"][k] / v for k, v in s["mpi"].items() if k in s["own"] and v > 0}
         rows.append({"procs": p, "dtype": d, "size_bytes": b, "mpi_us": s["mpi"], "time_us": t,
                      "range_us": {c: [min(v), max(v)] for c, v in s["side"].items() if v},
                      "runs": len(s["side"]["ncclavg"]), "best_mpi": best,
                      "ncclavg_over_best_mpi": nc / s["mpi"][best] if best and nc else None,
+                     "same_run": same, "worst_same_run": max(same, key=same.get) if same else None,
                      "torch_ncclavg_over_public": tnc / nc if tnc and nc else None,
                      "ncclavg_busbw_gbps": algbw * 2 * (p - 1) / p if algbw else None,
                      "copy_gbps": statistics.median(s["copy"]) if s["copy"] else None})
@@ -337,21 +342,24 @@ def columns(peers: list[dict]) -> list[tuple[str, str]]:
 
 def table(merged: list[dict], cols: list[tuple[str, str]]) -> list[str]:
     """One line per (P, dtype, size): the ncclavg and torch contenders (medians over the runs), each MPI
-    peer's MPI_Allreduce, ncclavg / the fastest MPI (below 1: ncclavg is faster) and the torch
-    backend / the public API (the torch face's cost)."""
+    peer's MPI_Allreduce, ncclavg / the fastest MPI (below 1: ncclavg is faster), the highest ratio of
+    ncclavg to an MPI within one run, and the torch backend / the public API (the torch face's cost)."""
     fmt = lambda v: "-" if v is None else f"{v:.1f}"   # noqa: E731
     head = (["P", "dtype", "size", "ncclavg us", "channel us", "torch ncclavg us", "gloo us"] +
             [f"{title} us" for _, title in cols] +
-            ["ncclavg / best MPI", "torch ncclavg / public API", "ncclavg busbw GB/s", "copy GB/s"])
+            ["ncclavg / best MPI", "ncclavg / MPI, same run (worst)", "torch ncclavg / public API",
+             "ncclavg busbw GB/s", "copy GB/s"])
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in merged:
         t = r["time_us"]
         best = "-" if r["ncclavg_over_best_mpi"] is None else f"{r['ncclavg_over_best_mpi']:.2f}x ({r['best_mpi']})"
         face = "-" if r["torch_ncclavg_over_public"] is None else f"{r['torch_ncclavg_over_public']:.2f}x"
+        w = r.get("worst_same_run")
+        same = "-" if w is None else f"{r['same_run'][w]:.2f}x ({w})"
         cells = ([str(r["procs"]), r["dtype"], _common.human(r["size_bytes"]), fmt(t["ncclavg"]),
                   fmt(t["ncclavg channel"]), fmt(t["torch ncclavg"]), fmt(t["torch gloo"])] +
                  [fmt(r["mpi_us"].get(k)) for k, _ in cols] +
-                 [best, face, "-" if r["ncclavg_busbw_gbps"] is None else f"{r['ncclavg_busbw_gbps']:.2f}",
+                 [best, same, face, "-" if r["ncclavg_busbw_gbps"] is None else f"{r['ncclavg_busbw_gbps']:.2f}",
                   fmt(r["copy_gbps"])])
         lines.append("| " + " | ".join(cells) + " |")
     return lines

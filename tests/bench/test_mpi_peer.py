@@ -207,6 +207,9 @@ def test_merge_takes_the_median_over_the_runs_and_the_best_mpi(bench, peers):
     assert big["time_us"]["torch ncclavg"] == 24.0 and big["time_us"]["torch gloo"] == 500.0
     assert big["best_mpi"] == "mpich4" and big["ncclavg_over_best_mpi"] == pytest.approx(12.0 / 20.0)
     assert big["torch_ncclavg_over_public"] == pytest.approx(2.0)
+    # each MPI against ncclavg in the same run: openmpi 10 / 40, mpich4 14 / 20, mpich5 12 / 80
+    assert big["same_run"] == pytest.approx({"openmpi": 0.25, "mpich4": 0.7, "mpich5": 0.15})
+    assert big["worst_same_run"] == "mpich4"
     # busbw as nccl-tests: bytes / time x 2(P-1)/P, from the median time
     assert big["ncclavg_busbw_gbps"] == pytest.approx((1 << 20) / 12e-6 / 1e9)
     assert merged[0]["mpi_us"] == {"openmpi": 1.0, "mpich4": 1.0, "mpich5": 1.0}
@@ -231,7 +234,9 @@ def test_report_has_a_column_per_peer_that_ran_the_rule_and_the_reasons(bench, p
     row = next(x for x in lines if x.startswith("| 2 | float32 | 1 MiB |"))
     cells = [c.strip() for c in row.strip("|").split("|")]
     assert cells[3:10] == ["12.0", "10.8", "24.0", "500.0", "40.0", "20.0", "80.0"]
-    assert cells[10:12] == ["0.60x (mpich4)", "2.00x"]
+    assert cells[10:13] == ["0.60x (mpich4)", "0.70x (mpich4)", "2.00x"]   # 14 / 20 in mpich4's own run
+    row8 = next(x for x in lines if x.startswith("| 2 | float32 | 8 B |"))
+    assert [c.strip() for c in row8.strip("|").split("|")][10:12] == ["12.00x (openmpi)", "14.00x (mpich4)"]
     assert all(len(x.split("|")) == len(header.split("|")) for x in lines if x.startswith("|"))
     assert "ncclavg 1.40x (at worst 1.40x, P=2 float32 8 B)" in text   # 14 / 10 in both rows: the first
     assert "- P=2: ncclavg 1.0%, torch gloo 0.5%, openmpi 90.0%, mpich4 100.0%, mpich5 90.0%" in text
