@@ -152,11 +152,22 @@ def native_allreduce_job(rank, world, port):
     assert held() is None, "the destroyed group kept its last call's tensor alive"
     assert group() is None, "the destroyed group was not collected"
 
-    pg = dist.group.WORLD
+    pg, h = dist.group.WORLD, dist.new_group()
     dist.all_reduce(torch.ones(2))   # the world's fast path has seen this kind of call: cached
     if rank == 1:
-        time.sleep(4)   # alive, never calls: rank 0's round can only time out
+        time.sleep(10)   # alive, never calls: rank 0's rounds can only time out
         return
+    opts = AllreduceOptions()   # the general path (async): the job's deadline, the call's own limit
+    opts.reduceOp, opts.asyncOp = R.SUM, True
+    opts.timeout = datetime.timedelta(seconds=0.5)
+    start = time.monotonic()
+    work = h.allreduce([torch.ones(3)], opts)
+    try:
+        work.wait()
+        raise AssertionError("a job whose peer never came completed")
+    except Exception as e:   # noqa: BLE001 (judged here)
+        assert "allreduce of 3 x float32" in str(e) and "within 0.5 s: the call's timeout expired" in str(e), e
+    assert time.monotonic() - start < 5.0, time.monotonic() - start
     opts = AllreduceOptions()
     opts.reduceOp, opts.asyncOp = R.SUM, False
     opts.timeout = datetime.timedelta(seconds=0.5)
@@ -166,7 +177,7 @@ def native_allreduce_job(rank, world, port):
         work.wait()
         raise AssertionError("a round whose peer never came completed")
     except Exception as e:   # noqa: BLE001 (judged here)
-        assert "allreduce of 2 x float32" in str(e) and "within 0.5 s" in str(e), e
+        assert "allreduce of 2 x float32" in str(e) and "within 0.5 s: the call's timeout expired" in str(e), e
     assert time.monotonic() - start < 3.5, time.monotonic() - start
 
 

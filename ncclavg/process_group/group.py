@@ -220,8 +220,8 @@ class ProcessGroupNcclavg(dist.ProcessGroup):
                 call: Optional[Call]) -> BackendWork:
         if self._shut:
             raise BackendError(f"ncclavg {op}: the process group was shut down")
-        job = Job(body, result, self._what(op, tensors), _seconds(getattr(opts, "timeout", None), self._timeout),
-                  self._diagnose, call)
+        limit = _seconds(getattr(opts, "timeout", None), self._timeout)
+        job = Job(body, result, self._what(op, tensors), limit, self._diagnose, call, own_timeout=limit != self._timeout)
         if self._flight is not None and call is not None:   # Note [What a job records] in lane.py
             job.rec = self._flight.issue(call, tensors)
         if _profiling():   # Note [Profiler ranges of a Python backend] in profiling.py: on the worker
@@ -279,7 +279,8 @@ class ProcessGroupNcclavg(dist.ProcessGroup):
     def _fast_failed(self, op: str, tensors: List[torch.Tensor], call: Call, limit: float,
                      e: BaseException) -> BackendWork:
         """The failed Work of a fast-path call: the group fails as the lane's job would have."""
-        job = Job(None, tensors, self._what(op, tensors[:1]), limit, self._diagnose, call)
+        job = Job(None, tensors, self._what(op, tensors[:1]), limit, self._diagnose, call,
+                  own_timeout=limit != self._timeout)
         job._complete(self._lane._failed(job, e))
         return BackendWork(job, self._lane)
 

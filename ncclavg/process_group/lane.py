@@ -66,10 +66,11 @@ WATCH_S = 0.2      # how often the watchdog looks at the running collective
 BACKSTOP_S = WATCH_S + DIAGNOSE_S + 1.0
 
 
-def timed_out(what: str, timeout: float) -> str:
+def timed_out(what: str, timeout: float, own: bool = False) -> str:
     """A timeout's words, with " timeout " as gloo's and NCCL's say it (launchers, tools and torch's own
-    tests look for it), and the limit."""
-    return f"{what} did not complete within {timeout:g} s: the group's timeout expired"
+    tests look for it), and the limit; `own`: the call's own timeout (torch's per-call options), not
+    its group's."""
+    return f"{what} did not complete within {timeout:g} s: {'the call' if own else 'the group'}'s timeout expired"
 
 
 class Job:
@@ -77,12 +78,13 @@ class Job:
     tensors); `what` names it in errors; `call` (calls.Call) is the user's call every rank compares
     (Note [Every call compared] in cpu_collectives.py); `namer` names the lost rank after a timeout."""
 
-    __slots__ = ("run", "result", "what", "timeout", "namer", "call", "deadline", "expired", "error", "event",
-                 "future", "rec", "prof", "__weakref__")
+    __slots__ = ("run", "result", "what", "timeout", "own_timeout", "namer", "call", "deadline", "expired", "error",
+                 "event", "future", "rec", "prof", "__weakref__")
 
     def __init__(self, run: Callable[["Job"], None], result: Any, what: str, timeout: float,
-                 namer: Optional[Callable[[], str]] = None, call: Any = None):
+                 namer: Optional[Callable[[], str]] = None, call: Any = None, own_timeout: bool = False):
         self.run, self.result, self.what, self.timeout, self.namer = run, result, what, float(timeout), namer
+        self.own_timeout = own_timeout   # the call's own limit (torch's per-call options), not the group's
         self.call = call
         self.deadline: Optional[float] = None   # monotonic, set when the lane starts it
         self.expired: Optional[str] = None      # the watchdog's text, once past the deadline
@@ -96,7 +98,7 @@ class Job:
         """Seconds left before the deadline (raises BackendTimeoutError when none are)."""
         left = (self.deadline or time.monotonic() + self.timeout) - time.monotonic()
         if left <= 0:
-            raise BackendTimeoutError(timed_out(self.what, self.timeout))
+            raise BackendTimeoutError(timed_out(self.what, self.timeout, self.own_timeout))
         return left
 
     def channel_limit(self) -> float:
@@ -305,7 +307,7 @@ class Lane(Executor):
         if job.expired is not None:
             msg = job.expired
         elif timed_out_now:
-            msg = f"{timed_out(job.what, job.timeout)}{who} ({text})"
+            msg = f"{timed_out(job.what, job.timeout, job.own_timeout)}{who} ({text})"
         else:   # a mismatch (both calls named), a peer that exited, an abort, a broken connection
             msg = f"{job.what} failed{who}: {text}"
         self._fail(msg, mismatch, job)
@@ -335,7 +337,7 @@ class Lane(Executor):
             who = job.namer() if job.namer is not None else ""
             if self._current is not job:
                 continue   # it completed while the peers were looked at
-            job.expired = f"{timed_out(job.what, job.timeout)}{who}"
+            job.expired = f"{timed_out(job.what, job.timeout, job.own_timeout)}{who}"
             self.transport.abort(job.expired)
 
     # ------------------------------------------------------------------ ending
