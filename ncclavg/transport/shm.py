@@ -141,7 +141,7 @@ class _ShmWork:
         if self._error is not None:
             # this rank's own deadline passed, or a peer exited / aborted the channel (a CommError here,
             # even when the peer's reason was its own timeout)
-            raise _failure(str(self._error), timed_out=isinstance(self._error, TimeoutError), like=self._error)
+            raise _failed_call(self._error)
         return True
 
 
@@ -205,8 +205,13 @@ class _Ran:
 
     def wait(self, timeout: Any = None) -> bool:
         if self._error is not None:
-            raise _failure(str(self._error), timed_out=isinstance(self._error, TimeoutError), like=self._error)
+            raise _failed_call(self._error)
         return True
+
+
+def _failed_call(error: BaseException) -> RuntimeError:
+    """What a wait raises for a call the channel failed with `error` (its own timeout, a lost or aborting peer)."""
+    return _failure(str(error), timed_out=isinstance(error, TimeoutError), like=error)
 
 
 def _failure(text: str, timed_out: bool, like: Optional[BaseException] = None) -> RuntimeError:
