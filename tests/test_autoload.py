@@ -43,8 +43,10 @@ def test_import_torch_alone_registers_the_backend(tmp_path):
     assert proc.stdout.split() == ["registered", "loaded"], proc.stdout + proc.stderr
 
 
-@pytest.mark.parametrize("env", [{"NCCLAVG_AUTOLOAD": "0"}, {"NCCLAVG_AUTOLOAD": "off"},
-                                 {"TORCH_DEVICE_BACKEND_AUTOLOAD": "0"}])
+# ~2.5 s each (a fresh interpreter imports torch): one in the quick suite
+@pytest.mark.parametrize("env", [{"NCCLAVG_AUTOLOAD": "0"},
+                                 pytest.param({"NCCLAVG_AUTOLOAD": "off"}, marks=pytest.mark.slow),
+                                 pytest.param({"TORCH_DEVICE_BACKEND_AUTOLOAD": "0"}, marks=pytest.mark.slow)])
 def test_the_switches_turn_it_off(tmp_path, env):
     proc = _python(PROBE, tmp_path, **env)
     assert proc.returncode == 0, proc.stderr

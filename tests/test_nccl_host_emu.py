@@ -63,7 +63,6 @@ CASES = {
     "peer_hangs-nonblocking": ("timeout_when_a_peer_hangs", {"NCCLEMU_HANG": "1:1", **NONBLOCKING}),
     "peer_skips": ("timeout_when_a_peer_skips_the_collective", {}),
     "async_error": ("async_error_aborts", {"NCCLEMU_ASYNC_ERROR_AFTER_S": "0.1:0", "NCCLEMU_SLOW_COLLECTIVE_S": "1"}),
-    "abort_ends_a_wait": ("abort_from_another_thread_ends_a_wait", {}),
     # the teardown and threading cases of csrc/cuda/emu/host_faults.cpp
     "abort_held_by_a_frozen_peer": ("abort_held_by_a_frozen_peer_is_bounded", FROZEN_PEER_HOLDS_ABORT),
     "capture_elsewhere": ("capture_in_another_thread_survives_the_watchdog", {"NCCLEMU_SLOW_COLLECTIVE_S": "0.2"}),
@@ -73,6 +72,7 @@ CASES = {
 }
 # waits kTeardownWaitMaxS (10 s) by design: with the slow tests
 SLOW_CASES = {   # each over ~10 s on 2 cores: the slow step runs them
+    "abort_ends_a_wait": ("abort_from_another_thread_ends_a_wait", {}),
     "abort": ("abort_then_every_call_says_so", {}),
     "destructor_wait_is_bounded": ("destructor_wait_is_bounded", {"NCCLEMU_HANG": "1:1"}),
 }

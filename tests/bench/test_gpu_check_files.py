@@ -48,6 +48,7 @@ def _project(tmp_path):
     return proj
 
 
+@pytest.mark.slow   # ~5 s: a hung test is waited out
 def test_a_hung_and_a_crashed_test_cost_only_themselves(files, summary, tmp_path):
     proj, out = _project(tmp_path), tmp_path / "out"
     out.mkdir()

@@ -68,6 +68,7 @@ def test_diagnosis_never_prints_from_its_thread(capsys):
     assert capsys.readouterr().err == ""
 
 
+@pytest.mark.slow   # ~6 s: waits out a timeout
 def test_a_barrier_times_out_at_its_deadline_with_a_timeouts_words(tmp_path, monkeypatch):
     from _fault_util import read_reports
 

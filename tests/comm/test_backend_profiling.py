@@ -59,6 +59,7 @@ def test_ddp_steps_show_one_allreduce_per_bucket(tmp_path, all_threads):
         assert {e["name"] for e in events if not e["name"].startswith("ncclavg:shm:")} == known, events
 
 
+@pytest.mark.slow   # ~15 s: a recv waits out its group's timeout
 def test_profiled_point_to_point_keeps_its_source_and_its_timeout(tmp_path):
     # the wrapper around gloo's work while profiling (P2PWork) must pass the sender of a receive from any
     # source through, and a receive nobody answers must fail from wait() (its group's 4 s timeout), not hang

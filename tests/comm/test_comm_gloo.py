@@ -33,11 +33,10 @@ def test_gloo_wait_times_out(shm, monkeypatch):
     run_ranks(_comm_gloo_workers.timeout_job, 2, timeout_s=60)
 
 
-# ~7 s each (a peer held back for seconds): all_reduce_avg through the channel in the quick suite, the
-# other ops and the channel turned off (NCCLAVG_SHM=0) in the slow run
-@pytest.mark.parametrize("shm", ["auto", pytest.param("0", marks=pytest.mark.slow)])
-@pytest.mark.parametrize("op", ["all_reduce_avg"] + [pytest.param(op, marks=pytest.mark.slow) for op in
-                                                    ("reduce_scatter_avg", "all_gather", "broadcast_tensors")])
+# ~7 s each (a peer held back for seconds): with the slow tests (test_gloo_wait_times_out is the quick one)
+@pytest.mark.slow
+@pytest.mark.parametrize("shm", ["auto", "0"])
+@pytest.mark.parametrize("op", ["all_reduce_avg", "reduce_scatter_avg", "all_gather", "broadcast_tensors"])
 def test_a_calls_own_timeout_bounds_it(op, shm, monkeypatch):
     monkeypatch.setenv("NCCLAVG_SHM", shm)
     run_ranks(_comm_gloo_workers.per_call_timeout_job, 2, args=(op,), timeout_s=60)

@@ -40,6 +40,7 @@ def test_another_user_is_refused():
     assert text.startswith("RuntimeError") and "refused rank 1: it belongs to user 0, not to user 65534" in text, text
 
 
+@pytest.mark.slow   # ~6 s; test_another_user_is_refused covers the refusal in the quick suite
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a process as another user")
 def test_another_user_is_refused_from_a_private_checkout(tmp_path):
     """The same, with the package and the tests in a directory only root may enter (a checkout in root's
@@ -94,6 +95,7 @@ def test_each_rank_reserves_its_own_slots():
     assert after == [2 * SLOT, 2 * SLOT], after   # ... rank 1 did, when it joined
 
 
+@pytest.mark.slow   # ~4 s of a peer held back while the waiter's CPU time is read
 def test_a_waiting_rank_sleeps():
     # Rank 1 waits 3 s for rank 0. Spinning 50 us, yielding until 1 ms, then a futex sleep woken at least
     # every 100 ms for the liveness check: about 30 wake-ups of ~0.1 ms, a few ms of CPU in all. The
