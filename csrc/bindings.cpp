@@ -342,6 +342,8 @@ PYBIND11_MODULE(_C, m) {
         .def("__exit__", [](py_glue::ShmExec& e, py::args) { e.release(); })
         .def("add_outstanding", &py_glue::ShmExec::add_outstanding, py::arg("delta"))
         .def_property_readonly("outstanding", &py_glue::ShmExec::outstanding);
+    // Note [An asynchronous call whose peers wait] in csrc/transport/shm_channel.cpp
+    m.attr("SHM_ASYNC_INLINE_BYTES") = py_glue::ShmFastAverage::kAsyncInlineBytes;
     py::class_<py_glue::ShmFastAverage>(m, "ShmFastAverage")
         .def(py::init<ShmChannel*, py_glue::ShmExec*, py::object>(), py::arg("channel"), py::arg("exec"),
              py::arg("prepare"), py::keep_alive<1, 2>(), py::keep_alive<1, 3>())
@@ -363,6 +365,9 @@ PYBIND11_MODULE(_C, m) {
              "Rank 0 creates the segment and opens the door `name`; the others join through it "
              "(Note [Shared-memory channel], Note [Segment without a name]).")
         .def("close_door", &ShmChannel::close_door, Release())
+        .def("peers_ready", &ShmChannel::peers_ready, py::arg("max_wait_s"),
+             "True when every peer has posted the round this rank posts next (Note [An asynchronous call "
+             "whose peers wait]); call it holding the channel's order. Holds the GIL: max_wait_s is short.")
         // tag, tag_count: the user's call (Note [Call signatures] in csrc/transport/shm_calls.cpp)
         .def("all_reduce_sum",
              [](ShmChannel& c, uintptr_t data, int64_t count, int type, double timeout_s, double mul, double div,

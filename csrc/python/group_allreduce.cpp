@@ -37,6 +37,7 @@ GroupAllreduce::GroupAllreduce(ShmFastAverage* sum, ShmFastAverage* avg, py::han
       unset_(hooks.attr("unset")),
       errors_(hooks.attr("errors")),
       default_s_(hooks.attr("default_s").cast<double>()),
+      async_ready_s_(hooks.attr("async_ready_s").cast<double>()),
       sum_hash_(hooks.attr("sum_hash").cast<Py_hash_t>()),
       avg_hash_(hooks.attr("avg_hash").cast<Py_hash_t>()),
       s_async_(py::str("asyncOp")),
@@ -81,9 +82,10 @@ void GroupAllreduce::disable() {
 }
 
 py::object GroupAllreduce::call(py::handle tensors, py::handle opts) {
-  if (!enabled_ || opts.is_none() || truthy(attr(opts, s_async_)) || truthy(attr(profiler_, s_profiler_on_))) {
-    return general(tensors, opts);
-  }
+  if (!enabled_ || opts.is_none() || truthy(attr(profiler_, s_profiler_on_))) return general(tensors, opts);
+  // async_op=True: here only when its peers are already in it (Note [An asynchronous call whose peers
+  // wait] in csrc/transport/shm_channel.cpp), else queued by the general path
+  const double ready_wait = truthy(attr(opts, s_async_)) ? async_ready_s_ : -1.0;
   py::object op = attr(opts, s_reduce_op_);
   Py_hash_t h = PyObject_Hash(op.ptr());
   if (h == -1) throw py::error_already_set();
@@ -99,7 +101,7 @@ py::object GroupAllreduce::call(py::handle tensors, py::handle opts) {
   }
   int64_t count = 0;
   try {
-    if (!path->run(tensors, limit, &count)) return general(tensors, opts);
+    if (!path->run(tensors, limit, &count, ready_wait)) return general(tensors, opts);
   } catch (const cpu::ShmMismatchError& e) {
     return failed(tensors, op, limit, e.what(), 0);
   } catch (const cpu::ShmPeerError& e) {

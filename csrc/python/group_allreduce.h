@@ -25,6 +25,7 @@ class GroupAllreduce {
   //   profiler    the module whose `_is_profiler_enabled` says torch's profiler runs (then: the general path)
   //   unset       the timeout torch's options hold when the caller gave none
   //   default_s   the group's timeout, in seconds
+  //   async_ready_s   how long an async_op=True call looks for its peers before it is queued
   //   sum_hash, avg_hash   hash() of ReduceOp SUM and AVG (distinct from every other op: the group checks)
   //   sum_kind, avg_kind   RedOpType SUM and AVG, what the record names
   //   errors      the channel's failures, most derived first: (ShmMismatchError, ShmPeerError, CommTimeoutError)
@@ -41,7 +42,7 @@ class GroupAllreduce {
   ShmFastAverage* sum_;
   ShmFastAverage* avg_;
   py::object group_, done_work_, record_, profiler_, unset_, errors_;
-  double default_s_;
+  double default_s_, async_ready_s_;
   bool enabled_ = true;
   Py_hash_t sum_hash_, avg_hash_;
   py::object s_async_, s_reduce_op_, s_timeout_, s_profiler_on_, s_total_seconds_, s_dtype_, s_all_reduce_,

@@ -84,7 +84,7 @@ const ShmFastAverage::Entry* ShmFastAverage::lookup(PyObject* t) {
   return nullptr;
 }
 
-bool ShmFastAverage::run(py::handle tensors, double timeout_s, int64_t* count) {
+bool ShmFastAverage::run(py::handle tensors, double timeout_s, int64_t* count, double ready_wait_s) {
   if (!enabled_ || !PyList_CheckExact(tensors.ptr()) || PyList_GET_SIZE(tensors.ptr()) != 1) return false;
   PyObject* t = PyList_GET_ITEM(tensors.ptr(), 0);
   Entry scratch;
@@ -107,9 +107,11 @@ bool ShmFastAverage::run(py::handle tensors, double timeout_s, int64_t* count) {
       e = &scratch;
     }
   }
+  static constexpr int64_t kElementBytes[] = {4, 2, 2, 8};   // by type code (ncclavg/transport/shm.py)
+  if (ready_wait_s >= 0 && e->count * kElementBytes[e->type & 3] > kAsyncInlineBytes) return false;
   // Nothing may be queued on the channel or running: the general path then runs this call in order.
   if (!exec_->try_lock()) return false;
-  if (exec_->outstanding() != 0) {
+  if (exec_->outstanding() != 0 || (ready_wait_s >= 0 && !channel_->peers_ready(ready_wait_s))) {
     exec_->release();
     return false;
   }

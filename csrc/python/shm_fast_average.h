@@ -61,8 +61,16 @@ class ShmFastAverage {
  public:
   ShmFastAverage(cpu::ShmChannel* channel, ShmExec* exec, py::object prepare);
   // True: done (and *count, when given, is the element count). False: the general path must run it.
-  // Raises what the channel raises.
-  bool run(py::handle tensors, double timeout_s, int64_t* count = nullptr);
+  // Raises what the channel raises. ready_wait_s >= 0: an asynchronous call, run here only when it is at
+  // most kAsyncInlineBytes and every peer has posted its round within ready_wait_s (Note [An asynchronous
+  // call whose peers wait] in csrc/transport/shm_channel.cpp); < 0: a synchronous call.
+  bool run(py::handle tensors, double timeout_s, int64_t* count = nullptr, double ready_wait_s = -1.0);
+  // The largest asynchronous call run on the caller's thread. A 256 KiB all-reduce of two processes takes
+  // ~30 us on a 2-core VM, less than handing a call to a worker costs there (a burst of queued 1 MiB
+  // calls took 300-450 us each against 120 us for one synchronous call), and it covers the single DDP
+  // bucket of a small model (the digits MLP's 69 KB); a larger call would hold up the caller's own work
+  // (DDP's backward) for longer than the overlap it gives up is worth on a machine with cores to spare.
+  static constexpr int64_t kAsyncInlineBytes = 256 << 10;
   // For good: also lets go of `prepare` and the cache, which would otherwise keep the communicator
   // alive through a reference cycle that Python's collector cannot see into (prepare -> communicator
   // -> this object -> prepare).

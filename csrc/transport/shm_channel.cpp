@@ -81,7 +81,7 @@ namespace cpu {
 using namespace shm_detail;
 
 namespace {
-constexpr uint64_t kMagic = 0x6e63636c61767333ull;    // "ncclavs3"
+constexpr uint64_t kMagic = 0x6e63636c61767334ull;    // "ncclavs4"
 constexpr size_t kLinesOffset = 1024;
 // See Note [Waiting in the channel] for these two.
 constexpr std::chrono::microseconds kSpin{2};
@@ -155,6 +155,9 @@ struct alignas(64) ShmRankLine {
   // the call of round seq at [seq % 2] (op | type | root | scale, count): a rank may post round seq + 1
   // while a peer still checks round seq, never round seq + 2 (that waits for the peer's consumed = seq)
   std::atomic<uint64_t> signature[2][2];
+  // The round this rank's caller announced it posts next, while it looks whether its peers are there
+  // (Note [An asynchronous call whose peers wait]).
+  std::atomic<uint64_t> arriving;
   // The owner, claimed with a compare-and-swap from 0 (Note [One owner per rank]), and its start time
   // (a reused pid has another): read only while waiting long, so on a line of their own.
   alignas(64) std::atomic<int32_t> pid;
@@ -338,6 +341,44 @@ void ShmChannel::begin(Call& call) {
                              std::to_string(current_pid()) + " (a forked child cannot use its parent's channel)");
   }
   call.deadline = deadline_after(call.timeout_s);
+}
+
+// Note [An asynchronous call whose peers wait]
+// A collective issued asynchronously goes to a worker thread, so that its caller never waits for a peer
+// that is not there yet (the peer may be waiting for something this caller does next). When every peer is
+// already at this very collective, nothing can be waiting for this caller: running the collective on the
+// caller's thread then costs the round itself and no hand-over to a worker (on a busy 2-core machine a
+// worker's wake-up costs more than a small round). peers_ready() announces, in this rank's line, the
+// round it posts next (`arriving`), then looks for at most max_wait_s (spinning for spin_, then yielding)
+// whether every peer has announced or posted that round. A rank that gives up queues the collective,
+// and its worker posts the announced round: a peer that saw the announcement and went ahead waits for a
+// worker, never for a caller. A peer that announced and then was refused (a failed group) aborted the
+// channel, which ends the waits. Ranks decide independently, so one may run the call inline and another
+// queue it; they still meet in the same round.
+bool ShmChannel::peers_ready(double max_wait_s) {
+  if (failed_ || local_abort_.load(std::memory_order_acquire) || line(rank_).pid.load(std::memory_order_relaxed) != current_pid()) {
+    return false;
+  }
+  const uint64_t next = seq_ + 1;
+  line(rank_).arriving.store(next, std::memory_order_release);
+  const Clock::time_point start = Clock::now();
+  const Clock::time_point until = start + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(max_wait_s));
+  for (int r = 0; r < nranks_; ++r) {
+    if (r == rank_) continue;
+    const std::atomic<uint64_t>& posted = line(r).counter[kPosted];
+    const std::atomic<uint64_t>& arriving = line(r).arriving;
+    while (posted.load(std::memory_order_acquire) < next && arriving.load(std::memory_order_acquire) < next) {
+      if (header_->aborted_by.load(std::memory_order_acquire) != 0) return false;
+      const Clock::time_point now = Clock::now();
+      if (now >= until) return false;
+      if (now - start < spin_) {
+        cpu_relax();
+      } else {
+        sched_yield();
+      }
+    }
+  }
+  return true;
 }
 
 // Waits until rank `only_rank` (every other rank when -1) has published counter c >= target.

@@ -73,6 +73,13 @@ class ShmChannel {
   // in: count elements; out: nranks * count, rank r's input at r * count.
   void all_gather(uintptr_t in, uintptr_t out, int64_t count, int type, double timeout_s, ShmCallTag tag = {});
   void broadcast(uintptr_t data, int64_t count, int type, int root, double timeout_s, ShmCallTag tag = {});
+  // Announces that this rank posts its next round (a collective) and tells whether every peer has
+  // announced or posted that round too, looking for at most max_wait_s, spinning then yielding as a wait
+  // does (Note [An asynchronous call whose peers wait] in shm_channel.cpp). False at once on a failed or
+  // aborted channel, or for a caller that is not the rank's owner. After it, whatever the answer, the
+  // next collective this rank posts must be the one it announced. Call it only where no collective of
+  // this rank runs (holding the order a collective holds).
+  bool peers_ready(double max_wait_s);
   // One round that moves nothing: a barrier, or the signature check of a call that moves its data
   // another way (through gloo).
   void barrier(double timeout_s, ShmCallTag tag = {});

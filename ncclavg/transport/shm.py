@@ -97,6 +97,10 @@ def host_identity() -> str:
 
 
 GRACE_S = 1.0
+# An asynchronous call of at most ASYNC_INLINE_BYTES runs on the caller's thread when its peers have posted
+# their round within ASYNC_READY_S (Note [An asynchronous call whose peers wait] in csrc/transport/shm_channel.cpp).
+ASYNC_INLINE_BYTES = _C.SHM_ASYNC_INLINE_BYTES
+ASYNC_READY_S = 50e-6
 
 
 def supports(t: torch.Tensor) -> bool:
@@ -538,8 +542,12 @@ class ShmTransport:
                 return _Raise(e)
             return _DONE
         limit = self._timeout if timeout is None else float(timeout)
-        if sync and self._exec.acquire(False):   # Note [A synchronous call on an idle channel]
-            if self._exec.outstanding == 0 and not self._executor.closed:
+        # Note [A synchronous call on an idle channel]; an asynchronous one too when it is small and its
+        # peers are in it already (Note [An asynchronous call whose peers wait] in csrc/transport/shm_channel.cpp)
+        here = sync or (self._hosts is None and sum(t.nbytes for t in keep) <= ASYNC_INLINE_BYTES)
+        if here and self._exec.acquire(False):
+            if self._exec.outstanding == 0 and not self._executor.closed and \
+                    (sync or self._channel.peers_ready(ASYNC_READY_S)):
                 started = time.monotonic()
                 try:
                     fn(*args, limit, *after)
