@@ -488,7 +488,7 @@ void ShmChannel::check_same_collective(const Call& call, uint64_t seq) {
 }
 
 // Steps 1-2 of a round: returns the round, every rank's slot filled, every rank in the same collective.
-uint64_t ShmChannel::post_round(Call& call, const std::function<void(unsigned char*)>& fill) {
+uint64_t ShmChannel::post_round(Call& call, ShmFill fill) {
   const uint64_t seq = ++seq_;
   if (seq > 2) wait_for(kConsumed, seq - 2, -1, call, seq);
   fill(slot(seq, rank_));

@@ -6,7 +6,7 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
-#include <functional>
+#include <type_traits>
 #include <memory>
 #include <stdexcept>
 #include <string>
@@ -43,6 +43,38 @@ void set_blocking_hook(ShmBlockingHook* hook);
 
 struct ShmHeader;
 struct ShmRankLine;
+
+// A reference to the callable that fills this rank's slot in a round (post_round): std::function would
+// allocate on the heap for a lambda that captures more than two references, once per round. With
+// ShmSources below: ~25 ns of an 8-byte all-reduce's ~0.9 us (two processes, 2-core Xeon). Valid for the
+// call it is passed to.
+class ShmFill {
+ public:
+  template <class F>
+  ShmFill(F&& f)  // NOLINT(google-explicit-constructor): passed a lambda in place
+      : obj_(static_cast<void*>(&f)), call_([](void* o, unsigned char* s) { (*static_cast<std::remove_reference_t<F>*>(o))(s); }) {}
+  void operator()(unsigned char* slot) const { call_(obj_, slot); }
+
+ private:
+  void* obj_;
+  void (*call_)(void*, unsigned char*);
+};
+
+// The source pointers of a sum, one per rank: on the stack up to 16 ranks (no allocation per round).
+class ShmSources {
+ public:
+  explicit ShmSources(int n) : ptr_(n <= kInline ? inline_ : (heap_.resize(n), heap_.data())) {}
+  ShmSources(const ShmSources&) = delete;
+  ShmSources& operator=(const ShmSources&) = delete;
+  const unsigned char*& operator[](int r) { return ptr_[r]; }
+  const unsigned char* const* data() const { return ptr_; }
+
+ private:
+  static constexpr int kInline = 16;
+  const unsigned char* inline_[kInline];
+  std::vector<const unsigned char*> heap_;
+  const unsigned char** ptr_;
+};
 class ShmDoor;
 
 class ShmChannel {
@@ -105,7 +137,7 @@ class ShmChannel {
   unsigned char* slot(uint64_t seq, int r) const;
   ShmRankLine& line(int r) const;
   void begin(Call& call);
-  uint64_t post_round(Call& call, const std::function<void(unsigned char*)>& fill);
+  uint64_t post_round(Call& call, ShmFill fill);
   void check_same_collective(const Call& call, uint64_t seq);
   void wait_for(Counter c, uint64_t target, int only_rank, const Call& call, uint64_t seq);
   void publish(Counter c, uint64_t seq);

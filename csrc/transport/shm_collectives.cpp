@@ -68,7 +68,7 @@ void ShmChannel::all_reduce_sum(uintptr_t data, int64_t count, int type, double 
   const int64_t es = static_cast<int64_t>(type_size(call.type));
   const int64_t chunk = slot_bytes_ / es;
   auto* base = reinterpret_cast<unsigned char*>(data);
-  std::vector<const unsigned char*> srcs(nranks_);
+  ShmSources srcs(nranks_);
   int64_t off = 0;
   do {
     const int64_t n = std::min(chunk, count - off);
@@ -113,7 +113,7 @@ void ShmChannel::reduce_scatter_sum(uintptr_t in, uintptr_t out, int64_t count, 
   const int64_t piece = fit >= 32 ? fit / 32 * 32 : fit;
   const auto* src = reinterpret_cast<const unsigned char*>(in);
   auto* dst = reinterpret_cast<unsigned char*>(out);
-  std::vector<const unsigned char*> srcs(nranks_);
+  ShmSources srcs(nranks_);
   int64_t off = 0;
   do {
     const int64_t m = std::min(piece, count - off);
