@@ -78,6 +78,40 @@ def inline_when_peers_wait_job(rank, world, port, face):
         assert torch.equal(t, want), (k, n, t[:4], want[:4])
 
 
+def torch_collectives_inline_job(rank, world, port):
+    """The same for the torch backend's asynchronous broadcast, all_gather_into_tensor and
+    reduce_scatter_tensor (SUM and AVG): complete when handed back when the peers wait, queued when over
+    the limit, with exact values either way."""
+    init_backend(rank, world, port)
+    from ncclavg.transport.shm import ASYNC_INLINE_BYTES
+
+    small, big = 12, ASYNC_INLINE_BYTES // 4 // world + 1   # elements per rank
+    for k, (what, n) in enumerate([(w, n) for n in (small, big) for w in ("broadcast", "all_gather", "rs_sum", "rs_avg")]):
+        vals = [(((torch.arange(n * world) * 3 + k + 5 * r) % 23) - 11).float() / 4 for r in range(world)]
+        mine = vals[rank].clone()
+        if what == "broadcast":
+            out, want = mine, vals[k % world]
+            call = lambda async_op: dist.broadcast(out, src=k % world, async_op=async_op)  # noqa: E731
+        elif what == "all_gather":
+            inp = vals[rank][:n].clone()
+            out, want = torch.empty(n * world), torch.cat([v[:n] for v in vals])
+            call = lambda async_op: dist.all_gather_into_tensor(out, inp, async_op=async_op)  # noqa: E731
+        else:
+            op = R.SUM if what == "rs_sum" else R.AVG
+            total = torch.stack(vals).sum(0)[rank * n:(rank + 1) * n]
+            out, want = torch.empty(n), total if op == R.SUM else total / world
+            call = lambda async_op: dist.reduce_scatter_tensor(out, mine, op=op, async_op=async_op)  # noqa: E731
+        dist.barrier()
+        if rank == 0:
+            time.sleep(0.3)
+            work = call(True)
+            assert (type(work).__name__ == "DoneWork") == (n == small), (what, n, type(work).__name__)
+            work.wait()
+        else:
+            call(False)
+        assert torch.equal(out, want), (what, n, out[:4], want[:4])
+
+
 def late_peer_is_not_waited_for_job(rank, world, port, face, peer_async):
     """Rank 0's asynchronous call returns at once although rank 1 reaches its call only after rank 0 has
     passed a barrier of another group issued after the call: had rank 0 waited in the call for rank 1,
@@ -123,9 +157,14 @@ def mixed_job(rank, world, port, face, calls):
         n = shared.choice(sizes)
         if own.random() < 0.3:
             time.sleep(own.random() * 2e-4)
-        if shared.random() < 0.1:   # an asynchronous broadcast: always through the queue
-            b = torch.full((5,), float(rank))
-            pending.append((dist.broadcast(b, src=k % world, async_op=True), b, torch.full((5,), float(k % world))))
+        if shared.random() < 0.1:   # an asynchronous broadcast, inline or queued as the all_reduce
+            b = torch.full((n,), float(rank))
+            pending.append((dist.broadcast(b, src=k % world, async_op=True), b, torch.full((n,), float(k % world))))
+            continue
+        if face == "torch" and shared.random() < 0.1:   # an asynchronous all-gather, the same
+            g = torch.empty(n * world)
+            work = dist.all_gather_into_tensor(g, torch.full((n,), float(rank)), async_op=True)
+            pending.append((work, g, torch.arange(world).float().repeat_interleave(n)))
             continue
         vals, want = _inputs(world, n, k)
         t = vals[rank].clone()

@@ -42,7 +42,7 @@ import torch.distributed as dist
 from .._ext import _C
 from .reductions import R
 from ..transport.calls import make
-from ..transport.shm import ASYNC_READY_S, TYPE_CODES, supports
+from ..transport.shm import ASYNC_INLINE_BYTES, ASYNC_READY_S, TYPE_CODES, supports
 
 # What the general path sends as one channel all-reduce with the divisor given (cpu_paths.ChannelPaths.sum):
 # SUM of every float type the channel adds; AVG of float32 and float64 with the division in the pass (the
@@ -159,7 +159,9 @@ class FastCalls:
     backend's fast path], in Python (these calls are rarer than all_reduce's; one dict lookup and the
     channel call, against the general path's Job, Work and description). Each method returns True when
     the call is done, False when the general path must run it (it then also raises what it raises); a
-    failure of the round raises the channel's error (CHANNEL_ERRORS) for the group to fail by.
+    failure of the round raises the channel's error (CHANNEL_ERRORS) for the group to fail by. With
+    `async_op` the call is asynchronous: it runs here only when it moves at most ASYNC_INLINE_BYTES and its
+    peers are in it already (Note [An asynchronous call whose peers wait] in csrc/transport/shm_channel.cpp).
 
     What goes to the channel is what the general path sends for the same call (cpu_collectives.py): a
     broadcast and an all-gather move bytes viewed as float32 words when the payload is a multiple of 4
@@ -175,12 +177,15 @@ class FastCalls:
     def disable(self) -> None:
         self._enabled = False
 
-    def _idle(self) -> bool:
-        """The channel's lock, when it is free and nothing is queued on the lane (release() after)."""
+    def _idle(self, async_op: bool = False, nbytes: int = 0) -> bool:
+        """The channel's lock, when it is free and nothing is queued on the lane (release() after); for an
+        asynchronous call of `nbytes`, only when its peers are in it too."""
+        if async_op and nbytes > ASYNC_INLINE_BYTES:
+            return False
         ex = self._exec
         if not ex.acquire(False):
             return False
-        if not self._enabled or ex.outstanding != 0:
+        if not self._enabled or ex.outstanding != 0 or (async_op and not self._channel.peers_ready(ASYNC_READY_S)):
             ex.release()
             return False
         return True
@@ -200,11 +205,11 @@ class FastCalls:
                 self._bytes_calls[key] = got
         return got
 
-    def broadcast(self, t: Any, root: int, limit: float) -> bool:
+    def broadcast(self, t: Any, root: int, limit: float, async_op: bool = False) -> bool:
         if not _plain(t):
             return False
         got = self._bytes_call("broadcast", t, root)
-        if got is None or not self._idle():
+        if got is None or not self._idle(async_op, t.nbytes):
             return False
         try:
             self._channel.broadcast(t.data_ptr(), got[1], got[0], root, limit, got[2], got[3])
@@ -212,11 +217,11 @@ class FastCalls:
             self._exec.release()
         return True
 
-    def all_gather(self, out: Any, inp: Any, limit: float) -> bool:
+    def all_gather(self, out: Any, inp: Any, limit: float, async_op: bool = False) -> bool:
         if not (_plain(out) and _plain(inp) and out.dtype == inp.dtype and out.numel() == inp.numel() * self._size):
             return False
         got = self._bytes_call("all_gather_into_tensor", inp, None)
-        if got is None or not self._idle():
+        if got is None or not self._idle(async_op, out.nbytes):
             return False
         try:
             self._channel.all_gather(inp.data_ptr(), out.data_ptr(), got[1], got[0], limit, got[2], got[3])
@@ -224,7 +229,7 @@ class FastCalls:
             self._exec.release()
         return True
 
-    def reduce_scatter(self, out: Any, inp: Any, op: Any, limit: float) -> bool:
+    def reduce_scatter(self, out: Any, inp: Any, op: Any, limit: float, async_op: bool = False) -> bool:
         """op: R.SUM (every channel type) or R.AVG (float32 and float64: divided in the channel's pass, as
         the general path does on one host)."""
         if not (_plain(out) and _plain(inp) and out.dtype == inp.dtype and inp.numel() == out.numel() * self._size):
@@ -239,7 +244,7 @@ class FastCalls:
             got = (TYPE_CODES[out.dtype], call.tag, call.count)
             if len(self._sum_calls) < 256:
                 self._sum_calls[key] = got
-        if not self._idle():
+        if not self._idle(async_op, inp.nbytes):
             return False
         try:
             self._channel.reduce_scatter_sum(inp.data_ptr(), out.data_ptr(), out.numel(), got[0], limit, 1.0,

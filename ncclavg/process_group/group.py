@@ -319,13 +319,13 @@ class ProcessGroupNcclavg(dist.ProcessGroup):
                             calls.make("reduce", t.dtype, op, root, t.numel()))
 
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:
-        if self._calls is not None and opts is not None and not opts.asyncOp and not _profiling():
+        if self._calls is not None and opts is not None and not _profiling():
             rop = opts.reduceOp   # Note [The backend's fast path]
             kind = R.SUM if rop == R.SUM else R.AVG if rop == R.AVG else None
             if kind is not None:
                 limit = self._limit(opts)
                 try:
-                    if self._calls.reduce_scatter(output, input, kind, limit):
+                    if self._calls.reduce_scatter(output, input, kind, limit, opts.asyncOp):
                         if self._flight is not None:
                             self._flight.done(("reduce_scatter_tensor", kind, None), output.dtype, output.numel())
                         return done_work([output])
@@ -389,13 +389,13 @@ class ProcessGroupNcclavg(dist.ProcessGroup):
 
     # ------------------------------------------------------------------ data movement
     def broadcast(self, tensors: List[torch.Tensor], opts: Any = None) -> Any:
-        if self._calls is not None and opts is not None and not opts.asyncOp and type(tensors) is list \
+        if self._calls is not None and opts is not None and type(tensors) is list \
                 and len(tensors) == 1 and not _profiling():   # Note [The backend's fast path]
             root = opts.rootRank
             if type(root) is int and 0 <= root < self._size:
                 limit = self._limit(opts)
                 try:
-                    if self._calls.broadcast(tensors[0], root, limit):
+                    if self._calls.broadcast(tensors[0], root, limit, opts.asyncOp):
                         if self._flight is not None:
                             t = tensors[0]
                             self._flight.done(("broadcast", None, root), t.dtype, t.numel())
@@ -412,10 +412,10 @@ class ProcessGroupNcclavg(dist.ProcessGroup):
                             calls.make("broadcast", t.dtype, None, root, t.numel()))
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:
-        if self._calls is not None and opts is not None and not opts.asyncOp and not _profiling():
+        if self._calls is not None and opts is not None and not _profiling():
             limit = self._limit(opts)   # Note [The backend's fast path]
             try:
-                if self._calls.all_gather(output, input, limit):
+                if self._calls.all_gather(output, input, limit, opts.asyncOp):
                     if self._flight is not None:
                         self._flight.done(("all_gather_into_tensor", None, None), input.dtype, input.numel())
                     return done_work([output])
