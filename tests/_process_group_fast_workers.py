@@ -118,7 +118,6 @@ def native_allreduce_job(rank, world, port):
     again for another call; only the last call's tensors stay referenced, and none after the group is
     destroyed; the group itself is collected; a per-call timeout in the options ends a round whose peer
     never comes, as a failed Work naming the call."""
-    import time
     import weakref
 
     from torch._C._distributed_c10d import AllreduceOptions
@@ -154,12 +153,14 @@ def native_allreduce_job(rank, world, port):
 
     pg, h = dist.group.WORLD, dist.new_group()
     dist.all_reduce(torch.ones(2))   # the world's fast path has seen this kind of call: cached
-    if rank == 1:
-        time.sleep(10)   # alive, never calls: rank 0's rounds can only time out
+    store = dist.distributed_c10d._get_default_store()
+    if rank == 1:   # alive, never calls: rank 0's rounds can only time out; it says when it is done
+        store.wait(["timeouts checked"], datetime.timedelta(seconds=60))
         return
     # the general path (async: the job's deadline), then the native one (sync), each with its own limit
     _times_out(h, [torch.ones(3)], True, "allreduce of 3 x float32", 5.0)
     _times_out(pg, [torch.ones(2)], False, "allreduce of 2 x float32", 3.5)
+    store.set("timeouts checked", "1")
 
 
 def _times_out(group, tensors, async_op, what, within_s):

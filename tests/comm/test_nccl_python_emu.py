@@ -85,22 +85,17 @@ def _report(outs):
     return "\n".join(f"--- rank {r}: rc={rc}\n{out[-5000:]}" for r, (rc, out) in enumerate(outs))
 
 
-# The public API, the stream order and the Work's tensors in the quick suite (~2 s each after the core's
-# ~25 s build); the multi-process and failure scenarios with the slow tests.
-QUICK = {"public_api", "ordering", "work_keeps_its_tensors"}
-
-
-@pytest.mark.parametrize("case", [c if c in QUICK else pytest.param(c, marks=pytest.mark.slow) for c in sorted(CASES)])
+# With the slow tests: the emulated core's build alone takes ~25 s on 2 cores (the quick suite runs the
+# same host logic in C++: tests/test_nccl_host_emu.py).
+@pytest.mark.slow
+@pytest.mark.parametrize("case", sorted(CASES))
 def test_python_layer_on_the_emulated_core(core, tmp_path, case):
     outs = _run(core, tmp_path, case)
     assert all(rc == 0 and "PASS" in out for rc, out in outs), _report(outs)
 
 
-QUICK_PLANTED = {"work_forgets_its_tensors"}   # the others with the slow tests (one waits out a 12 s timeout)
-
-
-@pytest.mark.parametrize("name", [n if n in QUICK_PLANTED else pytest.param(n, marks=pytest.mark.slow)
-                                  for n in sorted(PLANTED)])
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(PLANTED))
 def test_a_planted_defect_fails_its_scenario(core, tmp_path, name):
     case, plant = PLANTED[name]
     outs = _run(core, tmp_path, case, plant)
