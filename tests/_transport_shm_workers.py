@@ -201,3 +201,31 @@ def waits_idle(rank, world, name, slot, late_s, q):
     after = resource.getrusage(resource.RUSAGE_SELF)
     cpu = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
     q.put((rank, cpu, after.ru_nvcsw - before.ru_nvcsw, time.monotonic() - wall))
+
+
+def peers_ready(rank, world, name, slot, q, gate):
+    """The announcement of Note [An asynchronous call whose peers wait], on the channel alone. Round 1:
+    rank 0 looks while rank 1 has not come (False, after its window), then rank 1 finds rank 0's
+    announcement (True) although rank 0 has posted nothing, and runs the call; rank 0 then runs the call
+    it announced, and the two meet. Round 2: rank 1 posts first (a plain call); rank 0 finds the post
+    (True). After an abort a look says False at once."""
+    ch = open_channel(name, rank, world, slot)
+    x = torch.full((3,), float(rank + 1))
+    got = []
+    if rank == 0:
+        start = time.monotonic()
+        got.append(ch.peers_ready(0.02))           # rank 1 waits on the gate: nobody there
+        got.append(time.monotonic() - start)
+        gate.set()
+        ch.all_reduce_sum(x.data_ptr(), 3, 0, 30.0)   # the announced call, as a queued worker would run it
+        time.sleep(0.2)                                # rank 1 posts round 2 meanwhile
+        got.append(ch.peers_ready(0.0))
+        ch.all_reduce_sum(x.data_ptr(), 3, 0, 30.0)
+        ch.abort("done")
+        got.append(ch.peers_ready(1.0))
+    else:
+        gate.wait(30)
+        got.append(ch.peers_ready(0.0))            # rank 0 announced round 1 and went on
+        ch.all_reduce_sum(x.data_ptr(), 3, 0, 30.0)
+        ch.all_reduce_sum(x.data_ptr(), 3, 0, 30.0)
+    q.put((rank, got, x.tolist()))

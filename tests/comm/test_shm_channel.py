@@ -243,3 +243,15 @@ def test_fast_average_refuses_when_busy_or_disabled():
     assert not fast.run([x], 5.0)
     # disabled for good: it lets go of prepare (and so of what prepare holds) and of its cache
     assert fast.cached == 0 and sys.getrefcount(prepare) == 2
+
+
+def test_peers_ready_sees_an_announcement_or_a_post():
+    # Note [An asynchronous call whose peers wait]: a look with nobody there says False after its window
+    # (20 ms; the bound leaves a loaded machine a second), an announced round or a posted one says True,
+    # an aborted channel says False at once; the calls that follow meet with the right sums.
+    out = run(_transport_shm_workers.peers_ready, 2, 64 << 10, gate=True)
+    (_, r0, x0), (_, r1, x1) = out
+    assert r0[0] is False and 0.02 <= r0[1] < 1.0, r0
+    assert r1 == [True], r1
+    assert r0[2] is True and r0[3] is False, r0
+    assert x0 == x1 == [6.0, 6.0, 6.0], (x0, x1)   # 1 + 2, then 3 + 3
