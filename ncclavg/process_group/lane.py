@@ -58,13 +58,13 @@ import torch.distributed as dist
 from .._ext import _C
 from ..errors import BackendError, BackendMismatchError, BackendTimeoutError  # noqa: F401  (re-exported)
 from ..transport import flight, profiling
-from ..transport.executor import Executor
+from ..transport.executor import SLACK_S, Executor
 from ..transport.liveness import DIAGNOSE_S
 
 WATCH_S = 0.2      # how often the watchdog looks at the running collective
 # after the deadline: the watchdog's next look, its naming of the lost rank (bounded by DIAGNOSE_S), and
-# a second of scheduling slack on a loaded machine
-BACKSTOP_S = WATCH_S + DIAGNOSE_S + 1.0
+# the scheduling slack of Note [One deadline per call] in transport/executor.py
+BACKSTOP_S = WATCH_S + DIAGNOSE_S + SLACK_S
 
 
 def timed_out(what: str, timeout: float, own: bool = False) -> str:

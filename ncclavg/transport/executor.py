@@ -13,6 +13,23 @@ the lock only when that count is 0, so they never overtake a queued job, and an 
 the channel (a Communicator over an ncclavg group) runs inline only when no job of either is
 outstanding. A job leaves the count before its completion is announced (`finished`), so that the
 waiter's next synchronous call finds the executor idle, as after a call of its own.
+
+Note [One deadline per call]
+Every collective has one deadline: its timeout (the caller's, else its communicator's or process group's)
+counted from when it starts to run, not from when it was queued, so that a call behind a slow one is not
+charged for it. One thing ends the call at that deadline, and every other bound is a backstop set later,
+so that the deadline's own error (the one that names the rank that stopped) is the one every rank reads:
+- a channel call of the public API, or of a torch backend's fast path (process_group/fast_path.py, run on
+  the caller's thread without a lane): the channel itself, given the limit as the call starts (shm.py);
+- a job of the torch backend's lanes (process_group/lane.py): the lane's watchdog, which names the lost
+  rank from the heartbeats and aborts the channel; the channel's own limit comes BACKSTOP_S later, and a
+  gloo step waits at most until the deadline;
+- a waiter: a public API Work waits the caller's timeout and SLACK_S more before it gives up itself
+  (shm._ShmWork); a torch Work's wait(timeout) is the caller's own patience, as on torch's backends, and
+  leaves the call running to its deadline;
+- an asynchronous average of the local backend (comm/local.py) waits for nobody; its close() waits for
+  the queued ones at most the communicator's timeout.
+SLACK_S is the one margin both faces add for scheduling on a loaded machine.
 """
 from __future__ import annotations
 
@@ -20,6 +37,9 @@ import queue
 import threading
 import time
 from typing import Any, Optional
+
+
+SLACK_S = 1.0   # Note [One deadline per call]
 
 
 class ExecutorClosed(RuntimeError):

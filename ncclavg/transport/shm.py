@@ -42,7 +42,7 @@ import torch
 
 from .._ext import _C
 from ..errors import CommError, is_timeout
-from .executor import Executor
+from .executor import SLACK_S, Executor
 from .calls import Call, CallMismatchError, check_over_gloo
 
 TYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float64: 3}
@@ -96,7 +96,7 @@ def host_identity() -> str:
     return "|".join(parts)
 
 
-GRACE_S = 1.0
+GRACE_S = SLACK_S   # Note [One deadline per call] in executor.py
 # An asynchronous call of at most ASYNC_INLINE_BYTES runs on the caller's thread when its peers have posted
 # their round within ASYNC_READY_S (Note [An asynchronous call whose peers wait] in csrc/transport/shm_channel.cpp).
 ASYNC_INLINE_BYTES = _C.SHM_ASYNC_INLINE_BYTES
