@@ -203,7 +203,7 @@ TSAN_CASES = ("several_threads", "abort_ends_a_wait", "abort_held_by_a_frozen_pe
 @pytest.mark.slow
 @pytest.mark.parametrize("case", TSAN_CASES)
 def test_host_logic_under_thread_sanitizer(cache, case):
-    scenario, env = CASES[case]
+    scenario, env = {**CASES, **SLOW_CASES}[case]
     r = _run(cache, scenario, env, sanitize="thread")
     assert r.returncode == 0 and f"PASS {scenario}" in r.stdout and "ThreadSanitizer" not in r.stderr, _report(r)
 
