@@ -62,8 +62,8 @@ class ShmFastAverage {
   ShmFastAverage(cpu::ShmChannel* channel, ShmExec* exec, py::object prepare);
   // True: done (and *count, when given, is the element count). False: the general path must run it.
   // Raises what the channel raises. ready_wait_s >= 0: an asynchronous call, run here only when it is at
-  // most kAsyncInlineBytes and every peer has posted its round within ready_wait_s (Note [An asynchronous
-  // call whose peers wait] in csrc/transport/shm_channel.cpp); < 0: a synchronous call.
+  // most kAsyncInlineBytes and every peer has announced or posted its round within ready_wait_s (Note [An
+  // asynchronous call whose peers wait] in csrc/transport/shm_channel.cpp); < 0: a synchronous call.
   bool run(py::handle tensors, double timeout_s, int64_t* count = nullptr, double ready_wait_s = -1.0);
   // The largest asynchronous call run on the caller's thread. A 256 KiB all-reduce of two processes takes
   // ~30 us on a 2-core VM, less than handing a call to a worker costs there (a burst of queued 1 MiB

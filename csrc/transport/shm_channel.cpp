@@ -352,17 +352,20 @@ void ShmChannel::begin(Call& call) {
 // round it posts next (`arriving`), then looks for at most max_wait_s (spinning for spin_, then yielding)
 // whether every peer has announced or posted that round. A rank that gives up queues the collective,
 // and its worker posts the announced round: a peer that saw the announcement and went ahead waits for a
-// worker, never for a caller. A peer that announced and then was refused (a failed group) aborted the
-// channel, which ends the waits. Ranks decide independently, so one may run the call inline and another
-// queue it; they still meet in the same round.
+// worker, never for a caller. A rank that announced and then does not run the call (its group failed or
+// was shut down meanwhile) fails the waiting peer as any absent peer does: by its abort, its exit or the
+// call's deadline. Ranks decide independently, so one may run the call inline and another queue it; they
+// still meet in the same round.
 bool ShmChannel::peers_ready(double max_wait_s) {
-  if (failed_ || local_abort_.load(std::memory_order_acquire) || line(rank_).pid.load(std::memory_order_relaxed) != current_pid()) {
+  if (failed_ || local_abort_.load(std::memory_order_acquire) ||
+      line(rank_).pid.load(std::memory_order_relaxed) != current_pid()) {
     return false;
   }
   const uint64_t next = seq_ + 1;
   line(rank_).arriving.store(next, std::memory_order_release);
   const Clock::time_point start = Clock::now();
-  const Clock::time_point until = start + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(max_wait_s));
+  const Clock::time_point until =
+      start + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(max_wait_s));
   for (int r = 0; r < nranks_; ++r) {
     if (r == rank_) continue;
     const std::atomic<uint64_t>& posted = line(r).counter[kPosted];

@@ -52,10 +52,14 @@ class ShmFill {
  public:
   template <class F>
   ShmFill(F&& f)  // NOLINT(google-explicit-constructor): passed a lambda in place
-      : obj_(static_cast<void*>(&f)), call_([](void* o, unsigned char* s) { (*static_cast<std::remove_reference_t<F>*>(o))(s); }) {}
+      : obj_(static_cast<void*>(&f)), call_(&invoke<std::remove_reference_t<F>>) {}
   void operator()(unsigned char* slot) const { call_(obj_, slot); }
 
  private:
+  template <class F>
+  static void invoke(void* f, unsigned char* slot) {
+    (*static_cast<F*>(f))(slot);
+  }
   void* obj_;
   void (*call_)(void*, unsigned char*);
 };

@@ -97,8 +97,8 @@ def host_identity() -> str:
 
 
 GRACE_S = SLACK_S   # Note [One deadline per call] in executor.py
-# An asynchronous call of at most ASYNC_INLINE_BYTES runs on the caller's thread when its peers have posted
-# their round within ASYNC_READY_S (Note [An asynchronous call whose peers wait] in csrc/transport/shm_channel.cpp).
+# An asynchronous call of at most ASYNC_INLINE_BYTES runs on the caller's thread when its peers are in it
+# within ASYNC_READY_S (Note [An asynchronous call whose peers wait] in csrc/transport/shm_channel.cpp).
 ASYNC_INLINE_BYTES = _C.SHM_ASYNC_INLINE_BYTES
 ASYNC_READY_S = 50e-6
 
