@@ -107,8 +107,10 @@ bool ShmFastAverage::run(py::handle tensors, double timeout_s, int64_t* count, d
       e = &scratch;
     }
   }
-  static constexpr int64_t kElementBytes[] = {4, 2, 2, 8};   // by type code (ncclavg/transport/shm.py)
-  if (ready_wait_s >= 0 && e->count * kElementBytes[e->type & 3] > kAsyncInlineBytes) return false;
+  if (ready_wait_s >= 0 &&
+      e->count * static_cast<int64_t>(cpu::type_size(static_cast<cpu::ShmType>(e->type))) > kAsyncInlineBytes) {
+    return false;
+  }
   // Nothing may be queued on the channel or running: the general path then runs this call in order.
   if (!exec_->try_lock()) return false;
   if (exec_->outstanding() != 0 || (ready_wait_s >= 0 && !channel_->peers_ready(ready_wait_s))) {

@@ -20,6 +20,16 @@ namespace cpu {
 // Element types of a channel collective: the core's three (same codes as DType) plus float64.
 enum class ShmType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2, kFloat64 = 3 };
 
+inline size_t type_size(ShmType t) {
+  switch (t) {
+    case ShmType::kFloat32: return 4;
+    case ShmType::kFloat16:
+    case ShmType::kBFloat16: return 2;
+    case ShmType::kFloat64: return 8;
+  }
+  return 0;
+}
+
 // A peer process exited, or some process aborted the channel -> ncclavg.CommError in Python.
 struct ShmPeerError : std::runtime_error {
   using std::runtime_error::runtime_error;

@@ -15,16 +15,6 @@ namespace shm_detail {
 using Clock = std::chrono::steady_clock;
 enum Op : int { kAllReduce = 0, kReduceScatter = 1, kAllGather = 2, kBroadcast = 3, kBarrier = 4 };
 
-inline size_t type_size(ShmType t) {
-  switch (t) {
-    case ShmType::kFloat32: return 4;
-    case ShmType::kFloat16:
-    case ShmType::kBFloat16: return 2;
-    case ShmType::kFloat64: return 8;
-  }
-  return 0;
-}
-
 inline const char* type_name(int t) {
   static const char* names[] = {"float32", "float16", "bfloat16", "float64"};
   return t >= 0 && t < 4 ? names[t] : "unknown";

@@ -18,7 +18,8 @@ sends for the same call (the same channel call, divisor and call signature), so 
 path for a call and still meet; anything else (a first sight the checks would refuse, another dtype or
 op, an async_op=True call whose peers are not in it yet or over 256 KiB (Note [An asynchronous call
 whose peers wait] in csrc/transport/shm_channel.cpp), a failed or shut group) returns False and the
-general path runs the call, with its errors. A failure of the round fails the group as the lane's would (BackendTimeoutError and the rest).
+general path runs the call, with its errors. A failure of the round fails the group as the lane's
+would (BackendTimeoutError and the rest).
 
 The all_reduce itself is answered in C++ (_C.GroupAllreduce, installed as the group's own `allreduce`
 attribute, so torch's dist.all_reduce calls it with no Python frame between): it reads the options,
@@ -138,7 +139,8 @@ def native_allreduce(pg: Any, paths: Dict[Any, Any], recorder: Any, default_s: f
     hooks = types.SimpleNamespace(
         group=weakref.ref(pg),   # the group holds this object: a strong reference would be a cycle
         done_work=done_work, record=recorder.done if recorder is not None else None, profiler=_torch_profiler,
-        unset=unset, default_s=float(default_s), async_ready_s=ASYNC_READY_S, sum_hash=hashes[0], avg_hash=hashes[1], sum_kind=R.SUM, avg_kind=R.AVG,
+        unset=unset, default_s=float(default_s), async_ready_s=ASYNC_READY_S,
+        sum_hash=hashes[0], avg_hash=hashes[1], sum_kind=R.SUM, avg_kind=R.AVG,
         errors=(_C.ShmMismatchError, _C.ShmPeerError, _C.CommTimeoutError))
     return _C.GroupAllreduce(paths[R.SUM], paths[R.AVG], hooks)
 

@@ -7,11 +7,12 @@ Note [Backend lanes]
 torch.distributed lets a caller issue a collective and wait for it later (DDP issues one all-reduce per
 bucket while backward goes on). A lane is a worker thread and a queue: a collective issued with
 async_op=True (and every collective DDP, FSDP2 or a functional collective issues from C++) is queued and
-returns at once (except a small all_reduce whose peers are already in it, which runs at once on the
-caller's thread: Note [An asynchronous call whose peers wait] in csrc/transport/shm_channel.cpp); the
-worker runs the queued collectives in order, each to completion, through the shared-memory channel
-(which releases the GIL while it works, so backward keeps computing) or through the group's inner gloo. A collective whose caller waits at once (async_op=False) runs on the caller's
-thread when nothing is queued: no thread hop for the small synchronous calls of a training loop
+returns at once (except a small all_reduce, broadcast, all-gather or reduce-scatter whose peers are
+already in it, which runs at once on the caller's thread: Note [An asynchronous call whose peers wait] in
+csrc/transport/shm_channel.cpp); the worker runs the queued collectives in order, each to completion,
+through the shared-memory channel (which releases the GIL while it works, so backward keeps computing) or
+through the group's inner gloo. A collective whose caller waits at once (async_op=False) runs on the
+caller's thread when nothing is queued: no thread hop for the small synchronous calls of a training loop
 (except while torch's profiler runs: Note [Profiler ranges of a Python backend] in profiling.py). Every
 CPU collective of a group goes through its lane, the gloo fallbacks too, so they complete in the
 order they were issued, as the ranks issued them (point-to-point calls do not: a recv that waits for a
