@@ -88,11 +88,11 @@ def worker(args: argparse.Namespace) -> None:
                             timeout=datetime.timedelta(seconds=120))
     import ncclavg
     from ncclavg.comm import end_process
-    from ncclavg.transport.shm import TYPE_CODES
+    from ncclavg.buffers import channel_type_code
 
     comm = ncclavg.Communicator.from_torch_distributed(devices=["cpu"], timeout=120.0)
     assert comm.transport == "shm", comm.transport
-    channel = comm._shm.channel
+    channel = comm._channel
     backend_group = dist.new_group(backend="ncclavg")
     assert backend_group.transport == "shm", backend_group.transport
     np_dtypes = {torch.float32: np.float32, torch.float16: np.float16, torch.float64: np.float64}
@@ -115,7 +115,7 @@ def worker(args: argparse.Namespace) -> None:
             mpi_buf = x.numpy() if dtype in np_dtypes else None
             calls = {
                 "ncclavg": lambda: comm.all_reduce_avg([x]),
-                "ncclavg channel": lambda: channel.all_reduce_sum(x.data_ptr(), n, TYPE_CODES[dtype], 120.0, 1.0, float(size)),
+                "ncclavg channel": lambda: channel.all_reduce_sum(x.data_ptr(), n, channel_type_code(dtype), 120.0, 1.0, float(size)),
                 "MPI": (lambda: world.Allreduce(MPI.IN_PLACE, mpi_buf, op=MPI.SUM)) if mpi_buf is not None else None,
                 "torch gloo": lambda: dist.all_reduce(x),
                 "torch ncclavg": lambda: dist.all_reduce(x, group=backend_group),

@@ -113,7 +113,7 @@ def worker(rank: int, size: int, port: int, args: argparse.Namespace, out_path: 
                             timeout=datetime.timedelta(seconds=300))
     comm = ncclavg.Communicator.from_torch_distributed(devices=["cpu"], timeout=300.0)
     assert comm.transport == "shm", comm.transport
-    channel = comm._shm.channel
+    channel = comm._channel
     group = dist.new_group(backend="ncclavg")
     assert group.transport == "shm", group.transport
     floor = _floor_group(dist, rank, size)

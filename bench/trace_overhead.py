@@ -61,7 +61,7 @@ def _rank(rank, port, blocks, out):
             iters = 400 if numel < 1000 else 40
             for sync in (False, True):
                 for cfg in CONFIGS:
-                    pg._flight = pg._lane.recorder = None if cfg == "off" else recorder
+                    pg._flight = pg._runner.recorder = None if cfg == "off" else recorder
                     if cfg == "profiler":
                         with torch.profiler.profile(record_shapes=True):
                             s = _block(dist, torch, pg, numel, iters, sync)

@@ -127,7 +127,8 @@ PYBIND11_MODULE(_C, m) {
 
   py::register_exception<NcclError>(m, "NcclError", PyExc_RuntimeError);
   py::register_exception<CudaError>(m, "CudaError", PyExc_RuntimeError);
-  py::register_exception<TimeoutError>(m, "CommTimeoutError", PyExc_TimeoutError);
+  auto comm_timeout_error = py::register_exception<TimeoutError>(m, "CommTimeoutError", PyExc_TimeoutError);
+  py::register_exception<cpu::ShmTimeoutError>(m, "ShmTimeoutError", comm_timeout_error.ptr());
   auto shm_peer_error = py::register_exception<cpu::ShmPeerError>(m, "ShmPeerError", PyExc_RuntimeError);
   py::register_exception<cpu::ShmMismatchError>(m, "ShmMismatchError", shm_peer_error.ptr());
   py::register_exception_translator([](std::exception_ptr p) {
@@ -402,8 +403,19 @@ PYBIND11_MODULE(_C, m) {
         .def("resident_slot_bytes", &ShmChannel::resident_slot_bytes, py::arg("r"))
         .def_property_readonly("rank", &ShmChannel::rank)
         .def_property_readonly("nranks", &ShmChannel::nranks)
+        .def_property_readonly("waiting_on", &ShmChannel::waiting_on)
         .def_property_readonly("slot_bytes", &ShmChannel::slot_bytes)
         .def_property_readonly("collectives", &ShmChannel::collectives);
+    m.def("dtype_codes", [] {
+      static_assert(static_cast<int>(cpu::ShmType::kFloat32) == static_cast<int>(DType::kFloat32) &&
+                        static_cast<int>(cpu::ShmType::kFloat16) == static_cast<int>(DType::kFloat16) &&
+                        static_cast<int>(cpu::ShmType::kBFloat16) == static_cast<int>(DType::kBFloat16),
+                    "the channel's codes extend the core's");
+      py::dict d;
+      for (int code = 0; code < cpu::kShmTypeCount; ++code) d[cpu::type_name(static_cast<cpu::ShmType>(code))] = code;
+      return d;
+    }, "The element types of the core and their codes: a Buffer takes float32, float16 and bfloat16; the "
+       "shared-memory channel float64 too (ncclavg/buffers.py builds its tables from this one).");
     m.def("shm_call_names", [] {
       py::dict d;
       d["collectives"] = cpu::shm_collective_names();

@@ -13,10 +13,37 @@ from ._ext import _C
 
 Buffer = _C.Buffer
 
-FLOAT32, FLOAT16, BFLOAT16 = 0, 1, 2
-DTYPE_NAMES = {FLOAT32: "float32", FLOAT16: "float16", BFLOAT16: "bfloat16"}
+# The one table of element types: the core's codes (_C.dtype_codes), from which every other is made.
+CORE_CODES = dict(_C.dtype_codes())   # name -> code: the channel's types; a Buffer takes the first three
+FLOAT32, FLOAT16, BFLOAT16, FLOAT64 = (CORE_CODES[n] for n in ("float32", "float16", "bfloat16", "float64"))
+DTYPE_NAMES = {FLOAT32: "float32", FLOAT16: "float16", BFLOAT16: "bfloat16"}   # a Buffer's types
 DTYPE_CODES = {v: k for k, v in DTYPE_NAMES.items()}
 CPU = -1
+_TORCH_CHANNEL: dict = {}   # torch dtype -> code, every channel type (built on first use: no torch import here)
+
+
+def _torch_channel_codes() -> dict:
+    if not _TORCH_CHANNEL:
+        import torch
+
+        _TORCH_CHANNEL.update({getattr(torch, name): code for name, code in CORE_CODES.items()})
+    return _TORCH_CHANNEL
+
+
+def channel_types() -> tuple:
+    """The torch dtypes the shared-memory channel adds: float32, float16, bfloat16, float64."""
+    return tuple(_torch_channel_codes())
+
+
+def channel_type_code(dtype: Any) -> int:
+    """The core's code of a torch dtype the channel takes (KeyError for another)."""
+    return _torch_channel_codes()[dtype]
+
+
+def torch_code(dtype: Any) -> Any:
+    """The core's code of a torch dtype a Buffer takes, or None."""
+    code = _torch_channel_codes().get(dtype)
+    return code if code in DTYPE_NAMES else None
 
 
 def dtype_code(name: str, argname: str = "dtype") -> int:
@@ -50,17 +77,10 @@ def _is_torch_subclass(cls: type) -> bool:
     return torch is not None and issubclass(cls, torch.Tensor)
 
 
-_TORCH_CODES: dict = {}
-
-
 def _from_torch(t: Any, name: str) -> Buffer:
     # On the per-bucket hot path: one attribute read per check, the dtype table built once.
-    if not _TORCH_CODES:
-        import torch
-
-        _TORCH_CODES.update({torch.float32: FLOAT32, torch.float16: FLOAT16, torch.bfloat16: BFLOAT16})
-    code = _TORCH_CODES.get(t.dtype)
-    if code is None:
+    code = _torch_channel_codes().get(t.dtype)
+    if code is None or code == FLOAT64:
         raise TypeError(f"{name}: dtype {t.dtype} is not supported; use float32, float16 or bfloat16")
     if not t.is_contiguous():
         raise ValueError(f"{name}: tensor is not contiguous (shape {tuple(t.shape)}, stride {t.stride()}); "

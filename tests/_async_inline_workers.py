@@ -38,7 +38,8 @@ class _Faces:
     def ran_here(self, work):
         """The call ran on the caller's thread: what it handed back is a finished Work made for that (a
         queued one may also be complete by now, which tells nothing)."""
-        return type(work._work if self.face == "api" else work).__name__ in ("_Ran", "DoneWork")
+        job = getattr(work, "_job", None)   # a runner's job (transport/runner.py), or a fast path's DoneWork
+        return job.ran_inline if job is not None else type(work).__name__ == "DoneWork"
 
     def sync(self, t):
         if self.face == "api":
@@ -61,7 +62,7 @@ def inline_when_peers_wait_job(rank, world, port, face):
     over the inline limit is queued whatever the peers do."""
     init_backend(rank, world, port)
     faces = _Faces(face)
-    from ncclavg.transport.shm import ASYNC_INLINE_BYTES
+    from ncclavg.transport.runner import ASYNC_INLINE_BYTES
 
     for k, n in enumerate((1, 1000, ASYNC_INLINE_BYTES // 4, ASYNC_INLINE_BYTES // 4 + 1)):
         vals, want = _inputs(world, n, k)
@@ -83,7 +84,7 @@ def torch_collectives_inline_job(rank, world, port):
     reduce_scatter_tensor (SUM and AVG): complete when handed back when the peers wait, queued when over
     the limit, with exact values either way."""
     init_backend(rank, world, port)
-    from ncclavg.transport.shm import ASYNC_INLINE_BYTES
+    from ncclavg.transport.runner import ASYNC_INLINE_BYTES
 
     small, big = 12, ASYNC_INLINE_BYTES // 4 // world + 1   # elements per rank
     for k, (what, n) in enumerate([(w, n) for n in (small, big) for w in ("broadcast", "all_gather", "rs_sum", "rs_avg")]):
@@ -148,7 +149,7 @@ def mixed_job(rank, world, port, face, calls):
     every value is exact."""
     init_backend(rank, world, port)
     faces = _Faces(face)
-    from ncclavg.transport.shm import ASYNC_INLINE_BYTES
+    from ncclavg.transport.runner import ASYNC_INLINE_BYTES
 
     shared, own = random.Random(1234), random.Random(rank * 7919 + 1)
     sizes = (1, 3, 257, 4096, ASYNC_INLINE_BYTES // 4, ASYNC_INLINE_BYTES // 4 + 8)

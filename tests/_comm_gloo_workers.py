@@ -108,7 +108,7 @@ def spy_between_hosts(comm):
     leaders run, and any other torch.distributed collective by name; None on other transports."""
     if comm.transport != "shm+gloo":
         return None
-    calls, real = [], comm._shm._dist
+    calls, real = [], comm._runner.transport._dist
 
     class Spy:
         def __getattr__(self, name):
@@ -125,7 +125,7 @@ def spy_between_hosts(comm):
                 return other
             return fn
 
-    comm._shm._dist = Spy()
+    comm._runner.transport._dist = Spy()
     return calls
 
 

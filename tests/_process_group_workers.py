@@ -311,7 +311,7 @@ def collectives_job(rank, world, port, layout=None):
     check_bad_arguments(rank, world)
     # a group over every rank has a lane and a channel of its own (Note [One channel per group])
     again = dist.new_group()
-    assert again._lane is not pg._lane and again.transport == pg.transport
+    assert again._runner is not pg._runner and again.transport == pg.transport
     t = torch.ones(3)
     dist.all_reduce(t, group=again)
     assert same(t, torch.full((3,), float(world)))
@@ -325,7 +325,7 @@ def subgroups_job(rank, world, port):
     pairs_gloo = [dist.new_group([0, 1], backend="gloo"), dist.new_group([2, 3], backend="gloo")]
     three, three_gloo = dist.new_group([1, 2, 3]), dist.new_group([1, 2, 3], backend="gloo")
     mine, mine_gloo = pairs[rank // 2], pairs_gloo[rank // 2]
-    assert mine._lane is not dist.group.WORLD._lane and mine.transport == "shm"
+    assert mine._runner is not dist.group.WORLD._runner and mine.transport == "shm"
     for dtype in (torch.float32, torch.int64, torch.bfloat16):
         x = exact_input(rank, 101, dtype, seed=7)
         a, b = x.clone(), x.clone()
@@ -441,9 +441,9 @@ def reinit_job(rank, world, port, files):
         dist.all_reduce(t)
         assert same(t, torch.full((3,), float(sum(range(world)))))
         assert all(w.is_completed() for w in works)   # issued before, completed in order
-        lane = pg._lane
+        runner = pg._runner
         dist.destroy_process_group()
-        assert lane.closed
+        assert runner.closed
 
 
 def own_timeout_job(rank, world, port, outdir):

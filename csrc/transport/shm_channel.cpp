@@ -315,7 +315,7 @@ void ShmChannel::fail_mismatch(const std::string& why) {
 void ShmChannel::fail_all(const std::string& why, bool timeout) {
   failed_ = true;
   abort(why);
-  if (timeout) throw TimeoutError(why);
+  if (timeout) throw ShmTimeoutError(why);
   throw ShmPeerError(why);
 }
 
@@ -393,6 +393,7 @@ void ShmChannel::wait_for(Counter c, uint64_t target, int only_rank, const Call&
     const Clock::time_point start = Clock::now();
     Clock::time_point next_check = start + std::chrono::milliseconds(100);
     enum { kSpinning, kYielding, kSleeping } phase = spin_ > Clock::duration::zero() ? kSpinning : kYielding;
+    waiting_on_.store(labels_[r], std::memory_order_relaxed);   // for a watchdog's words (waiting_on)
     for (uint64_t i = 1; counter.load(std::memory_order_acquire) < target; ++i) {
       if (local_abort_.load(std::memory_order_acquire) || header_->aborted_by.load(std::memory_order_acquire)) {
         throw_aborted(call);
@@ -439,6 +440,7 @@ void ShmChannel::wait_for(Counter c, uint64_t target, int only_rank, const Call&
       }
       header_->sleepers.fetch_sub(1, std::memory_order_seq_cst);
     }
+    waiting_on_.store(-1, std::memory_order_relaxed);
   }
 }
 

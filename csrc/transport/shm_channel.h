@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "../common/check.h"
 #include "shm_calls.h"
 
 namespace ncclavg {
@@ -30,6 +31,17 @@ inline size_t type_size(ShmType t) {
   return 0;
 }
 
+inline const char* type_name(ShmType t) {
+  switch (t) {
+    case ShmType::kFloat32: return "float32";
+    case ShmType::kFloat16: return "float16";
+    case ShmType::kBFloat16: return "bfloat16";
+    case ShmType::kFloat64: return "float64";
+  }
+  return "unknown";
+}
+constexpr int kShmTypeCount = 4;
+
 // A peer process exited, or some process aborted the channel -> ncclavg.CommError in Python.
 struct ShmPeerError : std::runtime_error {
   using std::runtime_error::runtime_error;
@@ -38,6 +50,11 @@ struct ShmPeerError : std::runtime_error {
 // rank, by its own check or through the abort of the rank that found it first.
 struct ShmMismatchError : ShmPeerError {
   using ShmPeerError::ShmPeerError;
+};
+// The call's deadline passed while the channel waited for a rank, which the message names -> ncclavg's
+// _C.ShmTimeoutError, a CommTimeoutError (Note [Failures are told by type] in ncclavg/transport/failure.py).
+struct ShmTimeoutError : TimeoutError {
+  using TimeoutError::TimeoutError;
 };
 
 // What a waiting collective calls once, on its own thread, when its wait outlasts the first spin (Note
@@ -136,6 +153,9 @@ class ShmChannel {
 
   int rank() const { return rank_; }
   int nranks() const { return nranks_; }
+  // The rank (its label) a collective of this process waits for now, or -1: read by another thread (a
+  // watchdog that ends the collective at its deadline names that rank).
+  int waiting_on() const { return waiting_on_.load(std::memory_order_relaxed); }
   int64_t slot_bytes() const { return slot_bytes_; }
   uint64_t collectives() const { return seq_; }
   // Bytes of rank r's slots that are in memory now (mincore): each rank reserves its own.
@@ -170,6 +190,7 @@ class ShmChannel {
   std::unique_ptr<ShmDoor> door_;   // rank 0, until every rank has joined
   uint64_t seq_ = 0;                // rounds done: the same on every rank
   std::atomic<bool> local_abort_{false};
+  std::atomic<int> waiting_on_{-1};
   bool failed_ = false;
   std::chrono::steady_clock::duration spin_{};   // how long a wait spins before it yields
 };

@@ -152,7 +152,7 @@ def setup_gloo(compare: bool, timeout: float) -> Setup:
              "gloo": "torch.distributed"}
     notes = [f"ncclavg's transport between the processes: {comm.transport} ({about[comm.transport]})"]
     if comm.transport == "shm":   # the channel's barrier releases every rank within microseconds
-        ranks.tight = lambda: comm._shm.channel.barrier(timeout)
+        ranks.tight = lambda: comm._channel.barrier(timeout)
     return Setup("gloo", [torch.device("cpu")], ranks.world_size, ranks.rank, contenders, ranks, _no_sync, notes)
 
 

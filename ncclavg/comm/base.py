@@ -1,22 +1,24 @@
-"""Communicator: the one object that averages a bucket across all towers, and the Work it hands back.
+"""Communicator: the one object that averages a bucket across all towers.
 
 This module holds what every backend shares: the public constructors, the argument checks that name
-the argument, the failure state and the debug-mode sequence check. The backends are subclasses in
+the argument, the runner whose failure state every backend keeps (transport/runner.py, under this face's
+words: `FACE`) and the debug-mode sequence check. The Works it hands back are the transport's
+(transport/work.py: `Work`, a job's `JobWork`, the completed `DoneWork`, also known as CompletedWork). The backends are subclasses in
 local.py (CPU towers of one process), gloo.py (CPU towers of several processes through
 torch.distributed; dist.py holds the bounded torch.distributed plumbing) and nccl.py (the core's NCCL
 communicator); see Note [Backend table].
 
 Every wait is bounded: `timeout` seconds (default NCCLAVG_TIMEOUT, else 600); a wait that runs out raises
-`ncclavg.CommTimeoutError` naming the operation, its tag (e.g. "bucket 3"), the bytes and the rank. See
-Note [A failed communicator stays failed]. NCCLAVG_DEBUG=1 checks that every rank runs the same
+`ncclavg.CommTimeoutError` naming the operation, its tag (e.g. "bucket 3"), the bytes and the rank (Note
+[One deadline per call] in transport/runner.py). See Note [A failed communicator stays failed]. NCCLAVG_DEBUG=1 checks that every rank runs the same
 collectives in the same order (debug.py, Note [Collective sequence check]).
 
 Note [A failed communicator stays failed]
 After a collective timed out or failed on one rank, the ranks no longer agree on which collective
 comes next: the peers may still be inside the one this rank gave up on, or may never reach it. Any
 later collective could pair up with the wrong one on the other side and hang or average unrelated
-data. So the first failure is recorded (`comm.failure`) and every later call raises CommError naming
-it; the NCCL core does the same after ncclCommAbort. Recovery is a new communicator (in practice, a
+data. So the first failure is recorded (`comm.failure`, the communicator's runner's) and every later
+call raises CommError naming it; the NCCL core does the same after ncclCommAbort. Recovery is a new communicator (in practice, a
 restart of every rank from the last checkpoint).
 
 Note [Validated buffer cache]
@@ -46,14 +48,17 @@ import datetime
 import functools
 import math
 import os
-import threading
 from typing import Any, Callable, Optional, Sequence
 
 import torch
 
 from .. import _ext
 from ..buffers import as_buffers
-from ..errors import CollectiveMismatchError, CommError
+from ..errors import CollectiveMismatchError, CommError, CommTimeoutError
+from ..transport import failure as F
+from ..transport.failure import Face, LazyText
+from ..transport.runner import Runner
+from ..transport.work import DoneWork, Work, check_seconds
 from . import debug as comm_debug
 
 DEFAULT_TIMEOUT_S = 600.0
@@ -85,50 +90,15 @@ def check_count(n: Any, argname: str) -> int:
 
 
 def check_timeout(timeout: Any, argname: str = "timeout") -> float:
-    if timeout is None:
-        return default_timeout()
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
-        raise TypeError(f"{argname}: expected seconds as a number, got {type(timeout).__name__}")
-    if not timeout > 0 or timeout == float("inf"):
-        raise ValueError(f"{argname}: must be a positive finite number of seconds, got {timeout}")
-    return float(timeout)
+    """A timeout argument in seconds (None: the default), else a TypeError / ValueError naming it."""
+    return default_timeout() if timeout is None else check_seconds(timeout, argname)
 
 
-class Work:
-    """Handle of an asynchronous collective. `wait(timeout=None)` blocks until it is complete (raising
-    CommTimeoutError after `timeout` seconds, default the communicator's); `done()` polls.
-    `divisor` is the division still to apply when the op was issued with defer_scale=True (1 otherwise);
-    `elapsed` the seconds from issue to completion once known."""
-
-    divisor: float = 1.0
-    elapsed: Optional[float] = None
-
-    def wait(self, timeout: Optional[float] = None) -> None:
-        raise NotImplementedError
-
-    def done(self) -> bool:
-        raise NotImplementedError
-
-    def wait_stream(self) -> None:
-        """Orders the caller's current streams (each local tower's device) after THIS collective without
-        blocking the host (CUDA backends); backends without streams (local on the CPU, gloo) complete it
-        on the host: the same as wait(). See Note [Stream-ordered average] in ncclavg/averager.py."""
-        self.wait()
-
-
-class CompletedWork(Work):
-    """A Work that was complete when it was issued (nothing to average: one tower)."""
-
-    def __init__(self, divisor: float = 1.0):
-        self.divisor = divisor
-        self.elapsed = 0.0
-
-    def wait(self, timeout: Optional[float] = None) -> None:
-        if timeout is not None:
-            check_timeout(timeout)   # a bad value is refused here too, as by every other Work
-
-    def done(self) -> bool:
-        return True
+# The public API's words (transport/failure.py): a wait that runs out gives up for good (Note [One Work for
+# both faces] in transport/work.py); the ranks' calls that differ are a CollectiveMismatchError.
+FACE = Face(noun="communicator", error=CommError, timeout_error=CommTimeoutError,
+            mismatch_error=CollectiveMismatchError, wait_fails=True)
+CompletedWork = DoneWork   # the public name of a Work complete when handed out (nothing to average)
 
 
 class Communicator:
@@ -152,8 +122,9 @@ class Communicator:
             raise TypeError("Communicator: use Communicator.local(n), Communicator.nccl(devices) or "
                             "Communicator.from_torch_distributed()")
         self._closed = False
-        self._failure: Optional[str] = None
-        self._state_lock = threading.Lock()
+        # the runner of this communicator's jobs, and its failure state (Note [A failed communicator stays
+        # failed]); the gloo backend gives it its host channel, the local one its asynchronous averages
+        self._runner = Runner(f"ncclavg-{getattr(self, 'backend', 'comm')}", FACE)
         # See Note [Collective sequence check] in debug.py; settable after construction.
         self.debug: bool = comm_debug.debug_enabled()
         self._debug_seq = 0
@@ -289,16 +260,14 @@ class Communicator:
     def failure(self) -> Optional[str]:
         """Why this communicator became unusable (None while it is healthy). See Note [A failed
         communicator stays failed]."""
-        return self._failure
+        return self._runner.failure
 
     def abort(self, reason: str = "abort() was called") -> None:
         """Marks the communicator unusable (NCCL: ncclCommAbort), e.g. from a watchdog of the caller's."""
         self._fail(reason)
 
     def _fail(self, reason: str) -> None:
-        with self._state_lock:
-            if self._failure is None:
-                self._failure = reason
+        self._runner.fail(reason)
 
     def close(self) -> None:
         self._closed = True
@@ -315,10 +284,10 @@ class Communicator:
 
     # ------------------------------------------------------------------ argument checks
     def _check_open(self) -> None:
-        if self._failure is not None:
-            raise CommError(f"{self.backend} communicator (rank {self.rank} of {self.world_size}) is unusable: "
-                            f"{self._failure}. See Note [A failed communicator stays failed]: build a new "
-                            "communicator (restart the ranks from the last checkpoint)")
+        failure = self._runner.failure
+        if failure is not None:
+            raise CommError(F.unusable_because(f"{self.backend} communicator (rank {self.rank} of {self.world_size})",
+                                               failure))
         if self._closed:
             raise RuntimeError(f"{self.backend} communicator is closed")
 
@@ -431,24 +400,6 @@ class Communicator:
         if outputs[0].dtype != inputs[0].dtype:
             raise TypeError(f"outputs: dtype {outputs[0].dtype} differs from inputs dtype {inputs[0].dtype}")
         return inputs, outputs
-
-
-class LazyText:
-    """A message written out on first use: `str(LazyText(fn, *args))` is `fn(*args)`, computed once."""
-
-    __slots__ = ("_fn", "_args", "_text")
-
-    def __init__(self, fn: Callable[..., str], *args: Any):
-        self._fn, self._args, self._text = fn, args, None
-
-    def __str__(self) -> str:
-        if self._text is None:
-            self._text = self._fn(*self._args)
-            self._fn = self._args = None
-        return self._text
-
-    def __add__(self, other: str) -> str:
-        return str(self) + other
 
 
 def _init_torchrun_group(dist: Any, timeout: float) -> None:

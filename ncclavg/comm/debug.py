@@ -22,10 +22,10 @@ from typing import Optional, Sequence
 
 import torch
 
+from ..buffers import DTYPE_NAMES, torch_code
+
 OP_CODES = {"all_reduce_avg": 1, "reduce_scatter_avg": 2, "all_gather": 3}
 _OP_NAMES = {v: k for k, v in OP_CODES.items()}
-_DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
-_DTYPE_NAMES = {0: "float32", 1: "float16", 2: "bfloat16"}
 FIELDS = ("seq", "op", "numel", "dtype", "step", "bucket", "fingerprint")
 _CHUNKS = 4  # 16-bit chunks per 64-bit field
 RECORD_LEN = len(FIELDS) * _CHUNKS
@@ -37,9 +37,14 @@ def debug_enabled() -> bool:
     return raw not in ("", "0", "false", "no", "off")
 
 
+def _dtype_code(dtype: torch.dtype) -> int:
+    code = torch_code(dtype)
+    return -1 if code is None else code
+
+
 def make_record(seq: int, op: str, numel: int, dtype: torch.dtype, key: Optional[Sequence[int]]) -> list:
     step, bucket, fingerprint = (-1, -1, 0) if key is None else (int(key[0]), int(key[1]), int(key[2]))
-    return [int(seq), OP_CODES[op], int(numel), _DTYPE_CODES.get(dtype, -1), step, bucket, fingerprint]
+    return [int(seq), OP_CODES[op], int(numel), _dtype_code(dtype), step, bucket, fingerprint]
 
 
 def encode(record: Sequence[int]) -> torch.Tensor:
@@ -62,7 +67,7 @@ def decode(row: torch.Tensor) -> list:
 
 def describe(record: Sequence[int]) -> str:
     seq, op, numel, dtype, step, bucket, fingerprint = record
-    s = f"#{seq} {_OP_NAMES.get(op, f'op {op}')} of {numel} x {_DTYPE_NAMES.get(dtype, f'dtype {dtype}')}"
+    s = f"#{seq} {_OP_NAMES.get(op, f'op {op}')} of {numel} x {DTYPE_NAMES.get(dtype, f'dtype {dtype}')}"
     if step >= 0 or bucket >= 0:
         s += f" (step {step}, bucket {bucket}, bucket fingerprint {fingerprint & 0xFFFF_FFFF_FFFF_FFFF:016x})"
     return s

@@ -16,9 +16,11 @@ moves the division before the sum (a half-precision sum cannot overflow then). T
 exchanged once, when the communicator is built.
 reduce_scatter_avg and all_gather follow the same order (local first, one collective per process); the
 shard of global tower g = offset_p + t, towers numbered process-major.
-When every process is on one host, the collectives between processes go through the core's shared-memory
-channel instead of torch.distributed (shm.py, Note [When the shared-memory channel is used]); the steps
-above and their element math stay the same.
+When processes share a host, the collectives between processes go through the core's shared-memory
+channel instead of torch.distributed (transport/shm.py, Note [When the shared-memory channel is used]);
+the steps above and their element math stay the same. Each collective is one job on the communicator's
+runner (transport/runner.py: in order, inline when idle, one deadline, the watchdog, the flight record),
+whose steps go to the channel, then torch.distributed, in that order (transport/paths.py).
 """
 from __future__ import annotations
 
@@ -27,49 +29,20 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from .._ext import _C
-from ..buffers import as_buffer
-from ..transport import calls, profiling
-from ..transport.profiling import enabled as _profiling
-from .base import Communicator, Work, check_count, check_timeout
-from ..transport.calls import Call, average_call
-from .dist import (_DistWork, _allgather_object_bounded, _debug_allgather_dist, _is_timeout, _issue_dist,
-                   _raise_failure, _wait_dist)
+from ..buffers import as_buffer, channel_type_code
+from ..transport import calls, flight, host_setup, profiling
+from ..transport.calls import average_call
+from ..transport.failure import CHANNEL_ERRORS
 from ..transport.liveness import Liveness
-from ..transport.shm import TYPE_CODES, ShmTransport, host_identity, supports as shm_supports
-from .shm_fast import CHANNEL_ERRORS, fast_average
-
-
-# Note [Reduce-scatter as all_to_all]
-# torch.distributed's gloo reduce_scatter_tensor ignores Work.wait(timeout) (torch 2.13: a peer 5 s late
-# holds a wait with a 1 s limit for the whole 5 s; all_reduce, all_gather, broadcast and all_to_all stop
-# at the limit). So the torch.distributed path sends each rank its slice of every input with one
-# all_to_all (the same bytes as a reduce-scatter) and sums the received pieces here, in rank order with
-# fp32 accumulation (fp64 for float64) and one rounding: the shared-memory channel's arithmetic, and the
-# call's timeout holds.
-def _sum_pieces(pieces: torch.Tensor, out: torch.Tensor) -> None:
-    """out = pieces[0] + pieces[1] + ... in order, accumulated wide, rounded once."""
-    wide = torch.float64 if out.dtype == torch.float64 else torch.float32
-    acc = pieces[0].to(wide, copy=True)
-    for p in pieces[1:]:
-        acc += p
-    out.view(-1).copy_(acc)
-
-
-class _ThenWork:
-    """A torch.distributed work, and what to run on this thread once it has completed."""
-
-    def __init__(self, work: Any, then: Callable[[], None]):
-        self._work, self._then, self._done = work, then, False
-
-    def wait(self, timeout: Any = None) -> bool:
-        self._work.wait(timeout=timeout)
-        if not self._done:
-            self._then()
-            self._done = True
-        return True
-
-    def is_completed(self) -> bool:
-        return bool(self._work.is_completed())
+from ..transport.paths import Paths
+from ..transport.profiling import enabled as _profiling
+from ..transport.reductions import as_bytes
+from ..transport.runner import ASYNC_INLINE_BYTES, Job
+from ..transport.shm import host_identity, supports as shm_supports
+from ..transport.work import JobWork
+from .base import Communicator, check_count, check_timeout
+from .dist import allgather_object, debug_allgather
+from .shm_fast import fast_average
 
 
 class GlooCommunicator(Communicator):
@@ -92,70 +65,63 @@ class GlooCommunicator(Communicator):
         self.devices = ["cpu"] * towers
         self.timeout = check_timeout(timeout)
         self.predivide = bool(predivide)
-        # all_gather_into_tensor was renamed in recent torch versions.
-        self._all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        self._shm: Optional[ShmTransport] = None
         found = ([(towers, "")] if self.world_size == 1 else
-                 _allgather_object_bounded(self, dist, group, (towers, host_identity()), self.timeout))
+                 allgather_object(self, dist, group, (towers, host_identity()), self.timeout))
         self.tower_counts: list = [int(c) for c, _ in found]
         self.size = sum(self.tower_counts)
         self.tower_offset = sum(self.tower_counts[:self.rank])   # global index of local tower 0
         self._uniform = len(set(self.tower_counts)) == 1
         # See Note [Naming the lost rank] in liveness.py
         self._liveness = Liveness.for_group(dist, group, self.rank, self.world_size) if self.world_size > 1 else None
-        self._shm = ShmTransport.connect(
-            self.rank, self.world_size, lambda obj: _allgather_object_bounded(self, dist, group, obj, self.timeout),
+        if self._liveness is not None:
+            self._runner.namer = self._liveness.diagnose
+        transport = host_setup.connect(
+            self.rank, self.world_size, lambda obj: allgather_object(self, dist, group, obj, self.timeout),
             [h for _, h in found], self.timeout, dist=dist, group=group)
+        self._runner.transport = transport
         # between the processes: "shm", the shared-memory channel (one host); "shm+gloo", a channel per host
-        # and torch.distributed between the hosts (Note [Several hosts] in shm.py); "gloo", torch.distributed
-        self.transport = self._shm.kind if self._shm is not None else "gloo"
+        # and torch.distributed between the hosts (Note [Several hosts] in transport/hosts.py); "gloo",
+        # torch.distributed
+        self.transport = transport.kind if transport is not None else "gloo"
+        c10d = group if group is not None else dist.group.WORLD
+        # the steps: the channel, then torch.distributed (whose path compares no calls: NCCLAVG_DEBUG does)
+        self._paths = Paths(transport, c10d, self.rank, self.world_size, compare=False)
+        self._runner.recorder = flight.for_group(f"communicator-{self.backend}", self.rank, self.world_size,
+                                                 dist.get_rank(), self.transport)
         # Note [Division in the channel]
         # With one host's channel over every process, an average's division by the number of towers runs
         # in the channel's sum (the same bits as the unpack scale after it), one pass less. Which
         # collective the channel runs must be the same on every rank (its signature includes the scale),
         # so this depends only on what every rank shares: the transport, and the dtype and the call.
-        self._fuses_division = self._shm is not None and self._shm.channel is not None
+        self._channel = transport.channel if transport is not None else None
+        self._fuses_division = self._channel is not None
         # one tower here and one host's channel over every process: Note [Small-message fast path]
-        self._fast = (fast_average(self._fast_plan, self._shm.channel, self._shm.exec_lock)
+        self._fast = (fast_average(self._fast_plan, self._channel, self._runner.order)
                       if self._fuses_division and towers == 1 else None)
         self._fast_run = self._fast.run if self._fast is not None else None
+        if self._fast is not None:
+            self._runner.fast_paths.append(self._fast)
 
-    # ------------------------------------------------------------------ the collectives between processes
-    # Each starts one SUM / gather / broadcast over the processes and returns a Work for _wait_dist:
-    # through the shared-memory channel when there is one and it takes the dtype, else torch.distributed.
-    # sync=True: the caller waits at once.
-    # `call`: the user's call, compared across the ranks by the channel (Note [Call signatures] in
-    # csrc/transport/shm_calls.cpp); torch.distributed's path has no such check.
-    def _sum(self, what: str, t: torch.Tensor, sync: bool = True, timeout: Optional[float] = None,
-             divisor: float = 1.0, call: Optional[Call] = None) -> Any:
-        """divisor != 1 (one-host channel only): the channel divides the sum in the same pass."""
-        if self._shm is not None and shm_supports(t):
-            return _issue_dist(self, what, self._shm.all_reduce_sum, t, sync, timeout, divisor, call)
-        assert divisor == 1.0, "only the shared-memory channel divides"
-        return _issue_dist(self, what, self._dist.all_reduce, t, op=self._dist.ReduceOp.SUM, group=self.group,
-                           async_op=True)
+    # ------------------------------------------------------------------ jobs
+    def _submit(self, what: Any, body: Callable[[Job], None], call: Any, timeout: Optional[float], sync: bool,
+                like: Sequence[torch.Tensor], inline_bytes: int = -1) -> JobWork:
+        """`body(job)` as a job of this communicator's runner: run now when `sync` and nothing is pending,
+        else queued; an asynchronous call of at most `inline_bytes` bytes runs now too when its peers are in
+        it already (Note [One runner] in transport/runner.py). `like`: the tensors its flight record
+        describes (Note [What a job records] in process_group/lane.py)."""
+        limit = self.timeout if timeout is None else timeout
+        job = Job(body, what, limit, call, own_timeout=limit != self.timeout)
+        if self._runner.recorder is not None and call is not None:
+            job.rec = self._runner.recorder.issue(call, like)
+        ready = None
+        if not sync and 0 <= inline_bytes <= ASYNC_INLINE_BYTES and self._channel is not None:
+            ready = self._runner.transport.peers_ready
+        return self._runner.submit(job, inline=sync, ready=ready)
 
-    def _sum_scatter(self, what: str, out: torch.Tensor, inp: torch.Tensor, timeout: Optional[float] = None,
-                     call: Optional[Call] = None) -> Any:
-        if self._shm is not None and shm_supports(out) and shm_supports(inp):
-            return _issue_dist(self, what, self._shm.reduce_scatter_sum, out, inp, True, timeout, call)
-        # See Note [Reduce-scatter as all_to_all]
-        pieces = torch.empty(self.world_size * out.numel(), dtype=out.dtype)
-        work = _issue_dist(self, what, self._dist.all_to_all_single, pieces, inp, group=self.group, async_op=True)
-        return _ThenWork(work, lambda: _sum_pieces(pieces.view(self.world_size, -1), out))
-
-    def _from_rank_0(self, what: str, t: torch.Tensor, src: int, timeout: Optional[float] = None,
-                     call: Optional[Call] = None) -> Any:
-        """Broadcast from the group's rank 0 (global rank `src`); the channel's ranks are the group's."""
-        if self._shm is not None and shm_supports(t):
-            return _issue_dist(self, what, self._shm.broadcast, t, 0, True, timeout, call)
-        return _issue_dist(self, what, self._dist.broadcast, t, src=src, group=self.group, async_op=True)
-
-    def _gather(self, what: str, out: torch.Tensor, inp: torch.Tensor, timeout: Optional[float] = None,
-                call: Optional[Call] = None) -> Any:
-        if self._shm is not None and shm_supports(out) and shm_supports(inp):
-            return _issue_dist(self, what, self._shm.all_gather, out, inp, True, timeout, call)
-        return _issue_dist(self, what, self._all_gather, out, inp, group=self.group, async_op=True)
+    def _run(self, what: Any, body: Callable[[Job], None], call: Any, limit: float,
+             like: Sequence[torch.Tensor]) -> None:
+        """A synchronous collective: `body` as a job, waited for (bounded by `limit`)."""
+        self._submit(what, body, call, limit, True, like).wait(limit)
 
     def _scale(self, buf: Any, scale: float, divisor: float, dsts: Optional[list] = None) -> None:
         """dsts (default [buf]) = buf * scale / divisor in one fused pass (the core's unpack)."""
@@ -168,13 +134,13 @@ class GlooCommunicator(Communicator):
         (data_ptr, numel, type code, divisor, call tag), after the general path's own checks and errors;
         None sends the call down the general path (NCCLAVG_DEBUG's sequence check, a failed or closed
         communicator that says why it refuses, a scale or dtype the channel's fused division lacks)."""
-        if self.debug or self._failure is not None or self._closed:
+        if self.debug or self.failure is not None or self._closed:
             return None
         self._checked_buffers([t], "tensors")
         scale, pre_div, post_div = self._sum_factors()
         if scale != 1.0 or pre_div != 1.0 or not shm_supports(t):
             return None
-        return (t.data_ptr(), t.numel(), TYPE_CODES[t.dtype], float(post_div), average_call(t).tag)
+        return (t.data_ptr(), t.numel(), channel_type_code(t.dtype), float(post_div), average_call(t).tag)
 
     def _sum_factors(self) -> tuple:
         """(scale, divisor) for tower 0's buffer before the SUM, and the divisor after it, when every
@@ -185,6 +151,7 @@ class GlooCommunicator(Communicator):
             scale, divisor = float(self.local_size), float(self.size)
         return (scale, divisor, 1.0) if self.predivide else (scale, 1.0, divisor)
 
+    # ------------------------------------------------------------------ the average
     def all_reduce_avg(self, tensors: Sequence[torch.Tensor], *, tag: Optional[str] = None,
                        debug_key: Optional[Sequence[int]] = None, timeout: Optional[float] = None) -> None:
         limit = self.timeout if timeout is None else check_timeout(timeout)   # before anything starts
@@ -197,40 +164,46 @@ class GlooCommunicator(Communicator):
             try:
                 if fast(tensors, limit):
                     return
-            except CHANNEL_ERRORS as e:   # the text names the peer
-                _raise_failure(self, e, str(self._what("all_reduce_avg", tensors, tag)), limit,
-                               limit if _is_timeout(e) else 0.0, "shared-memory channel", True)
+            except CHANNEL_ERRORS as e:   # the communicator fails as the runner's job would have
+                job = Job(None, self._what("all_reduce_avg", tensors, tag), limit, average_call(tensors[0]),
+                          own_timeout=limit != self.timeout)
+                job.runner = self._runner
+                raise self._runner.failed(job, e) from None
         self._average(tensors, False, tag, debug_key, sync=True, timeout=limit).wait(limit)
 
     @profiling.ranged("all_reduce_avg_async")
     def all_reduce_avg_async(self, tensors: Sequence[torch.Tensor], defer_scale: bool = False, *,
-                             tag: Optional[str] = None, debug_key: Optional[Sequence[int]] = None) -> Work:
+                             tag: Optional[str] = None, debug_key: Optional[Sequence[int]] = None) -> JobWork:
         return self._average(tensors, defer_scale, tag, debug_key, sync=False)
 
     def _average(self, tensors: Sequence[torch.Tensor], defer_scale: bool, tag: Optional[str],
-                 debug_key: Optional[Sequence[int]], sync: bool, timeout: Optional[float] = None) -> Work:
+                 debug_key: Optional[Sequence[int]], sync: bool, timeout: Optional[float] = None) -> JobWork:
         tensors, bufs = self._checked_buffers(tensors, "tensors")  # dtype / contiguity in the user's terms
         what = self._what("all_reduce_avg", tensors, tag)
         self._debug_check("all_reduce_avg", tensors[0], debug_key, self.timeout)
-        if self.local_size > 1:
-            _C.average_(bufs, 0)
         scale, pre_div, post_div = self._sum_factors()
-        self._scale(bufs[0], scale, pre_div)
         # See Note [Division in the channel]: the same choice on every rank
         fused = self._fuses_division and not defer_scale and shm_supports(tensors[0])
-        work = self._sum(what, tensors[0], sync, timeout, post_div if fused else 1.0,
-                         average_call(tensors[0]))
-        if fused:
-            post_div = 1.0
-        if self.local_size == 1 and (post_div == 1.0 or defer_scale):
-            return _DistWork(self, work, what, divisor=post_div)
+        defer = defer_scale and self.local_size == 1
+        flat = tensors[0].view(-1)
 
-        def finalize(owner: list = tensors) -> None:  # holds the tensors: the Buffers are only pointers
+        def body(job: Job, tensors: list = tensors) -> None:   # holds the tensors: the Buffers are only pointers
+            if self.local_size > 1:
+                _C.average_(bufs, 0)
+            self._scale(bufs[0], scale, pre_div)
+            self._paths.sum(job, flat, post_div if fused else 1.0)
+            if defer:
+                return
+            left = 1.0 if fused else post_div
             if len(bufs) > 1:   # the other towers first: tower 0's buffer is their source
-                self._scale(bufs[0], 1.0, post_div, dsts=bufs[1:])
-            self._scale(bufs[0], 1.0, post_div)
+                self._scale(bufs[0], 1.0, left, dsts=bufs[1:])
+            self._scale(bufs[0], 1.0, left)
 
-        return _DistWork(self, work, what, finalize=finalize)
+        work = self._submit(what, body, average_call(tensors[0]), timeout, sync, tensors[:1],
+                            inline_bytes=flat.numel() * flat.element_size() if shm_supports(flat) else -1)
+        if defer:
+            work.divisor = 1.0 if fused else post_div
+        return work
 
     def _local_sum(self, inputs: list) -> torch.Tensor:
         """fp32 sum of the local towers' inputs, flat (a new tensor: the inputs are left as they are)."""
@@ -248,25 +221,27 @@ class GlooCommunicator(Communicator):
         what = self._what("reduce_scatter_avg", inputs, tag)
         self._debug_check("reduce_scatter_avg", inputs[0], debug_key, limit)
         call = calls.make("Communicator.reduce_scatter_avg", inputs[0].dtype, count=inputs[0].numel())
-        if self.local_size == 1 and self._uniform:   # one tower per process: straight into the output
-            out = outputs[0].view(-1)
-            work = self._sum_scatter(what, out, inputs[0].reshape(-1), limit, call)
-            _wait_dist(self, work, limit, what)
-            self._scale(as_buffer(out, "outputs[0]"), 1.0, float(self.size))
-            return
         shard = outputs[0].numel()
-        acc = self._local_sum(inputs)
-        if self._uniform:   # this process's towers' shards are one contiguous chunk of the same size
-            mine = torch.empty(shard * self.local_size, dtype=torch.float32)
-            work = self._sum_scatter(what, mine, acc, limit, call)
-            first = 0
-        else:               # chunks of different sizes: reduce everything, keep this process's part
-            work = self._sum(what, acc, True, limit, call=call)
-            mine, first = acc, self.tower_offset * shard
-        _wait_dist(self, work, limit, what)
-        for t, out in enumerate(outputs):
-            lo = first + t * shard
-            out.view(-1).copy_(mine[lo:lo + shard].div_(self.size))
+
+        def body(job: Job) -> None:
+            if self.local_size == 1 and self._uniform:   # one tower per process: straight into the output
+                out = outputs[0].view(-1)
+                self._paths.sum_scatter(job, out, inputs[0].reshape(-1))
+                self._scale(as_buffer(out, "outputs[0]"), 1.0, float(self.size))
+                return
+            acc = self._local_sum(inputs)
+            if self._uniform:   # this process's towers' shards are one contiguous chunk of the same size
+                mine = torch.empty(shard * self.local_size, dtype=torch.float32)
+                self._paths.sum_scatter(job, mine, acc)
+                first = 0
+            else:               # chunks of different sizes: reduce everything, keep this process's part
+                self._paths.sum(job, acc)
+                mine, first = acc, self.tower_offset * shard
+            for t, out in enumerate(outputs):
+                lo = first + t * shard
+                out.view(-1).copy_(mine[lo:lo + shard].div_(self.size))
+
+        self._run(what, body, call, limit, inputs[:1])
 
     @profiling.ranged("all_gather")
     def all_gather(self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], *,
@@ -279,22 +254,24 @@ class GlooCommunicator(Communicator):
         n = inputs[0].numel()
         call = calls.make("Communicator.all_gather", inputs[0].dtype, count=n)
         widest = max(self.tower_counts)
-        local = inputs[0].reshape(-1) if self.local_size == 1 else torch.cat([x.reshape(-1) for x in inputs])
-        if self._uniform:
-            work = self._gather(what, outputs[0].view(-1), local, limit, call)
-            _wait_dist(self, work, limit, what)
-        else:   # gloo gathers equal sizes only: every process sends `widest` towers' worth, padded
-            padded = torch.zeros(widest * n, dtype=local.dtype)
-            padded[:local.numel()] = local
-            gathered = torch.empty(self.world_size * widest * n, dtype=local.dtype)
-            work = self._gather(what, gathered, padded, limit, call)
-            _wait_dist(self, work, limit, what)
-            out, pos = outputs[0].view(-1), 0
-            for p, count in enumerate(self.tower_counts):
-                out[pos:pos + count * n] = gathered[p * widest * n:(p * widest + count) * n]
-                pos += count * n
-        for out in outputs[1:]:
-            out.view(-1).copy_(outputs[0].view(-1))
+
+        def body(job: Job) -> None:
+            local = inputs[0].reshape(-1) if self.local_size == 1 else torch.cat([x.reshape(-1) for x in inputs])
+            if self._uniform:
+                self._paths.all_gather_typed(job, outputs[0].view(-1), local)
+            else:   # gloo gathers equal sizes only: every process sends `widest` towers' worth, padded
+                padded = torch.zeros(widest * n, dtype=local.dtype)
+                padded[:local.numel()] = local
+                gathered = torch.empty(self.world_size * widest * n, dtype=local.dtype)
+                self._paths.all_gather_typed(job, gathered, padded)
+                out, pos = outputs[0].view(-1), 0
+                for p, count in enumerate(self.tower_counts):
+                    out[pos:pos + count * n] = gathered[p * widest * n:(p * widest + count) * n]
+                    pos += count * n
+            for out in outputs[1:]:
+                out.view(-1).copy_(outputs[0].view(-1))
+
+        self._run(what, body, call, limit, inputs[:1])
 
     # ------------------------------------------------------------------ process-level shards (ZeRO-1)
     def reduce_scatter_processes(self, tensors: Sequence[torch.Tensor], out: torch.Tensor, *,
@@ -314,14 +291,17 @@ class GlooCommunicator(Communicator):
             raise ValueError(f"out: expected a contiguous tensor of {n // self.world_size} elements, got "
                              f"{out.numel()}")
         what = self._what("reduce_scatter_processes", tensors, tag)
-        if self.local_size > 1:
-            _C.average_(bufs, 0)
-        scale, pre_div, post_div = self._sum_factors()
-        self._scale(bufs[0], scale, pre_div)
         call = calls.make("Communicator.reduce_scatter_processes", tensors[0].dtype, count=n)
-        work = self._sum_scatter(what, out.view(-1), tensors[0].reshape(-1), limit, call)
-        _wait_dist(self, work, limit, what)
-        self._scale(as_buffer(out.view(-1), "out"), 1.0, post_div)
+
+        def body(job: Job) -> None:
+            if self.local_size > 1:
+                _C.average_(bufs, 0)
+            scale, pre_div, post_div = self._sum_factors()
+            self._scale(bufs[0], scale, pre_div)
+            self._paths.sum_scatter(job, out.view(-1), tensors[0].reshape(-1))
+            self._scale(as_buffer(out.view(-1), "out"), 1.0, post_div)
+
+        self._run(what, body, call, limit, tensors[:1])
 
     def all_gather_processes(self, shard: torch.Tensor, outputs: Sequence[torch.Tensor], *,
                              tag: Optional[str] = None, timeout: Optional[float] = None) -> None:
@@ -341,13 +321,17 @@ class GlooCommunicator(Communicator):
                                  f"elements, got {o.numel()}")
         limit = self._timeout_arg(timeout)
         what = self._what("all_gather_processes", [shard], tag)
-        # the shard may be a view of an output (a tower's own slice): gather from a copy
         call = calls.make("Communicator.all_gather_processes", shard.dtype, count=shard.numel())
-        work = self._gather(what, outputs[0].view(-1), shard.reshape(-1).clone(), limit, call)
-        _wait_dist(self, work, limit, what)
-        for o in outputs[1:]:
-            o.view(-1).copy_(outputs[0].view(-1))
 
+        def body(job: Job) -> None:
+            # the shard may be a view of an output (a tower's own slice): gather from a copy
+            self._paths.all_gather_typed(job, outputs[0].view(-1), shard.reshape(-1).clone())
+            for o in outputs[1:]:
+                o.view(-1).copy_(outputs[0].view(-1))
+
+        self._run(what, body, call, limit, [shard])
+
+    # ------------------------------------------------------------------ small exchanges
     def sum_over_processes(self, values: Sequence[float], *, timeout: Optional[float] = None) -> list:
         return self.sum_over_processes_async(values, timeout=timeout)()
 
@@ -360,10 +344,12 @@ class GlooCommunicator(Communicator):
             return buf.tolist
         what = f"{self.transport} sum_over_processes of {buf.numel()} values (rank {self.rank} of {self.world_size})"
         call = calls.make("Communicator.sum_over_processes", buf.dtype, count=buf.numel())
-        work = self._sum(what, buf, False, limit, call=call)   # overlaps the caller's work until finish()
+        # overlaps the caller's work until finish()
+        work = self._submit(what, lambda job: self._paths.sum(job, buf), call, limit, False, [buf],
+                            inline_bytes=buf.numel() * 8)
 
         def finish() -> list:
-            _wait_dist(self, work, limit, what)
+            work.wait(limit)
             return buf.tolist()
 
         return finish
@@ -375,7 +361,6 @@ class GlooCommunicator(Communicator):
         if self.world_size == 1 or not tensors:
             return
         what = f"{self.transport} broadcast_tensors of {len(tensors)} tensors from rank 0 (rank {self.rank} of {self.world_size})"
-        src = self._dist.get_global_rank(self.group, 0) if self.group is not None else 0
         # one message per dtype: the tensors of a dtype travel as one flat buffer
         by_dtype: dict = {}
         for t in tensors:
@@ -383,30 +368,24 @@ class GlooCommunicator(Communicator):
         for group_tensors in by_dtype.values():
             flat = torch.cat([t.detach().reshape(-1).cpu() for t in group_tensors])
             call = calls.make("Communicator.broadcast_tensors", flat.dtype, count=flat.numel())
-            _wait_dist(self, self._from_rank_0(what, flat, src, limit, call), limit, what)
+            self._run(what, lambda job, flat=flat: self._paths.broadcast_bytes(job, as_bytes(flat), 0), call, limit,
+                      [flat])
             pos = 0
             with torch.no_grad():
                 for t in group_tensors:
                     t.copy_(flat[pos:pos + t.numel()].view_as(t))
                     pos += t.numel()
 
-    def _fail(self, reason: str) -> None:
-        super()._fail(reason)
-        if getattr(self, "_fast", None) is not None:
-            self._fast.disable()   # the general path says why the communicator refuses
-
     def close(self) -> None:
-        if getattr(self, "_fast", None) is not None:
-            self._fast.disable()
         if getattr(self, "_liveness", None) is not None:
             self._liveness.stop()
-        if getattr(self, "_shm", None) is not None:
-            self._shm.close()
+        if getattr(self, "_runner", None) is not None:
+            self._runner.close(self.timeout)
         super().close()
 
     def allgather_object(self, obj: Any, *, timeout: Optional[float] = None) -> list:
         self._check_open()
-        return _allgather_object_bounded(self, self._dist, self.group, obj, self._timeout_arg(timeout))
+        return allgather_object(self, self._dist, self.group, obj, self._timeout_arg(timeout))
 
     def _debug_allgather(self, record: torch.Tensor, timeout: float) -> torch.Tensor:
-        return _debug_allgather_dist(self, self._dist, self.group, record, timeout)
+        return debug_allgather(self, self._dist, self.group, record, timeout)

@@ -2,16 +2,17 @@
 `Communicator.local(n, device="cuda:0")`: towers sharing one GPU). On the CPU the average is the core's
 one-pass host reduction (`_C.average_`: each buffer read once, fp32 accumulation, the mean written to
 all); async ops run on one worker thread, which the core's released GIL lets overlap the rest of
-backward, except small ones (Note [Small averages run inline]). On a GPU it is the core's CUDA average
-kernel, stream-ordered (Note [Towers sharing one GPU]).
+backward, except small ones (Note [Small averages run inline]); the worker is the communicator's runner
+(transport/runner.py). On a GPU it is the core's CUDA average kernel, stream-ordered (Note [Towers
+sharing one GPU]).
 
 Note [Small averages run inline]
 Handing a job to the worker thread and waiting for it costs 15-30 us (a queue, two thread wake-ups, a
 future), while the core averages 2 x 64 KiB in a few microseconds. So an async average of at most
-INLINE_BYTES per tower runs at once on the caller's thread and returns a completed Work: nothing to
-overlap is lost, and a model with many small buckets no longer pays a hand-off per bucket. Only when no
-job is still queued or running: jobs then keep the order they were issued in, so two calls on
-overlapping memory can never run at the same time.
+INLINE_BYTES per tower runs at once on the caller's thread (the runner's one rule: only when no job is
+still queued or running, so jobs keep the order they were issued in and two calls on overlapping memory
+never run at the same time): nothing to overlap is lost, and a model with many small buckets no longer
+pays a hand-off per bucket.
 
 Note [Towers sharing one GPU]
 Towers on one GPU need no NCCL: `_C.average_` with a CUDA stream averages every tower's buffer of a
@@ -28,49 +29,22 @@ buffers (csrc/cuda/average_kernel.cu, kMaxBuffers).
 """
 from __future__ import annotations
 
-import threading
 import time
-from concurrent.futures import Future
-from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, Callable, Optional, Sequence
 
 import torch
 
 from .._ext import _C, cuda_built
-from ..transport.executor import Executor
-from .devices import device_of, present_cuda_device
 from ..errors import CommError, CommTimeoutError
-from .base import Communicator, CompletedWork, Work, check_count, check_timeout
+from ..transport import failure as F
 from ..transport import profiling
+from ..transport.runner import Job
+from ..transport.work import JobWork, Work
+from .base import Communicator, CompletedWork, check_count, check_timeout
+from .devices import device_of, present_cuda_device
 
 INLINE_BYTES = 64 * 1024   # per tower; See Note [Small averages run inline]
 MAX_CUDA_TOWERS = 256      # kMaxBuffers of the CUDA average kernel; See Note [Towers sharing one GPU]
-
-
-class _FutureWork(Work):
-    """A job running on the communicator's worker thread."""
-
-    def __init__(self, comm: "Communicator", future: Future, what: str, divisor: float = 1.0):
-        self._comm = comm
-        self._future = future
-        self._what = what
-        self.divisor = divisor
-
-    def wait(self, timeout: Optional[float] = None) -> None:
-        t = check_timeout(timeout) if timeout is not None else self._comm.timeout
-        try:
-            self.elapsed = self._future.result(timeout=t)
-        except FutureTimeout:
-            msg = f"{self._what} did not complete within {t:g} s"
-            self._comm._fail(msg)
-            raise CommTimeoutError(msg + "; the communicator is unusable now") from None
-        except Exception as e:
-            msg = f"{self._what} failed: {type(e).__name__}: {e}"
-            self._comm._fail(msg)
-            raise CommError(msg) from e
-
-    def done(self) -> bool:
-        return self._future.done()
 
 
 class _CudaEventWork(Work):
@@ -78,6 +52,7 @@ class _CudaEventWork(Work):
     Note [Towers sharing one GPU]."""
 
     def __init__(self, comm: "LocalCommunicator", event: Any, what: Any, keep_alive: list):
+        super().__init__()
         self._comm = comm
         self._event = event
         self._what = what
@@ -94,10 +69,9 @@ class _CudaEventWork(Work):
         pause = 1e-5
         while not self._query():
             if time.monotonic() >= deadline:
-                msg = f"{self._what} did not complete within {t:g} s"
+                msg = F.timed_out(self._what, t, "the wait's") + " (its CUDA stream did not reach it)"
                 self._comm._fail(msg)
-                raise CommTimeoutError(msg + " (its CUDA stream did not reach it); the communicator is "
-                                       "unusable now")
+                raise CommTimeoutError(F.unusable(msg, "communicator"))
             time.sleep(pause)
             pause = min(pause * 2, 1e-3)
         if self.elapsed is None:
@@ -112,7 +86,7 @@ class _CudaEventWork(Work):
         try:
             return bool(self._event.query())
         except RuntimeError as e:   # a CUDA error on the stream (sticky): say which collective saw it
-            msg = f"{self._what} failed: {type(e).__name__}: {e}"
+            msg = F.failed(self._what, f"{type(e).__name__}: {e}")
             self._comm._fail(msg)
             raise CommError(msg) from e
 
@@ -148,31 +122,12 @@ class LocalCommunicator(Communicator):
         self._device = dev
         self._cuda = dev.type == "cuda"
         self.devices = [str(dev)] * n
-        # the asynchronous host averages, in order on one worker (Note [One executor] in
-        # transport/executor.py)
-        self._executor = Executor("ncclavg-local")
-        self._executor_lock = threading.Lock()
-        self._inflight: list = []   # (future, description) of jobs not known to be finished
+        self._runner.alone = True   # no peers: a queued average still runs after a failure
 
-    def _idle(self) -> bool:
-        """No job queued or running on the worker thread."""
-        return self._executor.idle()
-
-    def _submit(self, fn: Callable, what: str = "a queued job") -> Future:
-        fut: Future = Future()
-
-        def job() -> None:
-            try:
-                fut.set_result(fn())
-            except BaseException as e:   # noqa: BLE001 (the Work's to raise)
-                fut.set_exception(e)
-
-        with self._executor_lock:
-            why = self._executor.submit(job)
-            if why is not None:
-                raise RuntimeError(f"{what}: {why}")
-            self._inflight = [(f, w) for f, w in self._inflight if not f.done()] + [(fut, what)]
-        return fut
+    def _submit(self, fn: Callable[[], Any], what: Any = "a queued job", inline: bool = False) -> JobWork:
+        """`fn()` as a job of this communicator's runner (its asynchronous host averages run there in
+        order: Note [One runner] in transport/runner.py), bounded by the communicator's timeout."""
+        return self._runner.submit(Job(lambda job: fn(), what, self.timeout), inline=inline)
 
     @profiling.ranged("all_reduce_avg")
     def all_reduce_avg(self, tensors: Sequence[torch.Tensor], *, tag: Optional[str] = None,
@@ -199,22 +154,14 @@ class LocalCommunicator(Communicator):
             event = torch.cuda.Event()
             event.record(stream)
             return _CudaEventWork(self, event, self._what("all_reduce_avg", tensors, tag), list(tensors))
-        if tensors[0].numel() * tensors[0].element_size() <= INLINE_BYTES and self._idle():
-            t0 = time.perf_counter()   # See Note [Small averages run inline]
-            _C.average_(bufs, 0)
-            work = CompletedWork()
-            work.elapsed = time.perf_counter() - t0
-            return work
+        keep_alive = list(tensors)   # the Buffers hold raw pointers only: the tensors live until the job ran
 
-        def job() -> float:
-            t0 = time.perf_counter()
+        def average() -> None:
             _C.average_(bufs, 0)
-            del keep_alive[:]  # the Buffers hold raw pointers only: the tensors live until the job ran
-            return time.perf_counter() - t0
+            del keep_alive[:]
 
-        keep_alive = list(tensors)
-        what = self._what("all_reduce_avg", tensors, tag)
-        return _FutureWork(self, self._submit(job, what), what)
+        small = tensors[0].numel() * tensors[0].element_size() <= INLINE_BYTES   # Note [Small averages run inline]
+        return self._submit(average, self._what("all_reduce_avg", tensors, tag), inline=small)
 
     @profiling.ranged("reduce_scatter_avg")
     def reduce_scatter_avg(self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], *,
@@ -249,20 +196,14 @@ class LocalCommunicator(Communicator):
 
     def close(self, timeout: Optional[float] = None) -> None:
         """Waits (at most `timeout`, default the communicator's) for the jobs still queued, then stops
-        the worker thread. Jobs still running then raise CommTimeoutError naming the oldest one; the
-        worker finishes them on its own (they are host passes over memory: they do end)."""
+        the worker thread. A job still running then raises CommTimeoutError naming it; the worker finishes
+        it on its own (they are host passes over memory: they do end)."""
         limit = self._timeout_arg(timeout)
-        with self._executor_lock:
-            inflight, self._inflight = self._inflight, []
         super().close()
-        self._executor.close(0)   # refuses new jobs; the worker ends once the queued ones ran
-        deadline = time.monotonic() + limit
-        for fut, what in inflight:
-            try:
-                fut.result(timeout=max(0.0, deadline - time.monotonic()))
-            except FutureTimeout:
-                msg = f"close(): {what} was still running after {limit:g} s"
-                self._fail(msg)
-                raise CommTimeoutError(msg) from None
-            except Exception:
-                pass  # already reported to (or ignored by) whoever held the Work
+        if self._runner.drain(limit):
+            self._runner.close(limit)
+            return
+        running = self._runner.running()
+        msg = f"close(): {running.what if running is not None else 'a job'} was still running after {limit:g} s"
+        self._fail(msg)
+        raise CommTimeoutError(msg)

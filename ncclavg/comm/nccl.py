@@ -32,7 +32,7 @@ from ..buffers import as_buffers
 from ..errors import CommTimeoutError
 from .base import Communicator, Work, check_timeout
 from ..transport import profiling
-from .dist import _allgather_object_bounded
+from .dist import allgather_object
 
 _UID_SEQ = itertools.count()  # one store key per communicator built under torch.distributed
 MULTI_RANK_GPU_ENV = "NCCL_MULTI_RANK_GPU_ENABLE"  # NCCL >= 2.30: several ranks may share one GPU
@@ -216,6 +216,7 @@ class _NcclWork(Work):
 
     def __init__(self, comm: "NcclCommunicator", seq: Any, streams: list, default_timeout: float,
                  tensors: Sequence[Any] = ()):
+        super().__init__()
         self._comm = comm
         self._seq = int(seq) if isinstance(seq, int) else 0   # 0: nothing was enqueued
         self._streams = streams
@@ -328,7 +329,7 @@ class NcclCommunicator(Communicator):
 
     # ------------------------------------------------------------------ failure state
     def _check_open(self) -> None:
-        if self._failure is None and not self._closed and self._handle.aborted:
+        if self.failure is None and not self._closed and self._handle.aborted:
             self._fail(self._handle.abort_reason)   # aborted by the core's watchdog
         super()._check_open()
 
@@ -426,7 +427,7 @@ class NcclCommunicator(Communicator):
             return [obj]
         import torch.distributed as dist
 
-        return _allgather_object_bounded(self, dist, self.group, obj, limit, self._torch_group_device())
+        return allgather_object(self, dist, self.group, obj, limit, self._torch_group_device())
 
     def _debug_allgather(self, record: torch.Tensor, timeout: float) -> torch.Tensor:
         # Through the NCCL core itself: the check then also proves that this communicator's ranks line up.

@@ -12,10 +12,12 @@ channel, is one call into the core (_C.ShmFastAverage, csrc/python/shm_fast_aver
   channel] in gloo.py) and keeps the
   answer under the tensor's identity (a weak reference), its version counter and its data pointer (an
   in-place resize or set_ moves the version; a storage resized under it moves the pointer);
-- every call checks those three through the C API, takes the transport's native execution lock only if
-  it is free and nothing is outstanding (otherwise the general path runs the call, in order behind the
-  queued ones), and runs the channel's round with the GIL held unless it has to wait (ShmBlockingHook);
-- the communicator disables it when it fails or closes, so that the general path says why it refuses.
+- every call checks those three through the C API, takes the runner's native order lock only if it is
+  free and nothing is outstanding (the rule of Runner.acquire_idle in transport/runner.py; otherwise the
+  general path runs the call, in order behind the queued ones), and runs the channel's round with the GIL
+  held unless it has to wait (ShmBlockingHook);
+- the communicator's runner disables it when it fails or closes, so that the general path says why it
+  refuses.
 Nothing else is built; the call's description is written only for an error. Either way the channel
 sees the same collective, so ranks may mix the two freely. Measured with 2 processes on 2 cores
 (bench/mpi_peer.py): 0.7-1.1 us per 8-byte call, MPICH's MPI_Allreduce 0.7-1.1 us in the same run.
@@ -28,12 +30,11 @@ from typing import Any, Callable, Optional
 from .._ext import _C
 
 
-CHANNEL_ERRORS = (_C.ShmPeerError, _C.CommTimeoutError)   # what the channel raises for a failed round
 
-
-def fast_average(plan: Callable[[Any], Optional[tuple]], channel: Any, exec_lock: Any) -> Any:
+def fast_average(plan: Callable[[Any], Optional[tuple]], channel: Any, order: Any) -> Any:
     """The native fast path (_C.ShmFastAverage) of one channel: `.run(tensors, limit)` runs the call
-    and returns True, or returns False when the general path must run it; it raises CHANNEL_ERRORS and
+    and returns True, or returns False when the general path must run it; it raises
+    transport.failure.CHANNEL_ERRORS and
     the general path's argument errors. `plan(t)` is the communicator's bound method that answers for
     a tensor it has not seen (data_ptr, numel, type code, divisor, call tag), or None for "not this
     one"; the owner calls `.disable()` when it fails or closes. The native object keeps only a weak
@@ -45,4 +46,4 @@ def fast_average(plan: Callable[[Any], Optional[tuple]], channel: Any, exec_lock
         bound = method()
         return None if bound is None else bound(t)
 
-    return _C.ShmFastAverage(channel, exec_lock, prepare)
+    return _C.ShmFastAverage(channel, order, prepare)

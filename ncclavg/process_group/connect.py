@@ -1,11 +1,11 @@
 """Setting up the `ncclavg` torch.distributed backend's transports (group.py): the host channel a
-process group's CPU collectives use (shm.ShmTransport, chosen exactly as GlooCommunicator chooses it),
-one per group; and the heartbeats that name a lost rank.
+process group's CPU collectives use (transport/host_setup.py's `connect`, exactly as GlooCommunicator
+chooses it) and the runner over it, one per group; and the heartbeats that name a lost rank.
 
 Note [One channel per group]
 Each process group of the backend is created by torch (init_process_group, new_group, a DeviceMesh),
-every member calling the backend's creator at the same point, and each gets a lane and a host channel of
-its own, also when its members are those of an earlier group: torch lets two groups with the same
+every member calling the backend's creator at the same point, and each gets a runner and a host channel
+of its own, also when its members are those of an earlier group: torch lets two groups with the same
 members be used at the same time from different threads (DDP's reducer thread and the user's, pipeline
 schedules, FSDP's streams of collectives), each group's collectives in its own order, as gloo's
 separate connections allow. One channel shared by such groups would pair the collectives of one group
@@ -13,7 +13,7 @@ on one rank with those of the other on another. A channel costs a segment of abo
 (Note [When the shared-memory channel is used] in shm.py), freed when its group is destroyed.
 
 The setup runs before torch has registered the group, so torch.distributed's functions cannot be used
-on it: ShmTransport.connect's exchanges (the host identities, the segment's name, each rank's outcome)
+on it: host_setup.connect's exchanges (the host identities, the segment's name, each rank's outcome)
 go through the group's store (`_store_exchange`), and across hosts the leaders' steps, which speak
 torch.distributed, are handed `_DistOverBackends`: the few functions they call, implemented on the
 group's inner gloo backend and on a gloo backend of the hosts' leaders made the same way.
@@ -38,10 +38,10 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import (AllreduceOptions, AllToAllOptions, BroadcastOptions,
                                         PrefixStore)
 
-from ..transport import shm
+from ..transport import host_setup, shm
 from ..transport.liveness import Liveness
-from ..transport.shm import ShmTransport
-from .lane import BACKSTOP_S, BackendError, Lane
+from ..transport.runner import BACKSTOP_S, Runner
+from .lane import FACE, BackendError
 
 host_identity = shm.host_identity   # the tests replace it to pretend several hosts
 
@@ -71,7 +71,7 @@ class _Group:
 
 
 class _DistOverBackends:
-    """The torch.distributed functions the channel's several-hosts steps call (shm.py: the leaders' group,
+    """The torch.distributed functions the channel's several-hosts steps call (hosts.py: the leaders' group,
     all_reduce, all_to_all_single, broadcast), on gloo backends the group made itself (see the module's
     notes). Ranks are the group's ranks throughout."""
 
@@ -109,7 +109,7 @@ class _DistOverBackends:
 
 
 def _store_exchange(store: Any, rank: int, size: int, timeout: datetime.timedelta) -> Callable[[Any], list]:
-    """ShmTransport.connect's exchange over the group's store: round k of every rank under
+    """host_setup.connect's exchange over the group's store: round k of every rank under
     `ncclavg/setup/<k>/<rank>`, waited for within the group's timeout (the store's wait raises then)."""
     rounds = itertools.count()
 
@@ -122,7 +122,7 @@ def _store_exchange(store: Any, rank: int, size: int, timeout: datetime.timedelt
     return exchange
 
 
-def connect_channel(store: Any, rank: int, size: int, gloo: Any, timeout: datetime.timedelta) -> Optional[ShmTransport]:
+def connect_channel(store: Any, rank: int, size: int, gloo: Any, timeout: datetime.timedelta) -> Any:
     """Collective over the group: its host channel (transport "shm" or "shm+gloo"), or None (every
     process alone on its host, NCCLAVG_SHM=0, or a failed setup under NCCLAVG_SHM=auto)."""
     if size < 2 or shm.setting() == "off":
@@ -131,28 +131,29 @@ def connect_channel(store: Any, rank: int, size: int, gloo: Any, timeout: dateti
         exchange = _store_exchange(store, rank, size, timeout)
         identities = exchange(host_identity())
         # the transport's own limit, for what it runs without a call's limit (its setup between hosts): the
-        # group's timeout and the backstop; every collective passes its job's (Note [Per-collective deadlines])
+        # group's timeout and the backstop; every collective passes its job's (Note [One deadline per call])
         limit = timeout.total_seconds() + BACKSTOP_S
-        return ShmTransport.connect(rank, size, exchange, identities, limit,
-                                    dist=_DistOverBackends(store, rank, timeout), group=_Group(gloo, list(range(size))))
+        return host_setup.connect(rank, size, exchange, identities, limit,
+                                  dist=_DistOverBackends(store, rank, timeout), group=_Group(gloo, list(range(size))))
     except BackendError:
         raise
     except Exception as e:   # noqa: BLE001 (the reason, in the backend's words)
         raise BackendError(f"ncclavg backend: rank {rank} of {size} could not set up its host channel: {e}") from e
 
 
-# ---------------------------------------------------------------------------------------------- the lanes
-_ALL_LANES: "weakref.WeakSet[Lane]" = weakref.WeakSet()
+# ---------------------------------------------------------------------------------------------- the runners
+_ALL_RUNNERS: "weakref.WeakSet[Runner]" = weakref.WeakSet()
 
 
-def lane_for(store: Any, rank: int, size: int, gloo: Any, timeout: datetime.timedelta) -> Lane:
-    """A new lane over a new host channel for one process group (a collective over the group). See Note
-    [One channel per group]."""
+def runner_for(store: Any, rank: int, size: int, gloo: Any, timeout: datetime.timedelta,
+               namer: Callable[[], str]) -> Runner:
+    """A new runner over a new host channel for one process group (a collective over the group). See Note
+    [One channel per group]; `namer` names a lost rank (the group's heartbeats)."""
     transport = connect_channel(store, rank, size, gloo, timeout)
-    lane = Lane(transport, label=f"{rank}of{size}")
-    _ALL_LANES.add(lane)
-    return lane
+    runner = Runner(f"ncclavg-pg-{rank}of{size}", FACE, transport, namer)
+    _ALL_RUNNERS.add(runner)
+    return runner
 
 
-def live_lanes() -> List[Lane]:
-    return list(_ALL_LANES)
+def live_runners() -> List[Runner]:
+    return list(_ALL_RUNNERS)

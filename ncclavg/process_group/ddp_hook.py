@@ -6,8 +6,8 @@ A hook gets DDP's process group. When it is a group of the `ncclavg` backend, th
 Otherwise (DDP over gloo) `register` makes an `ncclavg` group over the same ranks (a collective, like the
 DDP constructor: every rank registers at the same point), with a host channel of its own (Note [One
 channel per group] in connect.py). A CPU bucket is then one
-job on that group's lane (lane.py): every step of it, compression included, runs on the lane's
-thread while backward goes on, and its torch future holds the bucket's one tensor, as DDP requires. A
+job on that group's runner (transport/runner.py): every step of it, compression included, runs on the
+runner's thread while backward goes on, and its torch future holds the bucket's one tensor, as DDP requires. A
 CUDA bucket goes through the same `ncclavg` group, whose CUDA half is NCCL (Note [A ProcessGroup, not a
 Backend] in group.py), stream-ordered, the future completing after the last step: never through
 DDP's own group, which may be gloo (no ReduceOp.AVG there, and no fast path for CUDA tensors).
@@ -31,9 +31,9 @@ import torch
 import torch.distributed as dist
 
 from ..transport import calls
-from .reductions import R
+from ..transport.reductions import R
+from ..transport.runner import Job
 from .cpu_collectives import CpuCollectives
-from .lane import Job
 from .group import NAME, ProcessGroupNcclavg
 
 _WIRES = {None: None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,

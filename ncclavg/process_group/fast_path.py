@@ -11,8 +11,8 @@ backend. So for the commonest call, the one a training loop makes for a loss, a 
 group does what the public API does (Note [Small-message fast path] in shm_fast.py): one native object
 per reduction (_C.ShmFastAverage: the channel's all-reduce with a divisor) that checks the tensor it
 has seen before (identity, version counter, data pointer) and runs the channel's round at once when the
-group's lane is idle: the lane holds the same native lock while its jobs run and counts its queued jobs
-where the fast path looks (Note [An order held by the caller] in shm.py), so a fast call never
+group's runner is idle: the runner holds the same native lock while its jobs run and counts its queued
+jobs where the fast path looks (Note [One runner] in transport/runner.py), so a fast call never
 overtakes a queued one and never runs beside a running one. What it sends is what the general path
 sends for the same call (the same channel call, divisor and call signature), so ranks may take either
 path for a call and still meet; anything else (a first sight the checks would refuse, another dtype or
@@ -31,19 +31,21 @@ group holds it (making and freeing a Python subclass of a pybind11 type costs ~0
 """
 from __future__ import annotations
 
-import datetime
 import types
 import weakref
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Optional
 
 import torch
 import torch.autograd.profiler as _torch_profiler
 import torch.distributed as dist
 
 from .._ext import _C
-from .reductions import R
+from ..buffers import channel_type_code
 from ..transport.calls import make
-from ..transport.shm import ASYNC_INLINE_BYTES, ASYNC_READY_S, TYPE_CODES, supports
+from ..transport.reductions import R
+from ..transport.runner import ASYNC_INLINE_BYTES, ASYNC_READY_S, Runner
+from ..transport.shm import supports
+from ..transport.work import done_work
 
 # What the general path sends as one channel all-reduce with the divisor given (cpu_paths.ChannelPaths.sum):
 # SUM of every float type the channel adds; AVG of float32 and float64 with the division in the pass (the
@@ -52,46 +54,10 @@ _SUM_TYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 _AVG_TYPES = (torch.float32, torch.float64)
 
 
-class DoneWork(dist.Work):
-    """The Work of a collective that completed before it was handed out: made by `done_work`. It has no
-    __init__ of its own: a Python __init__ that calls dist.Work's costs ~0.4 us more per call than
-    dist.Work's own constructor, a tenth of a fast 8-byte all_reduce through torch."""
-
-    _result: List[torch.Tensor]
-
-    def wait(self, timeout: Optional[datetime.timedelta] = None) -> bool:
-        return True
-
-    def is_completed(self) -> bool:
-        return True
-
-    def is_success(self) -> bool:
-        return True
-
-    def exception(self) -> Optional[BaseException]:
-        return None
-
-    def result(self) -> List[torch.Tensor]:
-        return list(self._result)
-
-    def synchronize(self) -> None:
-        pass
-
-    def get_future(self) -> Any:
-        fut = torch.futures.Future()
-        fut.set_result(list(self._result))
-        return fut
-
-
-def done_work(result: List[torch.Tensor]) -> DoneWork:
-    work = DoneWork()
-    work._result = result
-    return work
-
-
-def fast_paths(pg: Any, transport: Any) -> Dict[Any, Any]:
-    """{RedOpType: _C.ShmFastAverage} for the group `pg` over `transport`; empty when its processes do not
+def fast_paths(pg: Any, runner: Runner) -> Dict[Any, Any]:
+    """{RedOpType: _C.ShmFastAverage} for the group `pg` over its runner; empty when its processes do not
     share one channel (several hosts, or none)."""
+    transport = runner.transport
     if transport is None or transport.channel is None:
         return {}
     size = pg.size()
@@ -102,19 +68,19 @@ def fast_paths(pg: Any, transport: Any) -> Dict[Any, Any]:
             """(data_ptr, numel, type code, divisor, call tag) of a tensor the fast path may take, else
             None: the general path then runs the call and raises what it raises."""
             pg = owner()
-            if pg is None or pg._shut or pg._lane.failure is not None or not isinstance(t, torch.Tensor):
+            if pg is None or pg._shut or pg._runner.failure is not None or not isinstance(t, torch.Tensor):
                 return None
             if t.dtype not in types or t.layout != torch.strided or not supports(t):
                 return None
             call = make("all_reduce", t.dtype, kind, count=t.numel())
             if call.count != t.numel():
                 return None
-            return (t.data_ptr(), t.numel(), TYPE_CODES[t.dtype], divisor, call.tag)
+            return (t.data_ptr(), t.numel(), channel_type_code(t.dtype), divisor, call.tag)
         return prepare
 
     paths = {
-        R.SUM: _C.ShmFastAverage(transport.channel, transport.exec_lock, preparer(R.SUM, _SUM_TYPES, 1.0)),
-        R.AVG: _C.ShmFastAverage(transport.channel, transport.exec_lock, preparer(R.AVG, _AVG_TYPES, float(size))),
+        R.SUM: _C.ShmFastAverage(transport.channel, runner.order, preparer(R.SUM, _SUM_TYPES, 1.0)),
+        R.AVG: _C.ShmFastAverage(transport.channel, runner.order, preparer(R.AVG, _AVG_TYPES, float(size))),
     }
     return paths
 
@@ -141,7 +107,7 @@ def native_allreduce(pg: Any, paths: Dict[Any, Any], recorder: Any, default_s: f
         done_work=done_work, record=recorder.done if recorder is not None else None, profiler=_torch_profiler,
         unset=unset, default_s=float(default_s), async_ready_s=ASYNC_READY_S,
         sum_hash=hashes[0], avg_hash=hashes[1], sum_kind=R.SUM, avg_kind=R.AVG,
-        errors=(_C.ShmMismatchError, _C.ShmPeerError, _C.CommTimeoutError))
+        errors=(_C.ShmMismatchError, _C.ShmPeerError, _C.ShmTimeoutError))
     return _C.GroupAllreduce(paths[R.SUM], paths[R.AVG], hooks)
 
 
@@ -170,8 +136,9 @@ class FastCalls:
     bytes, as float16 halves when it is even (an odd payload is padded there: left to the general path);
     a reduce-scatter adds in the tensors' own dtype, and AVG divides in the same pass. The signature is the same Call."""
 
-    def __init__(self, channel: Any, exec_lock: Any, size: int):
-        self._channel, self._exec, self._size = channel, exec_lock, size
+    def __init__(self, runner: Runner, size: int):
+        self._runner, self._channel, self._size = runner, runner.transport.channel, size
+        self._ready = runner.transport.peers_ready
         self._enabled = True
         self._bytes_calls: Dict[tuple, tuple] = {}   # (collective, dtype, numel, root) -> wire + signature
         self._sum_calls: Dict[tuple, tuple] = {}     # (dtype, numel, op) -> signature
@@ -180,17 +147,11 @@ class FastCalls:
         self._enabled = False
 
     def _idle(self, async_op: bool = False, nbytes: int = 0) -> bool:
-        """The channel's lock, when it is free and nothing is queued on the lane (release() after); for an
+        """The runner's order lock when the runner is idle (runner.acquire_idle; release() after); for an
         asynchronous call of `nbytes`, only when its peers are in it too."""
-        if async_op and nbytes > ASYNC_INLINE_BYTES:
+        if not self._enabled or (async_op and nbytes > ASYNC_INLINE_BYTES):
             return False
-        ex = self._exec
-        if not ex.acquire(False):
-            return False
-        if not self._enabled or ex.outstanding != 0 or (async_op and not self._channel.peers_ready(ASYNC_READY_S)):
-            ex.release()
-            return False
-        return True
+        return self._runner.acquire_idle(self._ready if async_op else None)
 
     def _bytes_call(self, collective: str, t: torch.Tensor, root: Optional[int]) -> Optional[tuple]:
         key = (collective, t.dtype, t.numel(), root)
@@ -199,7 +160,7 @@ class FastCalls:
             nbytes = t.numel() * t.element_size()
             if nbytes % 2:
                 return None
-            wire = (TYPE_CODES[torch.float32], nbytes // 4) if nbytes % 4 == 0 else (TYPE_CODES[torch.float16],
+            wire = (channel_type_code(torch.float32), nbytes // 4) if nbytes % 4 == 0 else (channel_type_code(torch.float16),
                                                                                        nbytes // 2)
             call = make(collective, t.dtype, None, root, t.numel())
             got = wire + (call.tag, call.count)
@@ -216,7 +177,7 @@ class FastCalls:
         try:
             self._channel.broadcast(t.data_ptr(), got[1], got[0], root, limit, got[2], got[3])
         finally:
-            self._exec.release()
+            self._runner.order.release()
         return True
 
     def all_gather(self, out: Any, inp: Any, limit: float, async_op: bool = False) -> bool:
@@ -228,7 +189,7 @@ class FastCalls:
         try:
             self._channel.all_gather(inp.data_ptr(), out.data_ptr(), got[1], got[0], limit, got[2], got[3])
         finally:
-            self._exec.release()
+            self._runner.order.release()
         return True
 
     def reduce_scatter(self, out: Any, inp: Any, op: Any, limit: float, async_op: bool = False) -> bool:
@@ -243,7 +204,7 @@ class FastCalls:
         got = self._sum_calls.get(key)
         if got is None:
             call = make("reduce_scatter_tensor", out.dtype, op, count=out.numel())
-            got = (TYPE_CODES[out.dtype], call.tag, call.count)
+            got = (channel_type_code(out.dtype), call.tag, call.count)
             if len(self._sum_calls) < 256:
                 self._sum_calls[key] = got
         if not self._idle(async_op, inp.nbytes):
@@ -252,12 +213,12 @@ class FastCalls:
             self._channel.reduce_scatter_sum(inp.data_ptr(), out.data_ptr(), out.numel(), got[0], limit, 1.0,
                                              float(self._size) if op == R.AVG else 1.0, got[1], got[2])
         finally:
-            self._exec.release()
+            self._runner.order.release()
         return True
 
 
-def fast_calls(transport: Any, size: int) -> Optional[FastCalls]:
-    """The FastCalls of a group over `transport`; None when its processes do not share one channel."""
-    if transport is None or transport.channel is None:
+def fast_calls(runner: Runner, size: int) -> Optional[FastCalls]:
+    """The FastCalls of a group over its runner; None when its processes do not share one channel."""
+    if runner.transport is None or runner.transport.channel is None:
         return None
-    return FastCalls(transport.channel, transport.exec_lock, size)
+    return FastCalls(runner, size)

@@ -1,9 +1,10 @@
 """The `ncclavg` torch.distributed backend: `init_process_group("ncclavg")` after `import ncclavg`.
 
 CPU tensors go through the host channel (shared memory between the processes of one host, `shm+gloo`
-across hosts: exactly GlooCommunicator's choice, shm.py), on a lane that runs them in order
-(lane.py); what the channel has no path for goes through an inner gloo backend of the same
-group (Note [Which CPU collectives take the channel] in cpu_collectives.py). CUDA tensors go to an inner
+across hosts: exactly GlooCommunicator's choice, transport/shm.py), on the group's runner, which runs
+them in order (transport/runner.py, Note [Backend lanes] in lane.py); what the channel has no path for
+goes through an inner gloo backend of the same group (Note [Which CPU collectives take the channel] in
+transport/paths.py). CUDA tensors go to an inner
 torch ProcessGroupNCCL of the same group.
 
 Note [A ProcessGroup, not a Backend]
@@ -14,7 +15,7 @@ communicators created by NCCL on first use), and registers for both devices. It 
 extended API (connect.py reads the members' global ranks), and it keeps its name for the functional
 collectives (`group_name`, set by torch right after creation).
 
-Point-to-point calls (send, recv) go straight to gloo, outside the lane: a recv posted before the
+Point-to-point calls (send, recv) go straight to gloo, outside the runner: a recv posted before the
 matching send of the same rank must not block the collectives queued behind it.
 """
 from __future__ import annotations
@@ -31,15 +32,17 @@ from torch._C._distributed_c10d import (AllgatherOptions, AllreduceCoalescedOpti
 
 from . import connect
 
+from ..errors import BackendError
 from ..transport import calls, flight, liveness, profiling
+from ..transport.calls import Call
+from ..transport.failure import CHANNEL_ERRORS, LazyText
+from ..transport.reductions import R, red_kind
+from ..transport.runner import Job, Runner
+from ..transport.work import DoneWork, JobWork, done_work
 from .cpu_collectives import CpuCollectives
 from .device_table import routed
-from .fast_path import done_work, fast_calls, fast_paths, native_allreduce
-from .lane import BackendError, BackendWork, Job, Lane, P2PWork, issued_elsewhere
-from .reductions import R, red_kind
-from ..comm.base import LazyText
-from ..transport.calls import Call
-from ..comm.shm_fast import CHANNEL_ERRORS
+from .fast_path import fast_calls, fast_paths, native_allreduce
+from .lane import profiled_p2p
 
 NAME = "ncclavg"
 _profiling = profiling.enabled   # is torch's profiler on? ~20 ns
@@ -48,9 +51,12 @@ _INTEGER_OK = (R.SUM, R.AVG, R.MIN, R.MAX, R.PRODUCT, R.BAND, R.BOR, R.BXOR)
 _FLOAT_OK = (R.SUM, R.AVG, R.MIN, R.MAX, R.PRODUCT, R.PREMUL_SUM)
 
 
-def _seconds(timeout: Any, default: float) -> float:
-    """A per-call timeout from torch's options (a timedelta; unset is negative or zero), else default."""
-    if isinstance(timeout, datetime.timedelta) and timeout.total_seconds() > 0:
+def call_limit(opts: Any, default: float) -> float:
+    """The timeout of one call: torch's per-call option (opts.timeout, a timedelta; unset is torch's
+    default value, or not positive), else the group's `default`. The one place it is read in Python (the
+    native all_reduce reads it the same way: GroupAllreduce::call)."""
+    timeout = getattr(opts, "timeout", None)
+    if isinstance(timeout, datetime.timedelta) and timeout != _UNSET_TIMEOUT and timeout.total_seconds() > 0:
         return timeout.total_seconds()
     return default
 
@@ -85,27 +91,28 @@ class ProcessGroupNcclavg(dist.ProcessGroup):
         self._liveness = connect.heartbeats(PrefixStore("beat/", store), rank, size)
         self._diagnose = self._liveness.diagnose if self._liveness is not None else connect.no_diagnosis
         try:
-            self._lane: Lane = connect.lane_for(PrefixStore("lane/", store), rank, size, self._gloo, timeout)
+            self._runner: Runner = connect.runner_for(PrefixStore("lane/", store), rank, size, self._gloo, timeout,
+                                                      self._diagnose)
         except BaseException:
             if self._liveness is not None:
                 self._liveness.stop()
             raise
-        self._cpu = CpuCollectives(self._lane.transport, self._gloo, rank, size)
+        self._cpu = CpuCollectives(self._runner.transport, self._gloo, rank, size)
         self._store = store
         self._nccl = self._nccl_options(timeout, backend_options)
         self._shut = False
-        self._fast = fast_paths(self, self._lane.transport)   # Note [The backend's fast path]
-        self._lane.fast_paths.extend(self._fast.values())
-        self._calls = fast_calls(self._lane.transport, size)   # the same, for broadcast, all-gather, reduce-scatter
+        self._fast = fast_paths(self, self._runner)   # Note [The backend's fast path]
+        self._runner.fast_paths.extend(self._fast.values())
+        self._calls = fast_calls(self._runner, size)   # the same, for broadcast, all-gather, reduce-scatter
         if self._calls is not None:
-            self._lane.fast_paths.append(self._calls)
+            self._runner.fast_paths.append(self._calls)
         # Note [What a job records] in lane.py; the fast paths record with Recorder.done
         self._flight = flight.for_group(self._name, rank, size, self.global_ranks[rank], self.transport)
-        self._lane.recorder = self._flight
+        self._runner.recorder = self._flight
         native = native_allreduce(self, self._fast, self._flight, self._timeout, _UNSET_TIMEOUT)
         if native is not None:   # shadows the method below for this group: the general path is _allreduce
             self.allreduce = native
-            self._lane.fast_paths.append(native)
+            self._runner.fast_paths.append(native)
 
     @staticmethod
     def _nccl_options(timeout: datetime.timedelta, backend_options: Any) -> Any:
@@ -121,7 +128,7 @@ class ProcessGroupNcclavg(dist.ProcessGroup):
     @property
     def transport(self) -> str:
         """Between this group's processes on CPUs: "shm", "shm+gloo" or "gloo" (see shm.py)."""
-        return self._lane.transport.kind if self._lane.transport is not None else "gloo"
+        return self._runner.transport.kind if self._runner.transport is not None else "gloo"
 
     @property
     def group_name(self) -> str:
@@ -217,22 +224,22 @@ class ProcessGroupNcclavg(dist.ProcessGroup):
                                  f"{t.numel()} of {t.dtype}")
 
     def _submit(self, op: str, opts: Any, tensors: List[torch.Tensor], result: Any, body: Any,
-                call: Optional[Call]) -> BackendWork:
+                call: Optional[Call]) -> JobWork:
         if self._shut:
             raise BackendError(f"ncclavg {op}: the process group was shut down")
-        limit = _seconds(getattr(opts, "timeout", None), self._timeout)
-        job = Job(body, result, self._what(op, tensors), limit, self._diagnose, call, own_timeout=limit != self._timeout)
+        limit = call_limit(opts, self._timeout)
+        job = Job(body, self._what(op, tensors), limit, call, result, own_timeout=limit != self._timeout, future=True)
         if self._flight is not None and call is not None:   # Note [What a job records] in lane.py
             job.rec = self._flight.issue(call, tensors)
         if _profiling():   # Note [Profiler ranges of a Python backend] in profiling.py: on the worker
             with profiling.dispatched(op, tensors):
                 job.prof = profiling.begin(op, tensors)
-                return self._lane.submit(job, inline=False)
-        return self._lane.submit(job, inline=not getattr(opts, "asyncOp", True))
+                return self._runner.submit(job, inline=False)
+        return self._runner.submit(job, inline=not getattr(opts, "asyncOp", True))
 
-    def submit_custom(self, op: str, tensors: List[torch.Tensor], result: Any, body: Any, call: Call) -> BackendWork:
+    def submit_custom(self, op: str, tensors: List[torch.Tensor], result: Any, body: Any, call: Call) -> JobWork:
         """A collective of this package's own (the DDP comm hook's average) run as the group's collectives
-        are: in the group's order on its lane, under its timeout, recorded and profiled, compared across
+        are: in the group's order on its runner, under its timeout, recorded and profiled, compared across
         ranks as `call`. `body(cpu, job)` runs it with the group's CpuCollectives; the work's result is
         `result`."""
         cpu = self._cpu
@@ -242,14 +249,15 @@ class ProcessGroupNcclavg(dist.ProcessGroup):
         """A point-to-point call while the profiler runs: gloo's work wrapped so that the call records its
         ranges as a collective does (Note [Profiler ranges of a Python backend] in profiling.py)."""
         with profiling.dispatched(op, tensors):
-            job = Job(issued_elsewhere, tensors, self._what(op, tensors), self._timeout)
+            job = Job(None, self._what(op, tensors), self._timeout, result=tensors)
+            job.runner = self._runner
             job.prof = profiling.begin(op, tensors)
             try:
                 work = issue()
             except BaseException as e:
-                job._complete(e)
+                job.complete(e)
                 raise
-            return P2PWork(work, job)
+            return profiled_p2p(work, job)
 
     def _nccl_group(self) -> Any:
         if isinstance(self._nccl, tuple):   # made on first use (NCCL makes its communicators lazily anyway)
@@ -271,22 +279,17 @@ class ProcessGroupNcclavg(dist.ProcessGroup):
 
     _allreduce = allreduce   # what the native fast path calls for the general path
 
-    def _fast_allreduce_failed(self, tensors: List[torch.Tensor], op: Any, limit: float, e: BaseException) -> BackendWork:
+    def _fast_allreduce_failed(self, tensors: List[torch.Tensor], op: Any, limit: float, e: BaseException) -> DoneWork:
         """The failed Work of an all_reduce whose round on the native fast path failed with `e`."""
         t = tensors[0]
         return self._fast_failed("allreduce", tensors, calls.make("all_reduce", t.dtype, op, count=t.numel()), limit, e)
 
     def _fast_failed(self, op: str, tensors: List[torch.Tensor], call: Call, limit: float,
-                     e: BaseException) -> BackendWork:
-        """The failed Work of a fast-path call: the group fails as the lane's job would have."""
-        job = Job(None, tensors, self._what(op, tensors[:1]), limit, self._diagnose, call,
-                  own_timeout=limit != self._timeout)
-        job._complete(self._lane._failed(job, e))
-        return BackendWork(job, self._lane)
-
-    def _limit(self, opts: Any) -> float:
-        timeout = opts.timeout
-        return self._timeout if timeout == _UNSET_TIMEOUT else _seconds(timeout, self._timeout)
+                     e: BaseException) -> DoneWork:
+        """The failed Work of a fast-path call: the group fails as the runner's job would have."""
+        job = Job(None, self._what(op, tensors[:1]), limit, call, own_timeout=limit != self._timeout)
+        job.runner = self._runner
+        return done_work(tensors, error=self._runner.failed(job, e))
 
     def _sparse_allreduce(self, t: torch.Tensor, tensors: List[torch.Tensor], opts: Any) -> Any:
         if self._kind([t], "tensors") != "cpu":   # the device table sent sparse CUDA tensors to NCCL
@@ -323,7 +326,7 @@ class ProcessGroupNcclavg(dist.ProcessGroup):
             rop = opts.reduceOp   # Note [The backend's fast path]
             kind = R.SUM if rop == R.SUM else R.AVG if rop == R.AVG else None
             if kind is not None:
-                limit = self._limit(opts)
+                limit = call_limit(opts, self._timeout)
                 try:
                     if self._calls.reduce_scatter(output, input, kind, limit, opts.asyncOp):
                         if self._flight is not None:
@@ -393,7 +396,7 @@ class ProcessGroupNcclavg(dist.ProcessGroup):
                 and len(tensors) == 1 and not _profiling():   # Note [The backend's fast path]
             root = opts.rootRank
             if type(root) is int and 0 <= root < self._size:
-                limit = self._limit(opts)
+                limit = call_limit(opts, self._timeout)
                 try:
                     if self._calls.broadcast(tensors[0], root, limit, opts.asyncOp):
                         if self._flight is not None:
@@ -413,7 +416,7 @@ class ProcessGroupNcclavg(dist.ProcessGroup):
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:
         if self._calls is not None and opts is not None and not _profiling():
-            limit = self._limit(opts)   # Note [The backend's fast path]
+            limit = call_limit(opts, self._timeout)   # Note [The backend's fast path]
             try:
                 if self._calls.all_gather(output, input, limit, opts.asyncOp):
                     if self._flight is not None:
@@ -547,7 +550,7 @@ class ProcessGroupNcclavg(dist.ProcessGroup):
         """gloo's monitored barrier on this group's inner gloo, once the queued collectives have finished.
         (`torch.distributed.monitored_barrier` refuses every backend but gloo by name before it gets here:
         call this method on the group instead.)"""
-        self._lane.drain(self._timeout)
+        self._runner.drain(self._timeout)
         t = timeout if isinstance(timeout, datetime.timedelta) else datetime.timedelta(seconds=self._timeout)
         self._gloo.monitored_barrier(t, wait_all_ranks)
 
@@ -584,7 +587,7 @@ class ProcessGroupNcclavg(dist.ProcessGroup):
 
     _start_coalescing, _end_coalescing = start_coalescing, end_coalescing
 
-    def barrier_free_marker(self) -> BackendWork:
+    def barrier_free_marker(self) -> JobWork:
         """A Work complete once every collective issued before it is (nothing is sent)."""
         return self._submit("coalesced collectives", None, [], [], lambda job: None, None)
 
@@ -593,7 +596,7 @@ class ProcessGroupNcclavg(dist.ProcessGroup):
         return None if self._nccl is None or isinstance(self._nccl, tuple) else self._nccl
 
     def shutdown(self) -> None:
-        """Lets the queued collectives finish (bounded), then stops this group's heartbeats, its lane and
+        """Lets the queued collectives finish (bounded), then stops this group's heartbeats, its runner and
         channel, and shuts its inner NCCL group down (its communicators are destroyed now, not whenever
         the collector gets to it)."""
         if self._shut:
@@ -601,7 +604,7 @@ class ProcessGroupNcclavg(dist.ProcessGroup):
         self._shut = True
         if self._liveness is not None:
             self._liveness.stop()
-        self._lane.close(min(self._timeout, 30.0))
+        self._runner.close(min(self._timeout, 30.0))
         nccl = self._made_nccl()
         if nccl is not None:
             _end_inner(nccl, "shutdown")
@@ -609,7 +612,7 @@ class ProcessGroupNcclavg(dist.ProcessGroup):
     def abort(self) -> None:
         """Fails every queued and later CPU collective of this group (and the peers' waits on its channel)
         and aborts its inner NCCL group: a hung CUDA collective ends now, not at torch's watchdog."""
-        self._lane._fail(f"rank {self._rank}: the process group was aborted")
+        self._runner.fail(f"rank {self._rank}: the process group was aborted")
         nccl = self._made_nccl()
         if nccl is not None:
             _end_inner(nccl, "abort")
@@ -634,12 +637,12 @@ def _create(dist_opts: Any, backend_options: Any) -> ProcessGroupNcclavg:
 
 
 def _end_of_process() -> None:
-    """At exit: let every lane finish what was queued (bounded) and stop the worker threads before the
+    """At exit: let every runner finish what was queued (bounded) and stop the worker threads before the
     interpreter stops, so that no thread of ours returns into Python while it shuts down (Note [Gloo
     teardown] in dist.py)."""
-    for lane in connect.live_lanes():
+    for runner in connect.live_runners():
         try:
-            lane.close(timeout=10.0)
+            runner.close(timeout=10.0)
         except Exception:   # noqa: BLE001 (leaving anyway)
             pass
     liveness.BEATS.stop()   # the process's one heartbeat thread, for every group and communicator

@@ -21,6 +21,15 @@ the same collective, which is what lets the reader line the ranks up. A synchron
 takes a fast path (fast_path.py) makes no Job: it is recorded by `Recorder.done` (one list, the Call
 made only when a dump is written), so that its number is the same whichever path a rank took.
 
+Note [What the recorder says]
+A collective that failed because of a timeout or a lost peer is the case a recorder is for: which
+collective each rank was in when it stopped. Then, with NCCLAVG_TRACE_DIR set, the group's record is
+written there and one line names the file; without it, a short summary goes to stderr, in one write so
+that the ranks' summaries do not interleave. A mismatch (the ranks called different collectives) is the
+caller's mistake, found at once, and its error already names both calls: the recorder keeps the record
+(and writes the file when NCCLAVG_TRACE_DIR is set) but prints nothing, so the error's sentence is said
+once, by the exception.
+
 Note [Dumps are written whole]
 A dump is written to a temporary file in the target directory and renamed over the final name
 (os.replace): a reader, or a job killed while it dumps, never sees half a file. One file per rank and
@@ -119,7 +128,7 @@ class Recorder:
         snap = self.snapshot(reason)
         target = path or os.environ.get(ENV_DIR, "").strip()
         if not target:
-            print(summary(snap), file=sys.stderr, flush=True)
+            say(summary(snap))
             return None
         if os.path.isdir(target) or not target.endswith(".json"):
             os.makedirs(target, exist_ok=True)
@@ -127,10 +136,11 @@ class Recorder:
         write_atomically(target, snap)
         return target
 
-    def failed(self, msg: str, job: Any = None) -> None:
-        """The group failed with `msg` (process_group.lane.Lane._fail), during `job` (a lane.Job) or
-        none: dumped once, and a failure to dump is a line on stderr, never an exception on the failing
-        path. A job without a record (the fast path's failure, fast_path.py) is recorded now."""
+    def failed(self, msg: str, job: Any = None, loud: bool = True) -> None:
+        """The group failed with `msg` (runner.Runner.fail), during `job` (a runner.Job) or none: recorded
+        once (Note [What the recorder says]); a failure to dump is a line on stderr, never an exception on
+        the failing path. A job without a record (a fast path's failure) is recorded now. `loud`: a
+        timeout or a lost peer, which the summary or the file's path is printed for."""
         if self.failure is not None:
             return
         self.failure = msg
@@ -141,13 +151,16 @@ class Recorder:
         if rec is not None:
             rec[STATE], rec[ERROR], rec[ENDED] = FAILED, msg, _now()
         try:
+            if not os.environ.get(ENV_DIR, "").strip():
+                if loud:
+                    say(summary(self.snapshot(f"the group failed: {msg}")))
+                return
             where = self.dump(f"the group failed: {msg}")
-            if where is not None:
-                print(f"ncclavg: rank {self.global_rank}: the last {self.capacity} collectives of group "
-                      f"{self.group} are in {where} (read them with `ncclavg trace`)", file=sys.stderr, flush=True)
+            if loud:
+                say(f"ncclavg: rank {self.global_rank}: the last {self.capacity} collectives of group {self.group} "
+                    f"are in {where} (read them with `ncclavg trace`)")
         except Exception as e:   # noqa: BLE001 (reported, the failure itself goes on)
-            print(f"ncclavg: rank {self.global_rank}: the flight recorder could not write its dump: {e}",
-                  file=sys.stderr, flush=True)
+            say(f"ncclavg: rank {self.global_rank}: the flight recorder could not write its dump: {e}")
 
 
 # ---------------------------------------------------------------------- the lane's and the fast path's hooks
@@ -240,6 +253,24 @@ def _entry(r: list) -> Dict[str, Any]:
     else:
         e.update(op=str(call), root=None, call=str(call))
     return e
+
+
+def say(text: str) -> None:
+    """`text` on stderr in one write(2) (a pipe takes up to 4 KiB at once): the summaries of two ranks that
+    share a terminal or a launcher's pipe never interleave line by line."""
+    try:
+        sys.stderr.flush()
+    except (AttributeError, OSError, ValueError):
+        pass
+    data = (text.rstrip("\n") + "\n").encode("utf-8", "replace")
+    try:
+        fd = sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):   # a replaced stderr (pytest's capture): its own write
+        sys.stderr.write(data.decode("utf-8"))
+        return
+    while data:
+        n = os.write(fd, data)
+        data = data[n:]
 
 
 def write_atomically(path: str, obj: Any) -> None:

@@ -177,16 +177,16 @@ def test_transport_settings(monkeypatch):
 
 
 def test_processes_on_different_hosts_keep_gloo(monkeypatch):
-    from ncclavg.transport.shm import ShmTransport
+    from ncclavg.transport.host_setup import connect
 
     # connect() decides before any exchange when the identities differ: it is handed none
     monkeypatch.setenv("NCCLAVG_SHM", "auto")
-    assert ShmTransport.connect(0, 2, None, ["host-a", "host-b"], 5.0) is None
+    assert connect(0, 2, None, ["host-a", "host-b"], 5.0) is None
     monkeypatch.setenv("NCCLAVG_SHM", "1")
     with pytest.raises(CommError, match="no two processes of this group are on one host"):
-        ShmTransport.connect(0, 2, None, ["host-a", "host-b"], 5.0)
+        connect(0, 2, None, ["host-a", "host-b"], 5.0)
     monkeypatch.setenv("NCCLAVG_SHM", "0")
-    assert ShmTransport.connect(0, 2, None, ["host-a", "host-a"], 5.0) is None
+    assert connect(0, 2, None, ["host-a", "host-a"], 5.0) is None
 
 
 def test_exec_lock_orders_calls_across_threads():

@@ -1,6 +1,6 @@
-"""The element math of the `ncclavg` backend's CPU reductions that the channel cannot do itself (integer,
-bool, MIN, MAX, PRODUCT, the bitwise ops, and sums of dtypes it has no path for), and the byte views that
-carry any dtype through it. Used by cpu_collectives.py on every rank's rows, gathered in rank order.
+"""The element math of the CPU reductions that the channel cannot do itself (integer, bool, MIN, MAX,
+PRODUCT, the bitwise ops, and sums of dtypes it has no path for), and the byte views that carry any dtype
+through it. Used by paths.py on every rank's rows, gathered in rank order.
 
 Note [Reductions of gathered rows]
 Every rank's input arrives as a row, in rank order, and each rank reduces the rows itself, so every rank

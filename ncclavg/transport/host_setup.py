@@ -1,0 +1,89 @@
+"""Setting up a group's host channels (Note [When the shared-memory channel is used] in shm.py): one
+`ShmTransport` when every process is on one host, a `HostsTransport` (hosts.py) when they span several
+hosts and some share one, None when every process is alone on its host. Both faces call `connect`: the
+Communicator over its torch.distributed group, the torch backend over its group's store.
+"""
+from __future__ import annotations
+
+import datetime
+import secrets
+import warnings
+from typing import Any, Callable, Optional, Union
+
+from .._ext import _C
+from ..errors import CommError
+from .hosts import HostsTransport
+from .shm import ShmTransport, setting, slot_bytes
+
+
+def _leaders_group(dist: Any, group: Any, leaders: list, timeout: float) -> Any:
+    """The process group of the hosts' leaders (group ranks `leaders`); only they build it."""
+    ranks = [dist.get_global_rank(group, r) if group is not None else r for r in leaders]
+    return dist.new_group(ranks=ranks, backend="gloo", timeout=datetime.timedelta(seconds=timeout),
+                          use_local_synchronization=True)
+
+
+def hosts_of(identities: list) -> list:
+    """Group ranks per host (host identities equal), hosts in the order of their lowest rank."""
+    hosts: list = []
+    for r, ident in enumerate(identities):
+        found = next((h for h in hosts if identities[h[0]] == ident), None)
+        if found is None:
+            hosts.append([r])
+        else:
+            found.append(r)
+    return hosts
+
+
+def connect(rank: int, world: int, exchange: Callable[[Any], list], identities: list, timeout: float,
+            dist: Any = None, group: Any = None) -> Optional[Union[ShmTransport, HostsTransport]]:
+    """Collective: a transport when processes of the group share hosts, else None. `exchange(obj)`: every
+    rank's `obj`, in rank order (one object per rank, all ranks calling; the caller bounds it), the
+    setup's only exchange on one host; `identities`: every rank's shm.host_identity(); `dist` and `group`:
+    the torch.distributed functions and group the hosts' leaders meet through (several hosts)."""
+    mode = setting()
+    if mode == "off" or world < 2:
+        return None
+    hosts = hosts_of(identities)
+    if len(hosts) == world:
+        if mode == "on":
+            raise CommError("NCCLAVG_SHM=1 but no two processes of this group are on one host (or in one "
+                            "network namespace): the shared-memory channel needs that")
+        return None
+    mine = next(h for h in hosts if rank in h)
+    local, leader = mine.index(rank), mine[0]
+    size = slot_bytes(len(mine))
+    # every host's leader creates its host's segment (a host of one process has none), then the others
+    # open it; one exchange for the names, one for the outcome: every process decides the same
+    channel, error, offer = None, "", None
+    if local == 0 and len(mine) > 1:
+        offer = (f"ncclavg-{secrets.token_hex(8)}", secrets.randbits(63))
+        try:
+            channel = _C.ShmChannel(offer[0], 0, len(mine), size, offer[1], mine)   # errors name group ranks
+        except (RuntimeError, ValueError) as e:
+            error = f"rank {rank}: {e}"
+    offers = exchange((offer, error))
+    if local > 0 and not offers[leader][1]:
+        name, nonce = offers[leader][0]
+        try:
+            channel = _C.ShmChannel(name, local, len(mine), size, nonce, mine)
+        except (RuntimeError, ValueError) as e:
+            error = f"rank {rank}: {e}"
+    errors = [e for e in exchange(error) if e]
+    if local == 0 and channel is not None:
+        channel.close_door()   # everyone has joined (or given up)
+    leaders = None
+    if not errors and len(hosts) > 1 and local == 0:
+        try:
+            leaders = _leaders_group(dist, group, [h[0] for h in hosts], timeout)
+        except Exception as e:   # noqa: BLE001 (the others fail at their next collective, bounded)
+            raise CommError(f"rank {rank}: the group of the hosts' leaders could not be made: {e}") from e
+    if errors:
+        if mode == "on":
+            raise CommError(f"NCCLAVG_SHM=1 but the shared-memory channel could not be set up: {errors[0]}")
+        warnings.warn(f"ncclavg: the gloo backend stays on torch.distributed; the shared-memory channel "
+                      f"could not be set up: {errors[0]}", RuntimeWarning, stacklevel=3)
+        return None
+    if len(hosts) == 1:
+        return ShmTransport(channel, rank, world)
+    return HostsTransport(channel, rank, world, hosts, leaders, dist, group)

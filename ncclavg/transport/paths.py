@@ -1,0 +1,426 @@
+"""The ways a CPU collective step can move its data, for both faces: `ChannelPaths` through a group's host
+channel (shm.ShmTransport, or hosts.HostsTransport across hosts), `GlooPaths` through a torch.distributed
+process group (gloo in practice), and `Paths`, which holds them in order and picks one per step. Every
+step runs inside a runner's job (runner.py) and gets it: its deadline, its call compared across ranks.
+
+Note [Implementations in order]
+A collective does what is the same whatever moves the data (complex tensors as real pairs, PREMUL_SUM's
+factor, which reduction a dtype and op need, the pieces of a list, a Communicator's towers), then asks
+`Paths` for one primitive step: `sum`, `reduce`, `sum_scatter`, `all_gather_bytes`, `rows`,
+`broadcast_bytes`, `allgather`, `gather`, `scatter`, `alltoall_single`, `alltoall`, `check`. Each of
+those methods walks the same ordered list, the channel's implementation (when the group has one), then
+gloo's, and runs the first that takes the arguments (its `takes_<step>`): gloo's takes everything.
+Adding a transport is adding an implementation to the list, not a branch to every collective (as
+Horovod's operation_manager keeps an ordered list of implementations per operation).
+
+Note [Which CPU collectives take the channel]
+- SUM of float32, float64, float16 and bfloat16: the channel's all_reduce_sum / reduce_scatter_sum,
+  summed in rank order with fp32 accumulation (the same bits on every rank). A division by the ranks or
+  towers runs in the channel's pass where it can (one host's channel over every process: the same bits
+  as a division after it); `sum` returns the division still to do.
+- Data movement (broadcast, all-gather, gather, scatter) of any dtype: the channel only copies bytes
+  there, so a tensor of any dtype travels as its bytes (reductions.byte_wire).
+- Every other reduction (integers, bool, MIN, MAX, PRODUCT, the bitwise ops): every rank's input is
+  gathered through the channel, in pieces of at most GATHER_LIMIT bytes, and reduced here in rank order
+  (Note [Reductions of gathered rows] in reductions.py).
+- Without a channel (every process alone on its host, NCCLAVG_SHM=0), alltoall, a broadcast or scatter
+  from a root other than 0 between hosts (the channel's several-hosts path broadcasts from rank 0): gloo.
+- Count 0 is a call like any other: it runs a round (or the check below), so that a rank whose tensor
+  is empty cannot pair with its peers' next collective.
+
+Note [Every call compared]
+Ranks that called different collectives fail on every rank with both calls named, before any result is
+written (Note [Call signatures] in csrc/transport/shm_calls.cpp): a channel step carries `job.call` in its
+rounds' signatures; before a gloo step the call is compared by a round of its own (`check`: one channel
+round on one host) or, without a channel, by one all-gather of three words over gloo (the torch face;
+the public API's gloo path compares nothing: NCCLAVG_DEBUG's sequence check does). One comparison per
+collective is enough: what it moves after that follows from the call and the arguments every rank
+checked alike.
+"""
+from __future__ import annotations
+
+from typing import Any, List, Optional
+
+import torch
+from torch._C._distributed_c10d import (AllgatherOptions, AllreduceOptions, AllToAllOptions, BroadcastOptions,
+                                        GatherOptions, ReduceOp, ScatterOptions)
+
+from . import profiling
+from .calls import check_over_gloo
+from .reductions import R, as_bytes, byte_wire, exact_mean, padded, reduce_rows
+from .runner import Job
+from .shm import supports
+
+GATHER_LIMIT = 16 << 20   # bytes gathered at once by a reduction the channel cannot sum (all ranks' rows)
+# What gloo reduces natively (and the channel sums); the others go through a wider type or a bit view.
+GLOO_FLOATS = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+_GLOO_WIDER = {torch.int16: torch.int32, torch.uint16: torch.int32, torch.uint32: torch.int64}
+
+
+def _checked(job: Job) -> None:
+    if job.call is not None:
+        job.call.checked = True
+
+
+class ChannelPaths:
+    """The steps through a group's host channel `transport` ("shm": one host; "shm+gloo": a channel per
+    host, hosts.py). Each channel call gets the job's channel limit: the runner's watchdog ends it at the
+    job's deadline, the channel's own limit is the backstop (Note [One deadline per call] in runner.py)."""
+
+    def __init__(self, transport: Any, rank: int, size: int):
+        self.transport, self.rank, self.size = transport, rank, size
+        self.kind = transport.kind
+
+    # ------------------------------------------------------------------ which steps it takes
+    def takes_sum(self, t: torch.Tensor) -> bool:
+        return supports(t)
+
+    def takes_root(self, root: int) -> bool:
+        return self.transport.broadcasts_from(root)
+
+    # ------------------------------------------------------------------ the steps
+    def check(self, job: Job) -> None:
+        """The ranks' calls compared by a round of their own (a barrier's whole work)."""
+        call = job.call
+        if call is None or call.checked:
+            return
+        with profiling.step(job, self.kind, "check"):
+            self.transport.check(call, job.channel_limit())
+        call.checked = True
+
+    def sum(self, job: Job, flat: torch.Tensor, divisor: float = 1.0) -> float:
+        """flat = the SUM over the ranks (a channel dtype), divided by `divisor` in the same pass where the
+        channel can; returns the division still to do (1.0 or `divisor`)."""
+        fused = divisor != 1.0 and self.transport.divides()
+        with profiling.step(job, self.kind, "all_reduce_sum"):
+            self.transport.all_reduce_sum(flat, job.channel_limit(), job.call, divisor if fused else 1.0)
+        _checked(job)
+        return 1.0 if fused else divisor
+
+    def sum_scatter(self, job: Job, out: torch.Tensor, inp: torch.Tensor, divisor: float = 1.0) -> float:
+        """out = this rank's slice of the SUM over the ranks of inp; as `sum` for the division."""
+        fused = divisor != 1.0 and self.transport.divides()
+        with profiling.step(job, self.kind, "reduce_scatter_sum"):
+            self.transport.reduce_scatter_sum(out, inp, job.channel_limit(), job.call, divisor if fused else 1.0)
+        _checked(job)
+        return 1.0 if fused else divisor
+
+    def reduce(self, job: Job, flat: torch.Tensor, kind: Any) -> None:
+        """Any other reduction: every rank's `flat` gathered piece by piece and reduced here, in rank order."""
+        per = max(1, GATHER_LIMIT // (self.size * flat.element_size()))
+        start = 0
+        while True:   # at least once: a count-0 call runs its round too
+            piece = flat[start:start + per]
+            rows = self.rows(job, piece)
+            if piece.numel():
+                piece.copy_(reduce_rows(rows, kind, self.size))
+            start += per
+            if start >= flat.numel():
+                return
+
+    def all_gather_bytes(self, job: Job, out_bytes: torch.Tensor, in_bytes: torch.Tensor) -> None:
+        """out_bytes (size x in_bytes, uint8) = every rank's in_bytes, in rank order."""
+        n = in_bytes.numel()
+        if n % 2 == 0:
+            self._all_gather(job, byte_wire(out_bytes, n), byte_wire(in_bytes, n))
+            return
+        pad = torch.zeros(padded(n), dtype=torch.uint8)
+        pad[:n] = in_bytes
+        rows = torch.empty(self.size * padded(n), dtype=torch.uint8)
+        self._all_gather(job, byte_wire(rows, n), byte_wire(pad, n))
+        out_bytes.view(self.size, n).copy_(rows.view(self.size, padded(n))[:, :n])
+
+    def _all_gather(self, job: Job, out: torch.Tensor, inp: torch.Tensor) -> None:
+        with profiling.step(job, self.kind, "all_gather"):
+            self.transport.all_gather(out, inp, job.channel_limit(), job.call)
+        _checked(job)
+
+    def all_gather_typed(self, job: Job, out: torch.Tensor, inp: torch.Tensor) -> None:
+        """out = every rank's inp in rank order, for a channel dtype (no byte view needed)."""
+        self._all_gather(job, out, inp)
+
+    def rows(self, job: Job, t: torch.Tensor) -> torch.Tensor:
+        """(size, numel) tensor of every rank's `t`."""
+        out = torch.empty(self.size * t.numel() * t.element_size(), dtype=torch.uint8)
+        self.all_gather_bytes(job, out, as_bytes(t))
+        return out.view(t.dtype).view(self.size, -1)
+
+    def broadcast_bytes(self, job: Job, data: torch.Tensor, root: int) -> None:
+        n = data.numel()
+        if n % 2 == 0:
+            self._broadcast(job, byte_wire(data, n), root)
+            return
+        pad = torch.zeros(padded(n), dtype=torch.uint8)
+        pad[:n] = data
+        self._broadcast(job, byte_wire(pad, n), root)
+        data.copy_(pad[:n])
+
+    def _broadcast(self, job: Job, t: torch.Tensor, root: int) -> None:
+        with profiling.step(job, self.kind, "broadcast"):
+            self.transport.broadcast(t, root, job.channel_limit(), job.call)
+        _checked(job)
+
+    def allgather(self, job: Job, outs: List[torch.Tensor], inp: torch.Tensor) -> None:
+        rows = self.rows(job, inp)
+        for r, o in enumerate(outs):
+            o.view(-1).copy_(rows[r])
+
+    def gather(self, job: Job, outs: List[torch.Tensor], inp: torch.Tensor, root: int) -> None:
+        rows = self.rows(job, inp)
+        if self.rank == root:
+            for r, o in enumerate(outs):
+                o.view(-1).copy_(rows[r])
+
+    def scatter(self, job: Job, out: torch.Tensor, inputs: Optional[List[torch.Tensor]], root: int) -> None:
+        """The root's whole list broadcast, this rank's piece kept."""
+        n = out.numel()
+        if self.rank == root:
+            whole = torch.cat([x.reshape(-1) for x in inputs])   # type: ignore[union-attr]
+        else:
+            whole = torch.empty(self.size * n, dtype=out.dtype)
+        self.broadcast_bytes(job, as_bytes(whole), root)
+        out.view(-1).copy_(whole[self.rank * n:(self.rank + 1) * n])
+
+
+class GlooPaths:
+    """The steps through the torch.distributed process group `gloo` (its c10d methods: allreduce,
+    _allgather_base, ...): every step, for any arguments. `compare`: compare the ranks' calls before the
+    first step of a job (Note [Every call compared]; `channel` does it in one round where there is one)."""
+
+    def __init__(self, gloo: Any, rank: int, size: int, channel: Optional[ChannelPaths], compare: bool = True):
+        self.gloo, self.rank, self.size = gloo, rank, size
+        self._channel = channel
+        self._compare = compare
+
+    def takes_sum(self, t: torch.Tensor) -> bool:
+        return True
+
+    def takes_root(self, root: int) -> bool:
+        return True
+
+    def check(self, job: Job) -> None:
+        """The ranks' calls compared before a gloo step (Note [Every call compared])."""
+        call = job.call
+        if call is None or call.checked or not self._compare:
+            return
+        if self.size == 1:   # nothing to compare a call with
+            call.checked = True
+        elif self._channel is not None:
+            self._channel.check(job)
+        else:
+            with profiling.step(job, "gloo", "check"):
+                check_over_gloo(self.gloo, call, self.rank, self.size, job.remaining())
+
+    def _wait(self, job: Job, work: Any) -> None:
+        # the wait only: gloo's work was issued by the caller's argument (and gloo records its own range,
+        # `gloo:all_reduce`, on its thread when the issuing thread is profiled)
+        with profiling.step(job, "gloo", job.call.collective if job.call is not None else "wait"):
+            job.wait_gloo(work)
+
+    # ------------------------------------------------------------------ reductions
+    def sum(self, job: Job, t: torch.Tensor, divisor: float = 1.0) -> float:
+        self.check(job)
+        if t.numel():
+            self._allreduce(job, t, R.SUM)
+        return divisor
+
+    def _allreduce(self, job: Job, t: torch.Tensor, kind: Any) -> None:
+        opts = AllreduceOptions()
+        opts.reduceOp = ReduceOp(kind)
+        self._wait(job, self.gloo.allreduce([t], opts))
+
+    def reduce(self, job: Job, t: torch.Tensor, kind: Any) -> None:
+        self.check(job)
+        if t.numel():
+            self._reduce(job, t, kind)
+
+    def _reduce(self, job: Job, t: torch.Tensor, kind: Any) -> None:
+        """In place over gloo, for the dtypes gloo lacks through a wider type or a bit view."""
+        if t.dtype == torch.bool:   # as uint8: OR is MAX, AND is MIN (Note [Reductions of gathered rows])
+            as_int = t.to(torch.uint8)
+            bool_op = {R.SUM: R.MAX, R.AVG: R.MAX, R.BOR: R.MAX, R.MAX: R.MAX, R.PRODUCT: R.MIN, R.MIN: R.MIN,
+                       R.BAND: R.MIN}
+            self._reduce(job, as_int, bool_op.get(kind, kind))
+            t.copy_(as_int.bool() if kind != R.BXOR else (as_int & 1).bool())
+            return
+        if kind == R.AVG:
+            if t.is_floating_point():
+                self._float_mean(job, t)
+            else:
+                self._integer_mean(job, t)
+            return
+        if t.dtype in _GLOO_WIDER:
+            wide = t.to(_GLOO_WIDER[t.dtype])
+            self._reduce(job, wide, kind)
+            t.copy_(wide)   # the low bits: a wrapped sum or product, an exact MIN, MAX or bitwise op
+            return
+        if t.dtype == torch.uint64:   # as int64 bits; MIN / MAX with the sign bit flipped keep the order
+            bits = t.view(torch.int64)
+            flip = kind in (R.MIN, R.MAX)
+            if flip:
+                bits.bitwise_xor_(torch.iinfo(torch.int64).min)
+            self._reduce(job, bits, kind)
+            if flip:
+                bits.bitwise_xor_(torch.iinfo(torch.int64).min)
+            return
+        if t.is_floating_point() and t.dtype not in GLOO_FLOATS:   # float8: through float32, one rounding
+            wide = t.to(torch.float32)
+            self._reduce(job, wide, kind)
+            t.copy_(wide)
+            return
+        self._allreduce(job, t, kind)
+
+    def _float_mean(self, job: Job, t: torch.Tensor) -> None:
+        """AVG of a floating tensor: float32 / float64 summed and divided; the others through an fp32 sum,
+        one rounding."""
+        if t.dtype in (torch.float32, torch.float64):
+            self._allreduce(job, t, R.SUM)
+            t.div_(self.size)
+            return
+        acc = t.to(torch.float32)
+        self._reduce(job, acc, R.SUM)
+        t.copy_(acc.div_(self.size))
+
+    def _integer_mean(self, job: Job, t: torch.Tensor) -> None:
+        """AVG of integers over gloo, exact (Note [Reductions of gathered rows]): up to 32 bits, an int64
+        sum; int64 and uint64, the rows gathered piece by piece and averaged here."""
+        if t.element_size() <= 4:
+            total = t.to(torch.int64)
+            self._allreduce(job, total, R.SUM)
+            t.copy_(torch.div(total, self.size, rounding_mode="trunc"))
+            return
+        per = max(1, GATHER_LIMIT // (self.size * 8))
+        for start in range(0, t.numel(), per):
+            piece = t[start:start + per]
+            rows = torch.empty(self.size * piece.numel(), dtype=torch.int64)
+            self._wait(job, self.gloo._allgather_base(rows, piece.view(torch.int64), AllgatherOptions()))
+            mean = exact_mean(rows.view(t.dtype).view(self.size, -1).numpy())
+            piece.copy_(torch.from_numpy(mean))
+
+    def sum_scatter(self, job: Job, out: torch.Tensor, inp: torch.Tensor, divisor: float = 1.0) -> float:
+        """Note [Reduce-scatter as all_to_all]: each rank's slice of every input with one all_to_all (the
+        bytes of a reduce-scatter), summed here in rank order, accumulated wide and rounded once (the
+        channel's arithmetic). torch's gloo reduce_scatter ignores Work.wait(timeout) (torch 2.13: a peer 5 s
+        late holds a wait with a 1 s limit for the whole 5 s); all_to_all stops at the deadline."""
+        self.check(job)
+        if out.numel():
+            pieces = torch.empty(self.size * out.numel(), dtype=out.dtype)
+            self._wait(job, self.gloo.alltoall_base(pieces, inp.reshape(-1), [], [], AllToAllOptions()))
+            wide = torch.float64 if out.dtype == torch.float64 else torch.float32
+            rows = pieces.view(self.size, -1)
+            acc = rows[0].to(wide, copy=True)
+            for p in rows[1:]:
+                acc += p
+            out.view(-1).copy_(acc)
+        return divisor
+
+    # ------------------------------------------------------------------ data movement (as bytes: gloo lacks some dtypes)
+    def all_gather_bytes(self, job: Job, out_bytes: torch.Tensor, in_bytes: torch.Tensor) -> None:
+        self.check(job)
+        if in_bytes.numel():
+            self._wait(job, self.gloo._allgather_base(out_bytes, in_bytes, AllgatherOptions()))
+
+    def all_gather_typed(self, job: Job, out: torch.Tensor, inp: torch.Tensor) -> None:
+        self.all_gather_bytes(job, as_bytes(out), as_bytes(inp))
+
+    def rows(self, job: Job, t: torch.Tensor) -> torch.Tensor:
+        rows = torch.empty(self.size * t.numel(), dtype=t.dtype)
+        self.all_gather_bytes(job, as_bytes(rows), as_bytes(t))
+        return rows.view(self.size, -1)
+
+    def broadcast_bytes(self, job: Job, data: torch.Tensor, root: int) -> None:
+        self.check(job)
+        if data.numel():
+            opts = BroadcastOptions()
+            opts.rootRank, opts.rootTensor = root, 0
+            self._wait(job, self.gloo.broadcast([data], opts))
+
+    def allgather(self, job: Job, outs: List[torch.Tensor], inp: torch.Tensor) -> None:
+        self.check(job)
+        if inp.numel():
+            self._wait(job, self.gloo.allgather([[as_bytes(o) for o in outs]], [as_bytes(inp)], AllgatherOptions()))
+
+    def gather(self, job: Job, outs: List[torch.Tensor], inp: torch.Tensor, root: int) -> None:
+        self.check(job)
+        if inp.numel():
+            opts = GatherOptions()
+            opts.rootRank = root
+            self._wait(job, self.gloo.gather([[as_bytes(o) for o in outs]] if self.rank == root else [],
+                                             [as_bytes(inp)], opts))
+
+    def scatter(self, job: Job, out: torch.Tensor, inputs: Optional[List[torch.Tensor]], root: int) -> None:
+        self.check(job)
+        if out.numel():
+            opts = ScatterOptions()
+            opts.rootRank = root
+            self._wait(job, self.gloo.scatter([as_bytes(out)], [[as_bytes(x) for x in inputs]]   # type: ignore[union-attr]
+                                              if self.rank == root else [], opts))
+
+    def alltoall_single(self, job: Job, out: torch.Tensor, inp: torch.Tensor, out_splits: List[int],
+                        in_splits: List[int]) -> None:
+        self.check(job)
+        if out.numel() or inp.numel():   # splits count rows of dim 0
+            row_out = out.element_size() * (out.numel() // out.shape[0] if out.shape[0] else 0)
+            row_in = inp.element_size() * (inp.numel() // inp.shape[0] if inp.shape[0] else 0)
+            self._wait(job, self.gloo.alltoall_base(as_bytes(out), as_bytes(inp), [s * row_out for s in out_splits],
+                                                    [s * row_in for s in in_splits], AllToAllOptions()))
+
+    def alltoall(self, job: Job, outs: List[torch.Tensor], inputs: List[torch.Tensor]) -> None:
+        self.check(job)
+        if any(t.numel() for t in list(outs) + list(inputs)):
+            self._wait(job, self.gloo.alltoall([as_bytes(o) for o in outs], [as_bytes(i) for i in inputs],
+                                               AllToAllOptions()))
+
+
+class Paths:
+    """One group's implementations of each step, in order (Note [Implementations in order]): the
+    channel's when the group has one, then gloo's. Each method runs the first implementation that takes
+    its arguments."""
+
+    def __init__(self, transport: Any, gloo: Any, rank: int, size: int, compare: bool = True):
+        self.channel = ChannelPaths(transport, rank, size) if transport is not None else None
+        self.gloo = GlooPaths(gloo, rank, size, self.channel, compare)
+        self.impls: List[Any] = ([self.channel] if self.channel is not None else []) + [self.gloo]
+
+    def check(self, job: Job) -> None:
+        self.impls[0].check(job)
+
+    def sum(self, job: Job, flat: torch.Tensor, divisor: float = 1.0) -> float:
+        impl = next(i for i in self.impls if i.takes_sum(flat))
+        return impl.sum(job, flat, divisor)
+
+    def sum_scatter(self, job: Job, out: torch.Tensor, inp: torch.Tensor, divisor: float = 1.0) -> float:
+        impl = next(i for i in self.impls if i.takes_sum(out) and i.takes_sum(inp))
+        return impl.sum_scatter(job, out, inp, divisor)
+
+    def reduce(self, job: Job, flat: torch.Tensor, kind: Any) -> None:
+        self.impls[0].reduce(job, flat, kind)
+
+    def all_gather_bytes(self, job: Job, out_bytes: torch.Tensor, in_bytes: torch.Tensor) -> None:
+        self.impls[0].all_gather_bytes(job, out_bytes, in_bytes)
+
+    def all_gather_typed(self, job: Job, out: torch.Tensor, inp: torch.Tensor) -> None:
+        impl = next(i for i in self.impls if i.takes_sum(out) and i.takes_sum(inp))
+        impl.all_gather_typed(job, out, inp)
+
+    def rows(self, job: Job, t: torch.Tensor) -> torch.Tensor:
+        return self.impls[0].rows(job, t)
+
+    def broadcast_bytes(self, job: Job, data: torch.Tensor, root: int) -> None:
+        next(i for i in self.impls if i.takes_root(root)).broadcast_bytes(job, data, root)
+
+    def allgather(self, job: Job, outs: List[torch.Tensor], inp: torch.Tensor) -> None:
+        self.impls[0].allgather(job, outs, inp)
+
+    def gather(self, job: Job, outs: List[torch.Tensor], inp: torch.Tensor, root: int) -> None:
+        self.impls[0].gather(job, outs, inp, root)
+
+    def scatter(self, job: Job, out: torch.Tensor, inputs: Optional[List[torch.Tensor]], root: int) -> None:
+        next(i for i in self.impls if i.takes_root(root)).scatter(job, out, inputs, root)
+
+    def alltoall_single(self, job: Job, out: torch.Tensor, inp: torch.Tensor, out_splits: List[int],
+                        in_splits: List[int]) -> None:
+        self.gloo.alltoall_single(job, out, inp, out_splits, in_splits)   # the channel has no all_to_all
+
+    def alltoall(self, job: Job, outs: List[torch.Tensor], inputs: List[torch.Tensor]) -> None:
+        self.gloo.alltoall(job, outs, inputs)
