@@ -40,10 +40,12 @@ def test_the_checker_sees_the_whole_package():
     pairs = {(e.src, e.dst) for e in edges}
     assert ("ncclavg.cli", "ncclavg.bench.cli") in pairs and ("ncclavg.cli", "ncclavg.train.cli") in pairs
     assert ("ncclavg.train.engines", "ncclavg.comm") in pairs
-    # the two faces over the one transport, and the torch face above the Communicator's fast path
-    assert ("ncclavg.comm.gloo", "ncclavg.transport.shm") in pairs
-    assert ("ncclavg.process_group.connect", "ncclavg.transport.shm") in pairs
-    assert ("ncclavg.process_group.group", "ncclavg.comm.shm_fast") in pairs
+    # the two faces over the one transport: both get their channel from host_setup, run their jobs on a
+    # runner and take their steps from the same ordered implementations
+    for face in ("ncclavg.comm.gloo", "ncclavg.process_group.connect"):
+        assert (face, "ncclavg.transport.host_setup") in pairs and (face, "ncclavg.transport.runner") in pairs
+    assert ("ncclavg.comm.gloo", "ncclavg.transport.paths") in pairs
+    assert ("ncclavg.process_group.cpu_collectives", "ncclavg.transport.paths") in pairs
     assert ("ncclavg", "ncclavg.process_group.group") in pairs   # the creator torch calls, on use
     assert ("ncclavg", "ncclavg.train.trainer") in pairs  # the lazy table of ncclavg/__init__.py
     assert all(not e.module_level for e in edges if e.src == "ncclavg.cli" and L.layer(e.dst) != "core")

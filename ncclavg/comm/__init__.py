@@ -1,13 +1,13 @@
 """ncclavg.comm: the Communicator and its backends (ncclavg's own API).
 
-What lives here: `Communicator` (base.py: the constructors, argument checks, failure state) and `Work`,
-and one module per backend: local.py (CPU towers of one process, the core's one-pass host average),
+What lives here: `Communicator` (base.py: the constructors, argument checks, its runner and face) and
+one module per backend: local.py (CPU towers of one process, the core's one-pass host average),
 gloo.py (CPU towers of several processes through torch.distributed, Note [Hierarchical CPU average],
 over the transport's shared-memory channel where processes share a host), nccl.py (the core's NCCL
-communicator); dist.py (the bounded torch.distributed plumbing), devices.py (tower devices from what users write, for
-the local communicator and the trainer alike), shm_fast.py (the native fast path of
-a small host average on the channel, which the torch backend borrows) and debug.py (NCCLAVG_DEBUG's
-cross-rank sequence check). Two old addresses stay as aliases: flight.py (ncclavg.transport.flight)
+communicator); dist.py (the bounded torch.distributed exchanges, as jobs of the runner), devices.py (the
+one parser of device arguments, for every backend and the trainer), shm_fast.py (the native fast path of
+a small host average on the channel) and debug.py (NCCLAVG_DEBUG's cross-rank sequence check). `Work` is
+the transport's (ncclavg/transport/work.py). Two old addresses stay as aliases: flight.py (ncclavg.transport.flight)
 and backend_lane.py (the torch backend's errors, now in ncclavg.errors).
 What it may import: the core (`ncclavg.ops`, `buffers`, `_ext`, `errors`, ...), `ncclavg.transport`
 and torch; never `ncclavg.process_group` (the torch face sits above this one), `ncclavg.train` or

@@ -60,6 +60,7 @@ from ..transport.failure import Face, LazyText
 from ..transport.runner import Runner
 from ..transport.work import DoneWork, Work, check_seconds
 from . import debug as comm_debug
+from .devices import device_list, one_kind
 
 DEFAULT_TIMEOUT_S = 600.0
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")   # what torchrun sets for env://
@@ -423,18 +424,14 @@ def _parse_process_devices(devices: Any) -> Optional[list]:
     """`devices` of from_torch_distributed as torch.devices: all CPU, or all CUDA (None: not given)."""
     if devices is None:
         return None
-    if isinstance(devices, (str, torch.device, int)) or not hasattr(devices, "__len__") or len(devices) == 0:
-        raise ValueError(f"devices: expected a non-empty list of this process's tower devices, got {devices!r}")
+    devices = device_list(devices, "devices", "this process's tower devices")
     out = []
     for i, d in enumerate(devices):
         try:
             out.append(torch.device(d))
         except (RuntimeError, TypeError):
             raise ValueError(f"devices[{i}]: expected a device such as 'cpu' or 'cuda:0', got {d!r}") from None
-    kinds = {d.type for d in out}
-    if len(kinds) > 1:
-        raise ValueError(f"devices: mixes {' and '.join(sorted(kinds))} towers ({[str(d) for d in out]}); all "
-                         "towers of a process must be CPU or all CUDA")
+    one_kind([d.type for d in out], devices, "devices", "all towers of a process must be CPU or all CUDA")
     if out[0].type == "cpu" and any(d.index not in (None, 0) for d in out):
         raise ValueError(f"devices: CPU towers are 'cpu', got {[str(d) for d in out]}")
     return out

@@ -31,6 +31,7 @@ from .._ext import _C, cuda_built, nccl_info
 from ..buffers import as_buffers
 from ..errors import CommTimeoutError
 from .base import Communicator, Work, check_timeout
+from .devices import cuda_index, device_list, kinds_of, one_kind
 from ..transport import profiling
 from .dist import allgather_object
 
@@ -108,27 +109,16 @@ def process_major_ranks(tower_counts: Sequence[int], rank: int) -> tuple:
     return sum(counts), sum(counts[:rank])
 
 
+_device_index = cuda_index   # a tower's CUDA ordinal (devices.py); the tests stand in for GPUs through this name
+
+
 def _check_cuda_devices(devices: Any) -> list:
     """`devices` of init_ranks: a non-empty list of CUDA devices (ordinals, 'cuda:N', torch.device). Checked
     before anything needs NCCL or a GPU, so a wrong list is a ValueError / TypeError on any machine."""
-    if isinstance(devices, (str, int, torch.device)) or not hasattr(devices, "__len__") or len(devices) == 0:
-        raise ValueError(f"devices: expected a non-empty list of this process's CUDA devices, got {devices!r}")
-    devices = list(devices)
-    kinds = []
-    for i, d in enumerate(devices):
-        if isinstance(d, bool):
-            raise TypeError(f"devices[{i}]: expected a CUDA device ordinal or 'cuda:N', got {d!r}")
-        if isinstance(d, int):
-            kinds.append("cuda")
-            continue
-        try:
-            kinds.append(torch.device(d).type)
-        except (RuntimeError, TypeError):
-            raise TypeError(f"devices[{i}]: expected a CUDA device ordinal or 'cuda:N', got {d!r}") from None
-    if len(set(kinds)) > 1:
-        raise ValueError(f"devices: mixes {' and '.join(sorted(set(kinds)))} towers ({[str(d) for d in devices]}); "
-                         "the towers of an nccl communicator are all CUDA devices")
-    if kinds[0] != "cuda":
+    devices = device_list(devices, "devices", "this process's CUDA devices")
+    kind = one_kind(kinds_of(devices, "devices"), devices, "devices",
+                    "the towers of an nccl communicator are all CUDA devices")
+    if kind != "cuda":
         raise ValueError(f"devices[0]: {devices[0]} is not a CUDA device; the nccl backend runs CUDA towers (CPU "
                          "towers: the gloo backend, from_torch_distributed(devices=['cpu'] * n))")
     return devices
@@ -178,24 +168,6 @@ def _process_group(group: Any) -> tuple:
     members = "world" if group is None else ",".join(map(str, dist.get_process_group_ranks(group)))
     return (dist.get_rank(group), dist.get_world_size(group), dist.distributed_c10d._get_default_store(),
             members)
-
-
-def _device_index(d: Any, argname: str) -> int:
-    if isinstance(d, bool):
-        raise TypeError(f"{argname}: expected a CUDA device ordinal or 'cuda:N', got {d!r}")
-    if isinstance(d, int):
-        idx = d
-    else:
-        try:
-            dev = torch.device(d)
-        except (RuntimeError, TypeError):
-            raise TypeError(f"{argname}: expected a CUDA device ordinal or 'cuda:N', got {d!r}") from None
-        if dev.type != "cuda":
-            raise ValueError(f"{argname}: {dev} is not a CUDA device")
-        idx = dev.index if dev.index is not None else torch.cuda.current_device()
-    if not 0 <= idx < torch.cuda.device_count():
-        raise ValueError(f"{argname}: cuda:{idx} does not exist ({torch.cuda.device_count()} visible devices)")
-    return idx
 
 
 class _NcclWork(Work):

@@ -57,6 +57,12 @@ def failed(what: Any, text: str) -> str:
     return f"{what} failed: {text}"
 
 
+def lost(ranks: list, how: str) -> str:
+    """" (rank 2 stopped responding: heartbeat stopped)": the lost ranks, in the words the channel's own
+    errors use too (csrc/transport/shm_channel.cpp)."""
+    return f" (rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} stopped responding: {how})"
+
+
 def unusable(msg: str, noun: str) -> str:
     """The text of the error a call fails with once it has failed its runner."""
     return f"{msg}; the {noun} is unusable now"

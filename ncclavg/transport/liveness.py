@@ -25,6 +25,8 @@ import threading
 import time
 from typing import Any, Callable, List, Optional, Tuple
 
+from . import failure as F
+
 PERIOD_S = 0.5
 DIAGNOSE_S = 2.0
 # Note [Heartbeat keys per group]
@@ -170,4 +172,4 @@ def diagnose(store: Any, rank: int, world: int, key: Callable[[int], str], faile
     lost = found[0]
     if not lost:
         return ""
-    return f" (rank{'s' if len(lost) > 1 else ''} {', '.join(map(str, lost))} stopped responding: heartbeat stopped)"
+    return F.lost(lost, "heartbeat stopped")

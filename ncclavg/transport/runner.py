@@ -48,9 +48,8 @@ from .._ext import _C
 from . import failure as F
 from . import flight
 from .liveness import DIAGNOSE_S
-from .work import JobWork
+from .work import SLACK_S, JobWork
 
-SLACK_S = 1.0      # the scheduling margin of Note [One deadline per call]
 WATCH_S = 0.2      # how often the watchdog looks at the running job
 BACKSTOP_S = WATCH_S + DIAGNOSE_S + SLACK_S   # a channel step's limit past the deadline
 # An asynchronous call of at most ASYNC_INLINE_BYTES runs on the caller's thread when its peers are in it

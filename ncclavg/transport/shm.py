@@ -36,6 +36,7 @@ from typing import Any, Optional
 import torch
 
 from ..buffers import channel_type_code, channel_types
+from . import failure as F
 from .calls import Call
 
 _SETTINGS = {"0": "off", "off": "off", "1": "on", "on": "on", "auto": "auto", "": "auto"}
@@ -95,7 +96,7 @@ def stalled_text(channel: Any) -> str:
     """" (rank 1 stopped responding: ...)" for the rank `channel` waits for now (the same words as the
     channel's own timeout and the heartbeats' diagnosis), or ""."""
     r = channel.waiting_on
-    return f" (rank {r} stopped responding: it has not reached this collective on the channel)" if r >= 0 else ""
+    return F.lost([r], "it has not reached this collective on the channel") if r >= 0 else ""
 
 
 def tag(call: Optional[Call]) -> tuple:

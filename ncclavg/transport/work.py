@@ -27,6 +27,9 @@ except ImportError:   # a torch build without torch.distributed: the public API'
     _TorchWork = object
 
 
+SLACK_S = 1.0   # the scheduling margin of Note [One deadline per call] in runner.py
+
+
 def check_seconds(value: Any, argname: str = "timeout") -> float:
     """A positive finite number of seconds, else a TypeError / ValueError naming `argname`."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -94,8 +97,6 @@ class JobWork(Work):
         seconds = _seconds(timeout)
         if runner is not None and runner.face.wait_fails:   # the public API
             limit = job.timeout if seconds is None else seconds
-            from .runner import SLACK_S
-
             # a job that started has a deadline of its own, and its error names the rank that stopped: let
             # it come first, by SLACK_S at most
             if not job.event.wait(limit) and not job.event.wait(SLACK_S):
