@@ -182,6 +182,14 @@ class Network:
         self.hosts = [Host(h, f"{self.tag}-h{h}", tuple(f"{SUBNET}.{k}.{h + 1}" for k in range(self.nics)))
                       for h in range(self.hosts_n)]
 
+    @property
+    def ip(self) -> str:
+        return tool("ip") or "ip"
+
+    @property
+    def unshare(self) -> str:
+        return tool("unshare") or "unshare"
+
     @staticmethod
     def ifname(nic: int) -> str:
         return f"{PREFIX}n{nic}"
@@ -261,9 +269,9 @@ class Network:
     def netns_exec(self, h: int, hostname: bool = False) -> list[str]:
         """The command prefix that runs inside host h; with `hostname`, in a UTS namespace of its own
         whose hostname is the host's name (MPI tells hosts apart by it)."""
-        cmd = [tool("ip"), "netns", "exec", self.hosts[h].netns]
+        cmd = [self.ip, "netns", "exec", self.hosts[h].netns]
         if hostname:
-            cmd += [tool("unshare") or "unshare", "--uts", "sh", "-c", 'hostname "$0" && exec "$@"',
+            cmd += [self.unshare, "--uts", "sh", "-c", 'hostname "$0" && exec "$@"',
                     self.hosts[h].hostname]
         return cmd
 
