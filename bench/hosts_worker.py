@@ -181,8 +181,8 @@ def measure(side, args: argparse.Namespace) -> dict:
                             "calls_bytes": diff(c1, c0) if counters else None,
                             "syncs_bytes": diff(c2, c1) if counters else None}
         if side.rank == 0:
-            times.sort()
-            print(f"  {args.contender} {nbytes} B: median {times[len(times) // 2] * 1e3:.3f} ms", flush=True)
+            print(f"  {args.contender} {nbytes} B: median {sorted(times)[len(times) // 2] * 1e3:.3f} ms on rank 0",
+                  flush=True)
     return out
 
 
