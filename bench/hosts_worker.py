@@ -6,7 +6,8 @@ Contenders (float32, in place, every rank the same size):
   gloo          dist.all_reduce(x) on a gloo default group (SUM)
   ncclavg       dist.all_reduce(x) on an `ncclavg` default group (SUM): the torch backend
   ncclavg-api   comm.all_reduce_avg([x]), comm = ncclavg.Communicator.from_torch_distributed(devices=["cpu"])
-  mpi           MPI_Allreduce(MPI_IN_PLACE, x, SUM) through mpi4py (numpy buffer)
+  mpi, mpi-tcp  MPI_Allreduce(MPI_IN_PLACE, x, SUM) through mpi4py (numpy buffer); the two differ only
+                in how they are launched (Note [Two Open MPI contenders] in hosts_launch.py)
 Each one's sync is the same call on 2 float32 (8 bytes).
 
 Which NIC a rank's gloo binds (GLOO_SOCKET_IFNAME, set here from --ifnames before the group exists):
@@ -26,6 +27,7 @@ from pathlib import Path
 
 NIC_USES = ("one", "per-rank", "all")
 TORCH_CONTENDERS = ("gloo", "ncclavg", "ncclavg-api")
+MPI_CONTENDERS = ("mpi", "mpi-tcp")
 
 
 def gloo_ifname(ifnames: list[str], nic_use: str, local_rank: int) -> str:
@@ -188,7 +190,7 @@ def measure(side, args: argparse.Namespace) -> dict:
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description="one rank of bench/hosts.py")
-    ap.add_argument("--contender", required=True, choices=(*TORCH_CONTENDERS, "mpi"))
+    ap.add_argument("--contender", required=True, choices=(*TORCH_CONTENDERS, *MPI_CONTENDERS))
     ap.add_argument("--sizes", required=True, type=lambda s: [int(v) for v in s.split(",")])
     ap.add_argument("--calls", type=int, required=True)
     ap.add_argument("--warmup", type=int, default=2)
@@ -202,12 +204,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main() -> None:
     args = parse()
-    side = Mpi(args) if args.contender == "mpi" else Torch(args)
+    side = Mpi(args) if args.contender in MPI_CONTENDERS else Torch(args)
     got = {"rank": side.rank, "host": side.host, "local_rank": side.local_rank, "sizes": measure(side, args)}
     everyone = side.gather(got)
     if side.rank == 0:
         Path(args.result).write_text(json.dumps({"contender": args.contender, "world": side.world,
-                                                 "library": side.library() if args.contender == "mpi" else None,
+                                                 "library": side.library() if args.contender in MPI_CONTENDERS else None,
                                                  "ranks": everyone}))
     side.finish()
 
