@@ -262,8 +262,11 @@ def markdown(payload: dict) -> str:
 
 
 def _interrupt(signum, frame) -> None:
-    """SIGTERM ends the run as Ctrl-C does: through the `finally` blocks that remove the hosts."""
-    raise KeyboardInterrupt(f"signal {signum}")
+    # once: a second Ctrl-C must not cut the removal of the hosts short (SIGKILL still can; the next run
+    # removes what that leaves)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    raise KeyboardInterrupt(signal.Signals(signum).name)
 
 
 def mpi_library(shapes: list[dict]) -> str | None:
@@ -295,7 +298,19 @@ def main(argv: list[str] | None = None) -> int:
     net_mod.clean_leftovers()
     if args.clean:
         return 0
+    # Ctrl-C and SIGTERM end the run through the `finally` blocks that remove the hosts (SIGINT too when
+    # the shell that started us in the background set it to be ignored)
     signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGINT, _interrupt)
+    try:
+        return measure_and_report(args, argv)
+    except KeyboardInterrupt as e:
+        print(f"hosts.py: interrupted ({e or 'Ctrl-C'}); the hosts, delay lines and load are removed",
+              file=sys.stderr)
+        return 130
+
+
+def measure_and_report(args: argparse.Namespace, argv: list[str] | None) -> int:
     mpi_venv = prepare_mpi(args)
     load_tag = net_mod.new_tag()
     busy = launch.start_load(args.load, load_tag)

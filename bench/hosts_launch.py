@@ -19,6 +19,7 @@ pinned (--bind-to none: Note [Pinning the ranks] in mpi_peer_envs.py).
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -161,7 +162,7 @@ def _run_all(cmds: list[list[str]], env: dict, timeout: float, net, echo: bool) 
     failed_at = None
     try:
         for i in reversed(range(len(cmds))):
-            p = subprocess.Popen(cmds[i], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+            p = subprocess.Popen([*die_with_us(), *cmds[i]], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                                  stdin=subprocess.DEVNULL, start_new_session=True)
             procs.append(p)
             outs.append(Echo(p, f"[host {i}] " if len(cmds) > 1 else "", echo))
@@ -192,13 +193,21 @@ def _run_all(cmds: list[list[str]], env: dict, timeout: float, net, echo: bool) 
     return Outcome(False, wall, f"exit {next(rc for rc in bad if rc is not None)}", tail)
 
 
-LOAD_CODE = "import sys\nwhile True: pass"
+LOAD_CODE = "while True: pass"
+
+
+def die_with_us() -> list[str]:
+    """A prefix that makes the command die with this process, even when it is killed (SIGKILL cannot
+    be caught): util-linux's setpriv sets the parent-death signal, which survives the exec of `ip`,
+    `nice` and python. Without setpriv the leftovers are found by their tag (hosts_net.leftovers)."""
+    setpriv = shutil.which("setpriv")
+    return [setpriv, "--pdeathsig", "KILL"] if setpriv else []
 
 
 def start_load(n: int, tag: str) -> list[subprocess.Popen]:
     """n busy processes at the lowest priority (`nice -n 19`), outside the hosts (they take the cores
     the ranks leave, as other jobs of a shared machine do); their command line names the run."""
-    return [subprocess.Popen(["nice", "-n", "19", sys.executable, "-c", LOAD_CODE, f"{tag}-load"],
+    return [subprocess.Popen([*die_with_us(), "nice", "-n", "19", sys.executable, "-c", LOAD_CODE, f"{tag}-load"],
                              stdin=subprocess.DEVNULL) for _ in range(n)]
 
 

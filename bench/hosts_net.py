@@ -313,7 +313,7 @@ class Network:
                 f.stats = json.loads(last[-1])
         self.forwarders_stats = [f.stats for f in self.forwarders]
         self.forwarders = []
-        remove_run(self.tag, [h.netns for h in self.hosts])
+        remove_run(self.tag)
         if self.workdir is not None:
             shutil.rmtree(self.workdir, ignore_errors=True)
             self.workdir = None
@@ -338,37 +338,48 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def tagged_pids(tag: str) -> list[int]:
-    """Processes whose command line names the run `tag` (its delay lines and load processes)."""
-    found = []
+def _cmdlines() -> dict[int, list[str]]:
+    """Every other process's arguments."""
+    got = {}
     for d in Path("/proc").iterdir():
         if not d.name.isdigit() or int(d.name) == os.getpid():
             continue
         try:
-            argv = (d / "cmdline").read_bytes().split(b"\0")
+            got[int(d.name)] = (d / "cmdline").read_bytes().decode(errors="replace").split("\0")
         except OSError:
             continue
-        if any(names_run(tag, a.decode(errors="replace")) for a in argv):
-            found.append(int(d.name))
-    return found
+    return got
 
 
-def remove_run(tag: str, namespaces: list[str]) -> None:
-    """Everything of run `tag`: the processes inside its namespaces, its tagged processes (delay lines:
-    their TUNs go with them; load), the namespaces, their /etc/netns folders, its /dev/shm and /tmp
-    files (Open MPI's shared-memory segments and session folders carry the host's name, which is the
-    namespace's)."""
+def tagged_pids(tag: str) -> list[int]:
+    """Processes whose command line names the run `tag`: its delay lines (--tag), load processes, and
+    ranks (their --result file is in the run's folder)."""
+    return [pid for pid, argv in _cmdlines().items() if any(names_run(tag, a) for a in argv)]
+
+
+def namespaces() -> list[str]:
     ip = tool("ip")
-    for ns in namespaces:
-        r = run([ip, "netns", "pids", ns], check=False) if ip else None
-        if r is not None and r.returncode == 0:
+    if ip is None:
+        return []
+    out = run([ip, "netns", "list"], check=False).stdout
+    return [line.split()[0] for line in out.splitlines() if line.strip()]
+
+
+def remove_run(tag: str) -> None:
+    """Everything of run `tag`: the processes inside its namespaces and those that name it (delay
+    lines: their TUNs go with them; load; ranks), the namespaces, their /etc/netns folders, its files in
+    /dev/shm and /tmp (Open MPI's shared-memory segments carry the host's name, which is the namespace's;
+    the run's folder holds the launches' TMPDIR)."""
+    ip = tool("ip")
+    mine = [ns for ns in namespaces() if names_run(tag, ns)]
+    for ns in mine:
+        r = run([ip, "netns", "pids", ns], check=False)
+        if r.returncode == 0:
             kill_pids([int(p) for p in r.stdout.split()])
     kill_pids(tagged_pids(tag))
-    for ns in namespaces:
-        if ip and (NETNS_DIR / ns).exists():
-            run([ip, "netns", "del", ns], check=False)
-        shutil.rmtree(ETC_NETNS / ns, ignore_errors=True)
-    for base in (Path("/dev/shm"), Path(tempfile.gettempdir())):
+    for ns in mine:
+        run([ip, "netns", "del", ns], check=False)
+    for base in (ETC_NETNS, Path("/dev/shm"), Path(tempfile.gettempdir())):
         try:
             entries = list(base.iterdir())
         except OSError:
@@ -382,26 +393,21 @@ def remove_run(tag: str, namespaces: list[str]) -> None:
         pass
 
 
-RUN_TAG = re.compile(rf"^({PREFIX}(\d+)x\d+)-h\d+$")
+TAG = re.compile(rf"(?<![0-9A-Za-z])({PREFIX}(\d+)x\d+)(?=-|$)")
 
 
-def leftovers() -> dict[str, list[str]]:
-    """Runs that left namespaces behind and whose process is gone: {tag: [namespace, ...]}."""
-    ip = tool("ip")
-    if ip is None:
-        return {}
-    names = [line.split()[0] for line in run([ip, "netns", "list"], check=False).stdout.splitlines() if line.strip()]
-    found: dict[str, list[str]] = {}
-    for name in names:
-        m = RUN_TAG.match(name)
-        if m and not _is_a_hosts_run(int(m.group(2))):
-            found.setdefault(m.group(1), []).append(name)
-    if ETC_NETNS.exists():
-        for d in ETC_NETNS.iterdir():
-            m = RUN_TAG.match(d.name)
-            if m and not _is_a_hosts_run(int(m.group(2))) and d.name not in found.get(m.group(1), []):
-                found.setdefault(m.group(1), []).append(d.name)
-    return found
+def leftovers() -> list[str]:
+    """Tags of runs whose process is gone but which left something: a namespace, an /etc/netns folder,
+    a file in /dev/shm or /tmp, a process that names the run."""
+    names = namespaces()
+    for base in (ETC_NETNS, Path("/dev/shm"), Path(tempfile.gettempdir())):
+        try:
+            names += [p.name for p in base.iterdir()]
+        except OSError:
+            pass
+    names += [a for argv in _cmdlines().values() for a in argv]
+    found = {m.group(1): int(m.group(2)) for n in names for m in TAG.finditer(n)}
+    return sorted(tag for tag, pid in found.items() if pid != os.getpid() and not _is_a_hosts_run(pid))
 
 
 def _is_a_hosts_run(pid: int) -> bool:
@@ -416,7 +422,7 @@ def _is_a_hosts_run(pid: int) -> bool:
 def clean_leftovers(log=sys.stderr) -> list[str]:
     """Removes what killed earlier runs left (leftovers()); returns their tags."""
     found = leftovers()
-    for tag, namespaces in found.items():
-        print(f"removing what an earlier run left: {tag} ({', '.join(namespaces)})", file=log, flush=True)
-        remove_run(tag, namespaces)
-    return list(found)
+    for tag in found:
+        print(f"removing what an earlier run left: {tag}", file=log, flush=True)
+        remove_run(tag)
+    return found
