@@ -135,6 +135,13 @@ def shape_lines(shape: dict, rows: list[dict]) -> list[str]:
                    f"(max {f['late_max_ns'] / 1e3:.0f} us; {f['late_over_50us']} of {f['late_n']} packets over 50 us), "
                    f"{f['cpu_s']:.1f} s CPU in {f['wall_s']:.0f} s, drops "
                    f"{sum(p['drop_queue'] + p['drop_write'] for p in f['ports'])}.")
+    transports = {}
+    for ln in shape["launches"]:
+        t = (ln.get("result") or {}).get("transport")
+        if t and ln["contender"].startswith("ncclavg"):
+            transports[LABELS.get(ln["contender"])] = t
+    if transports:
+        out.append("ncclavg's transport: " + ", ".join(f"{k} {v}" for k, v in transports.items()) + ".")
     out += [""] + table(shape, rows)
     wrong = [r for r in rows if r.get("wrong")]
     if wrong:

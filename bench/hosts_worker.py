@@ -78,6 +78,21 @@ class Torch:
 
             self.comm = ncclavg.Communicator.from_torch_distributed(devices=["cpu"], timeout=args.timeout)
         self.tiny = torch.zeros(2)
+        self.transport = self._transport(args.contender)
+
+    def _transport(self, contender: str) -> str | None:
+        """How ncclavg moves the data between these processes ("shm+gloo": a channel in each host and gloo
+        between them; "gloo": every process alone on its host), as the group or Communicator says."""
+        if self.comm is not None:
+            return getattr(self.comm, "transport", None)
+        if contender != "ncclavg":
+            return "gloo"
+        pg = self.dist.group.WORLD
+        try:
+            backend = pg._get_backend(self.torch.device("cpu"))
+        except (AttributeError, RuntimeError):
+            backend = pg
+        return getattr(backend, "transport", None) or getattr(pg, "transport", None)
 
     def buffer(self, n: int):
         return self.torch.zeros(n)
@@ -124,6 +139,7 @@ class Mpi:
         self.host = args.hostnames.index(socket.gethostname())
         self.tiny = np.zeros(2, dtype=np.float32)
         self.comm = None
+        self.transport = None
 
     def buffer(self, n: int):
         return self.np.zeros(n, dtype=self.np.float32)
@@ -210,6 +226,7 @@ def main() -> None:
     if side.rank == 0:
         Path(args.result).write_text(json.dumps({"contender": args.contender, "world": side.world,
                                                  "library": side.library() if args.contender in MPI_CONTENDERS else None,
+                                                 "transport": side.transport,
                                                  "ranks": everyone}))
     side.finish()
 
