@@ -152,11 +152,15 @@ def check(args: argparse.Namespace) -> None:
 
 
 def measure_link(net, seconds: float) -> dict:
+    """Between host 0 and host 1: one TCP stream per NIC one way (their sum: what one host can send),
+    then one per NIC each way at once (per direction, summed over the NICs), and 50 UDP round trips."""
     r = hosts_tcp.rtt(net, 0, 1, 50)
-    one = hosts_tcp.tcp_ceiling(net, [(0, 1)], seconds)[0]
+    one = hosts_tcp.tcp_ceiling(net, [(0, 1)], seconds)
     both = hosts_tcp.tcp_ceiling(net, [(0, 1), (1, 0)], seconds)
-    return {"tcp_one_way_mbit": one, "tcp_both_ways_mbit": both,
-            "rtt_ms": {"min": min(r) * 1e3, "median": statistics.median(r) * 1e3}, "tbf": net.qdisc(0)}
+    n = net.nics
+    return {"tcp_one_way_mbit": sum(one), "tcp_both_ways_mbit": [sum(both[:n]), sum(both[n:])],
+            "tcp_per_nic_mbit": one, "rtt_ms": {"min": min(r) * 1e3, "median": statistics.median(r) * 1e3},
+            "tbf": net.qdisc(0)}
 
 
 def run_shape(args, shape: tuple[int, int], link, mpi_venv: Path | None) -> dict:

@@ -120,7 +120,9 @@ def shape_lines(shape: dict, rows: list[dict]) -> list[str]:
     link = shape.get("measured", {})
     out = [f"### {shape_title(shape)}", ""]
     if link:
-        out.append(f"Link measured in this run: one TCP stream {link['tcp_one_way_mbit']:.0f} Mbit/s, one each way at "
+        per = "" if len(link.get("tcp_per_nic_mbit", [])) < 2 else \
+            " (" + " + ".join(f"{v:.0f}" for v in link["tcp_per_nic_mbit"]) + ": one stream per NIC)"
+        out.append(f"Link measured in this run: TCP one way {link['tcp_one_way_mbit']:.0f} Mbit/s{per}, each way at "
                    f"once {' / '.join(f'{v:.0f}' for v in link['tcp_both_ways_mbit'])} Mbit/s; UDP round trip "
                    f"min {link['rtt_ms']['min']:.3f} ms, median {link['rtt_ms']['median']:.3f} ms "
                    f"(2 x {shape['link']['delay_ms']:g} ms configured).")

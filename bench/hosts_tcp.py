@@ -125,17 +125,20 @@ def _last_json(proc, timeout: float) -> dict:
     return json.loads(lines[-1])
 
 
-def tcp_ceiling(net, pairs: list[tuple[int, int]], seconds: float = 2.0, port: int = 5201) -> list[float]:
+def tcp_ceiling(net, pairs: list[tuple[int, int]], seconds: float = 2.0, port: int = 5201,
+                nic: int | None = None) -> list[float]:
     """Mbit/s of one TCP stream per (sender host, receiver host) pair, all streams at once, each to the
-    receiver's NIC 0 address (both directions of a link: [(0, 1), (1, 0)])."""
+    receiver's NIC `nic` address (both directions of a link: [(0, 1), (1, 0)]); nic None: every pair
+    once per NIC (the streams of pair i are at i * NICs + k)."""
+    streams = [(src, dst, k) for src, dst in pairs for k in ([nic] if nic is not None else range(net.nics))]
     receivers = []
-    for i, (_, dst) in enumerate(pairs):
-        p = _start(net, dst, "recv", net.hosts[dst].addrs[0], str(port + i))
+    for i, (_, dst, k) in enumerate(streams):
+        p = _start(net, dst, "recv", net.hosts[dst].addrs[k], str(port + i))
         if p.stdout.readline().strip() != "listening":
             raise RuntimeError(f"the TCP receiver in host {dst} did not start: {p.stderr.read()[-2000:]}")
         receivers.append(p)
-    senders = [_start(net, src, "send", net.hosts[dst].addrs[0], str(port + i), str(seconds))
-               for i, (src, dst) in enumerate(pairs)]
+    senders = [_start(net, src, "send", net.hosts[dst].addrs[k], str(port + i), str(seconds))
+               for i, (src, dst, k) in enumerate(streams)]
     for s in senders:
         _last_json(s, seconds + 60)
     got = [_last_json(r, 60) for r in receivers]
