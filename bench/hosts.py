@@ -36,6 +36,7 @@ import datetime
 import json
 import os
 import re
+import shlex
 import signal
 import statistics
 import sys
@@ -329,8 +330,8 @@ def measure_and_report(args: argparse.Namespace, argv: list[str] | None) -> int:
         end = os.getloadavg()
         launch.stop_load(busy)
     m = machine()
-    cmd = "python bench/hosts.py " + " ".join(sys.argv[1:] if argv is None else argv)
-    payload = {"machine": m, "command": cmd.strip(), "note": args.note, "calls": args.calls,
+    cmd = shlex.join(["python", "bench/hosts.py", *(sys.argv[1:] if argv is None else argv)])
+    payload = {"machine": m, "command": cmd, "note": args.note, "calls": args.calls,
                "warmup": args.warmup, "launches": args.launches, "mpi": mpi_library(shapes) or args.mpi_error,
                "load": {"busy": args.load, "start": start, "end": end}, "shapes": shapes}
     text = markdown(payload)

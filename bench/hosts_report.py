@@ -112,7 +112,8 @@ def shape_title(shape: dict) -> str:
     nics = shape.get("nics", 1)
     extra = f", {nics} NICs per host (each {shape['link']['rate_mbit'] / nics:g} Mbit/s, gloo: {shape['nic_use']})" \
         if nics > 1 else ""
-    return (f"{shape['hosts']} hosts x {shape['procs']} processes, {shape['link']['rate_mbit']:g} Mbit/s + "
+    procs = f"{shape['procs']} process" + ("es" if shape["procs"] > 1 else "")
+    return (f"{shape['hosts']} hosts x {procs}, {shape['link']['rate_mbit']:g} Mbit/s + "
             f"{shape['link']['delay_ms']:g} ms{extra}")
 
 

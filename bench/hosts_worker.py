@@ -195,7 +195,7 @@ def measure(side, args: argparse.Namespace) -> dict:
         side.sync()
         c2 = read_counters(args.ifnames) if counters else None
         wrong = side.check(n)
-        out[str(nbytes)] = {"times_s": times, "wrong": wrong,
+        out[str(nbytes)] = {"times_s": [round(t, 7) for t in times], "wrong": wrong,
                             "calls_bytes": diff(c1, c0) if counters else None,
                             "syncs_bytes": diff(c2, c1) if counters else None}
         if side.rank == 0:

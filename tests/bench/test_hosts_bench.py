@@ -5,6 +5,7 @@ tested in test_hosts_net.py."""
 from __future__ import annotations
 
 import json
+import shlex
 import subprocess
 import sys
 import time
@@ -226,6 +227,7 @@ def test_a_tiny_run_writes_its_table_and_json(bench, tmp_path):
     except bench.net_mod.HostsUnavailable as e:
         pytest.skip(f"emulated hosts need network namespaces and TUN devices: {e}")
     argv = ["--shapes", "2x1", "--links", "2500:0.1", "--sizes", "4K,64K", "--calls", "3", "--warmup", "1",
+            "--note", "a test's run",
             "--launches", "1", "--contenders", "gloo,ncclavg,ncclavg-api", "--ceiling-s", "0.5", "--timeout", "180",
             "--out-dir", str(tmp_path), "--tag", "test"]
     r = subprocess.run([sys.executable, str(ROOT / "bench" / "hosts.py"), *argv], capture_output=True, text=True,
@@ -235,10 +237,11 @@ def test_a_tiny_run_writes_its_table_and_json(bench, tmp_path):
     js = list(tmp_path.glob("hosts-*-test.json"))
     assert len(md) == 1 and len(js) == 1
     text = md[0].read_text()
-    assert "Command: `python bench/hosts.py " + " ".join(argv) + "`" in text
-    assert "| 4 KiB |" in text and "| 64 KiB |" in text and "Load: 0 busy" in text
+    command = shlex.join(["python", "bench/hosts.py", *argv])
+    assert f"Command: `{command}`" in text
+    assert "| 4 KiB |" in text and "| 64 KiB |" in text and "Load: 0 busy" in text and "\na test's run\n" in text
     data = json.loads(js[0].read_text())
-    assert data["command"] == "python bench/hosts.py " + " ".join(argv)
+    assert data["command"] == command
     shape = data["shapes"][0]
     assert [ln["contender"] for ln in shape["launches"]] == ["gloo", "ncclavg", "ncclavg-api"]
     assert all(ln.get("result") for ln in shape["launches"]), [ln.get("error") for ln in shape["launches"]]
