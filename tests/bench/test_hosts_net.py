@@ -278,3 +278,53 @@ def test_the_delay_line_refuses_bad_arguments_naming_them(hn, tmp_path):
                        (["--port", "a:b:1.2.3.4"], "--port")):
         r = subprocess.run([str(exe), *args], capture_output=True, text=True, timeout=10)
         assert r.returncode == 2 and word in r.stderr, (args, r.stderr)
+
+
+NIC_PROBE = """
+import os, sys
+import torch, torch.distributed as dist
+from pathlib import Path
+
+def sent(nic):
+    return int(Path(f"/sys/class/net/{nic}/statistics/tx_bytes").read_text())
+
+os.environ["GLOO_SOCKET_IFNAME"] = "nvbhn0"
+dist.init_process_group("gloo")
+os.environ["GLOO_SOCKET_IFNAME"] = "nvbhn1"   # torch reads it when a gloo group is made
+group = dist.new_group(backend="gloo")
+x = torch.zeros(1 << 20)
+for g in (group, None):
+    # a barrier of the same group on each side: a rank's all_reduce returns with its last bytes still
+    # in its NIC's queue (tbf); once the peer has passed the barrier after it, they have crossed
+    dist.barrier(group=g)
+    before = [sent("nvbhn0"), sent("nvbhn1")]
+    dist.all_reduce(x, group=g)
+    dist.barrier(group=g)
+    print("sent", *(a - b for a, b in zip([sent("nvbhn0"), sent("nvbhn1")], before)), flush=True)
+dist.barrier()
+sys.stdout.flush()
+os._exit(0)
+"""
+
+
+@pytest.mark.slow   # ~10 s: a torchrun node in each of two hosts
+def test_each_gloo_group_can_take_its_own_nic(bench, hn, tmp_path):
+    """What docs/bench.md tells code that wants to put its groups on different NICs: set
+    GLOO_SOCKET_IFNAME before making each gloo group."""
+    script = tmp_path / "nic_probe.py"
+    script.write_text(NIC_PROBE)
+    net = up(hn, nics=2)
+    try:
+        cmds = [bench.launch.torchrun_command(net, h, 1, 29690, []) for h in (0, 1)]
+        cmds = [c[:c.index(str(bench.launch.WORKER))] + [str(script)] for c in cmds]
+        procs = [subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                  env=dict(os.environ, OMP_NUM_THREADS="1")) for c in cmds]
+        outs = [p.communicate(timeout=180)[0] for p in procs]
+    finally:
+        net.down()
+    assert [p.returncode for p in procs] == [0, 0], outs
+    for out in outs:
+        (g0, g1), (d0, d1) = [tuple(map(int, line.split()[1:])) for line in out.splitlines() if line.startswith("sent")]
+        # 4 MiB each, 2 ranks: each sends at least half of it, and the other NIC carries no data
+        assert g1 >= 2 << 20 and g0 < 1 << 12, out     # the new group on NIC 1
+        assert d0 >= 2 << 20 and d1 < 1 << 12, out     # the default group on NIC 0
