@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import json
 import shlex
+import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -252,3 +254,38 @@ def test_a_tiny_run_writes_its_table_and_json(bench, tmp_path):
     assert shape["measured"]["tcp_one_way_mbit"] > 0 and shape["measured"]["rtt_ms"]["min"] >= 0.2
     assert data["load"]["busy"] == 0 and len(data["load"]["start"]) == 3
     assert bench.net_mod.leftovers() == []
+
+
+@pytest.mark.slow   # ~15 s: a run interrupted while its first launch runs
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_an_interrupted_run_removes_everything_it_made(bench, tmp_path, sig):
+    hn = bench.net_mod
+    try:
+        hn.preflight()
+    except hn.HostsUnavailable as e:
+        pytest.skip(f"emulated hosts need network namespaces and TUN devices: {e}")
+    run = subprocess.Popen([sys.executable, str(ROOT / "bench" / "hosts.py"), "--shapes", "2x1", "--links", "100:1",
+                            "--sizes", "32M", "--calls", "50", "--launches", "1", "--contenders", "gloo", "--load", "1",
+                            "--ceiling-s", "0.2", "--out-dir", str(tmp_path)],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    prefix = f"{hn.PREFIX}{run.pid}x"
+    try:
+        deadline = time.monotonic() + 120
+        while not any(any("hosts_worker.py" in a for a in argv) and any(prefix in a for a in argv)
+                      for argv in hn._cmdlines().values()):   # a rank of the run (its --result names the run)
+            assert run.poll() is None and time.monotonic() < deadline, run.communicate()[1][-3000:]
+            time.sleep(0.2)
+        time.sleep(1.0)   # the ranks are up and talking
+        run.send_signal(sig)
+        _, err = run.communicate(timeout=60)
+    finally:
+        if run.poll() is None:
+            run.kill()
+            run.wait()
+    assert run.returncode == 130, err[-3000:]
+    assert "interrupted" in err and "launch 0 gloo" not in err   # during the launch (it needs minutes)
+    assert not list(tmp_path.iterdir())                                    # no result files
+    assert [n for n in hn.namespaces() if n.startswith(prefix)] == []
+    assert [p for p, argv in hn._cmdlines().items() if any(prefix in a for a in argv)] == []
+    for base in (hn.ETC_NETNS, Path("/dev/shm"), Path("/tmp")):
+        assert not base.exists() or [p for p in base.iterdir() if p.name.startswith(prefix) or f".{prefix}" in p.name] == []
