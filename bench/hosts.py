@@ -96,7 +96,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--shapes", help="HOSTSxPROCS, comma-separated (default: the plan " + ", ".join(DEFAULT_PLAN) +
                     " when neither --shapes nor --links is given; else 2x2)")
     ap.add_argument("--links", help="RATE_MBIT:DELAY_MS (one-way), comma-separated (default 2500:0.1)")
-    ap.add_argument("--sizes", default=DEFAULT_SIZES, help=f"bytes per rank, comma-separated, K/M suffixes (default {DEFAULT_SIZES})")
+    ap.add_argument("--sizes", default=DEFAULT_SIZES,
+                    help=f"bytes per rank, comma-separated, K/M suffixes (default {DEFAULT_SIZES})")
     ap.add_argument("--calls", type=int, default=12, help="timed calls per size and launch (default 12)")
     ap.add_argument("--warmup", type=int, default=2, help="untimed calls per size and launch (default 2)")
     ap.add_argument("--launches", type=int, default=2, help="launches per contender, alternated (default 2)")
@@ -107,7 +108,8 @@ def parser() -> argparse.ArgumentParser:
                     help="which NIC each rank's gloo binds (bench/hosts_worker.py; default one: NIC 0)")
     ap.add_argument("--mpi-mca", action="append", default=[], metavar="NAME=VALUE",
                     help="an extra Open MPI MCA parameter for every MPI launch (repeatable)")
-    ap.add_argument("--mtu", type=int, default=65535, help="the NICs' MTU (default 65535: Note [Hosts joined by switches])")
+    ap.add_argument("--mtu", type=int, default=65535,
+                    help="the NICs' MTU (default 65535: Note [Hosts joined by switches] in hosts_net.py)")
     ap.add_argument("--load", type=int, default=0, help="busy `nice -n 19` processes beside the job (default 0)")
     ap.add_argument("--no-rt", action="store_true", help="the delay line without SCHED_FIFO")
     ap.add_argument("--ceiling-s", type=float, default=2.0, help="seconds of each TCP ceiling measure (default 2)")

@@ -285,7 +285,8 @@ int main(int argc, char **argv) {
     getrusage(RUSAGE_SELF, &ru);
     double cpu_s = (double)(ru.ru_utime.tv_sec + ru.ru_stime.tv_sec) +
                    (double)(ru.ru_utime.tv_usec + ru.ru_stime.tv_usec) * 1e-6;
-    printf("{\"cpu_s\": %.3f, \"wall_s\": %.3f, \"late_n\": %llu, \"late_mean_ns\": %llu, \"late_max_ns\": %llu, \"late_over_50us\": %llu, "
+    printf("{\"cpu_s\": %.3f, \"wall_s\": %.3f, \"late_n\": %llu, \"late_mean_ns\": %llu, "
+           "\"late_max_ns\": %llu, \"late_over_50us\": %llu, "
            "\"drop_noroute\": %llu, \"sched\": \"%s\", \"ports\": [",
            cpu_s, (double)(now_ns() - t_start) * 1e-9,
            (unsigned long long)late_n, (unsigned long long)(late_n ? late_sum_ns / late_n : 0),

@@ -162,7 +162,8 @@ def _run_all(cmds: list[list[str]], env: dict, timeout: float, net, echo: bool) 
     failed_at = None
     try:
         for i in reversed(range(len(cmds))):
-            p = subprocess.Popen([*die_with_us(), *cmds[i]], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+            p = subprocess.Popen([*die_with_us(), *cmds[i]], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                 text=True, env=env,
                                  stdin=subprocess.DEVNULL, start_new_session=True)
             procs.append(p)
             outs.append(Echo(p, f"[host {i}] " if len(cmds) > 1 else "", echo))

@@ -224,10 +224,9 @@ def main() -> None:
     got = {"rank": side.rank, "host": side.host, "local_rank": side.local_rank, "sizes": measure(side, args)}
     everyone = side.gather(got)
     if side.rank == 0:
-        Path(args.result).write_text(json.dumps({"contender": args.contender, "world": side.world,
-                                                 "library": side.library() if args.contender in MPI_CONTENDERS else None,
-                                                 "transport": side.transport,
-                                                 "ranks": everyone}))
+        library = side.library() if args.contender in MPI_CONTENDERS else None
+        Path(args.result).write_text(json.dumps({"contender": args.contender, "world": side.world, "library": library,
+                                                 "transport": side.transport, "ranks": everyone}))
     side.finish()
 
 

@@ -40,7 +40,8 @@ def refused(bench, capsys, *argv: str) -> str:
     (["--links", "2500:5000"], "--links"), (["--links", ","], "--links"),
     (["--shapes", "2"], "--shapes"), (["--shapes", "1x2"], "--shapes"), (["--shapes", "2x0"], "--shapes"),
     (["--shapes", "10x1"], "--shapes"),
-    (["--sizes", "4X"], "--sizes"), (["--sizes", "6"], "--sizes"), (["--sizes", "2G"], "--sizes"), (["--sizes", ","], "--sizes"),
+    (["--sizes", "4X"], "--sizes"), (["--sizes", "6"], "--sizes"), (["--sizes", "2G"], "--sizes"),
+    (["--sizes", ","], "--sizes"),
     (["--contenders", "nccl"], "--contenders"), (["--contenders", ""], "--contenders"),
     (["--calls", "0"], "--calls"), (["--launches", "0"], "--launches"), (["--warmup", "-1"], "--warmup"),
     (["--load", "-2"], "--load"), (["--nics", "5"], "--nics"), (["--mtu", "100"], "--mtu"),
@@ -53,8 +54,9 @@ def test_bad_arguments_are_refused_naming_the_argument(bench, capsys, argv, name
 
 
 def test_good_arguments_make_the_plan(bench):
-    args = bench.parser().parse_args(["--shapes", "2x2,3x1", "--links", "2500:0.1,1000:0.5", "--sizes", "4K,256KiB,4M,8",
-                                      "--contenders", "ncclavg,gloo,ncclavg", "--mpi-mca", "btl_tcp_links=2"])
+    args = bench.parser().parse_args(["--shapes", "2x2,3x1", "--links", "2500:0.1,1000:0.5",
+                                      "--sizes", "4K,256KiB,4M,8", "--contenders", "ncclavg,gloo,ncclavg",
+                                      "--mpi-mca", "btl_tcp_links=2"])
     bench.check(args)
     assert args.sizes == [4096, 256 << 10, 4 << 20, 8]
     assert args.contenders == ["ncclavg", "gloo"]
@@ -117,8 +119,10 @@ def test_a_call_is_as_slow_as_its_slowest_rank_and_the_median_spans_the_launches
     assert rep.call_samples(a, 4096) == [2.0, 5.0, 3.5]
     shape = {"hosts": 2, "procs": 1, "link": {"rate_mbit": 1000, "delay_ms": 0.5}, "sizes": [4096],
              "contenders": ["gloo", "ncclavg"],
-             "launches": [{"contender": "gloo", "index": 0, "result": a}, {"contender": "ncclavg", "index": 1, "result": b},
-                          {"contender": "gloo", "index": 2, "result": b}, {"contender": "ncclavg", "index": 3, "error": "exit 1"}]}
+             "launches": [{"contender": "gloo", "index": 0, "result": a},
+                          {"contender": "ncclavg", "index": 1, "result": b},
+                          {"contender": "gloo", "index": 2, "result": b},
+                          {"contender": "ncclavg", "index": 3, "error": "exit 1"}]}
     rows = {r["contender"]: r for r in rep.merge(shape, calls=3)}
     g = rows["gloo"]
     assert g["calls"] == 6 and g["launches"] == 2
@@ -289,4 +293,4 @@ def test_an_interrupted_run_removes_everything_it_made(bench, tmp_path, sig):
     assert [n for n in hn.namespaces() if n.startswith(prefix)] == []
     assert [p for p, argv in hn._cmdlines().items() if any(prefix in a for a in argv)] == []
     for base in (hn.ETC_NETNS, Path("/dev/shm"), Path("/tmp")):
-        assert not base.exists() or [p for p in base.iterdir() if p.name.startswith(prefix) or f".{prefix}" in p.name] == []
+        assert not base.exists() or [p for p in base.iterdir() if prefix in p.name] == []
