@@ -191,10 +191,11 @@ def test_three_hosts_meet_through_one_switch_and_counters_name_the_sender(hn, tc
 
 def test_a_full_switch_port_drops_and_tcp_still_delivers(hn, tcp):
     # hosts 0 and 1 both send to host 2 at the line rate: its port gets twice what it can send and a
-    # small buffer, so it drops (the ring wraps and fills); TCP retransmits and both streams finish
-    net = up(hn, hosts=3, rate=100, delay=0.2, queue_bytes=200_000)
+    # buffer of two 64 KiB packets, so it drops (the ring wraps and fills) as soon as both windows hold
+    # more than a packet in flight; TCP retransmits and both streams go on
+    net = up(hn, hosts=3, rate=100, delay=0.2, queue_bytes=150_000)
     try:
-        rates = tcp.tcp_ceiling(net, [(0, 2), (1, 2)], seconds=1.0)
+        rates = tcp.tcp_ceiling(net, [(0, 2), (1, 2)], seconds=1.5)
     finally:
         net.down()
     stats = net.forwarders_stats[0]
