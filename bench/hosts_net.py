@@ -77,10 +77,6 @@ class Link:
     rate_mbit: float
     delay_ms: float
 
-    @property
-    def label(self) -> str:
-        return f"{self.rate_mbit:g} Mbit/s + {self.delay_ms:g} ms"
-
 
 def parse_links(text: str, arg: str = "--links") -> list[Link]:
     """"2500:0.1,1000:0.5" -> [Link(2500, 0.1), Link(1000, 0.5)]: RATE_MBIT:DELAY_MS, comma-separated."""
@@ -311,7 +307,8 @@ class Network:
             last = [x for x in (out or "").splitlines() if x.startswith("{")]
             if last and f.stats is None:
                 f.stats = json.loads(last[-1])
-        self.forwarders_stats = [f.stats for f in self.forwarders]
+        if self.forwarders:   # a second down() keeps the first one's stats
+            self.forwarders_stats = [f.stats for f in self.forwarders]
         self.forwarders = []
         remove_run(self.tag)
         if self.workdir is not None:

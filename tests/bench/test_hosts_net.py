@@ -230,6 +230,7 @@ def test_down_leaves_nothing(hn):
     net.down()
     net.down()                                       # twice is harmless
     assert nothing_left(hn, tag) == []
+    assert len(net.forwarders_stats) == 2 and all(s["drop_noroute"] == 0 for s in net.forwarders_stats)
 
 
 CHILD = """
