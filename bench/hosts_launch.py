@@ -74,7 +74,7 @@ def worker_args(contender: str, args, net, result: Path) -> list[str]:
 
 def base_env(workdir: Path) -> dict:
     """One thread per rank (the ranks share the cores); unbuffered output, so lines come as printed;
-    TMPDIR in the run's folder, so that torchrun's and Open MPI's session files (named by pid, not by
+    TMPDIR in the run's folder, so that torchrun's and Open MPI's scratch folders (named by pid, not by
     the run) go with it, even after a kill (hosts_net.remove_run)."""
     return dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TMPDIR=str(workdir))
 
