@@ -240,7 +240,10 @@ class Network:
         line = proc.stdout.readline()   # "ready sched=..." once every TUN exists
         if not line.startswith("ready"):
             proc.wait(5)
-            raise RuntimeError(f"the delay line of NIC {k} did not start: {proc.stderr.read().strip()}")
+            why = proc.stderr.read().strip()
+            if any(w in why for w in ("/dev/net/tun", "TUNSETIFF", "setns")):   # the kernel said no
+                raise HostsUnavailable(f"the delay line cannot make its TUN devices: {why}")
+            raise RuntimeError(f"the delay line of NIC {k} did not start: {why}")
         fwd.sched = line.split("sched=", 1)[1].strip()
 
     def _configure(self, h: Host) -> None:
