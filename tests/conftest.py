@@ -1,9 +1,10 @@
 """Shared fixtures. Nothing here touches a GPU at import or collection time.
 
-The tests of ncclavg.comm, ncclavg.train and ncclavg.bench live in tests/comm, tests/train and
-tests/bench; the core's tests and the helpers they all share (_gpu.py, _dist_util.py, the rank workers)
-stay here, and this folder is put on sys.path so that every test (and every rank a test spawns, which
-inherits sys.path) can import those helpers by name.
+The tests are grouped like the package: tests/transport, tests/comm, tests/process_group, tests/train and
+tests/bench; the core's tests and the helpers they all share (_gpu.py, _dist_util.py, ...) stay here, and
+the rank workers live beside the tests that run them. This folder and the folders whose workers other
+tests import are put on sys.path, so that every test (and every rank a test spawns, which inherits
+sys.path) can import those helpers by name.
 """
 from __future__ import annotations
 
@@ -12,7 +13,9 @@ import sys
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+_HERE = os.path.dirname(os.path.abspath(__file__))
+for _folder in ("process_group", "transport", ""):   # tests/ first on the path
+    sys.path.insert(0, os.path.join(_HERE, _folder) if _folder else _HERE)
 
 from ncclavg import _C
 

@@ -1,4 +1,4 @@
-"""Bodies of tests/comm/test_async_inline.py: asynchronous collectives that run on the caller's thread
+"""Bodies of tests/transport/test_async_inline.py: asynchronous collectives that run on the caller's thread
 when their peers are already in them (Note [An asynchronous call whose peers wait] in
 csrc/transport/shm_channel.cpp), through the torch backend and through the public API."""
 import datetime

@@ -7,7 +7,7 @@ No GPU here, so this is a stand-in: it drives the hook's CUDA route (`_cuda_aver
 over two gloo ranks, and records the group that every torch.distributed collective of the route is
 handed. The route has nothing device-specific but that group; the engine's CPU half (the channel) stands
 in for its NCCL half. It cannot show NCCL's own arithmetic or stream order; on a GPU,
-tests/comm/test_torch_backend_gpu.py runs the hook over CUDA tensors.
+tests/process_group/test_torch_backend_gpu.py runs the hook over CUDA tensors.
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Bodies of tests/comm/test_backend_device_table.py: the `ncclavg` backend's device table (Note [The device
+"""Bodies of tests/process_group/test_backend_device_table.py: the `ncclavg` backend's device table (Note [The device
 table] in ncclavg/process_group/device_table.py), on a machine without CUDA: tensors that say they are
 CUDA tensors, and an inner NCCL group that records what it is asked."""
 import torch

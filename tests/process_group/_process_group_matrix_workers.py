@@ -1,4 +1,4 @@
-"""Bodies of the `ncclavg` backend's matrix tests (tests/comm/test_backend_matrix.py): every collective x
+"""Bodies of the `ncclavg` backend's matrix tests (tests/process_group/test_backend_matrix.py): every collective x
 every dtype x every op the docs list, (a) called alike on every rank, against a wide reference computed
 here from every rank's input (Python integers for integer dtypes, float64 for floating ones), and (b)
 with one rank making another call: an error on every rank, naming both calls, well within the timeout.

@@ -16,7 +16,7 @@ from _transport_shm_util import channel_name, left_behind, run
 
 from ncclavg import _C
 
-TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HERE = os.path.dirname(os.path.abspath(__file__))   # the channel's workers live beside this file
 SLOT = 64 << 10
 needs_root_unshare = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None,
                                         reason="needs root and unshare (a new pid namespace)")
@@ -57,7 +57,7 @@ def test_another_user_is_refused_from_a_private_checkout(tmp_path):
     shutil.copy(os.path.join(os.path.dirname(os.path.dirname(ncclavg.__file__)), "_ncclavg_autoload.py"), home)
     (home / "tests").mkdir()
     for name in ("_transport_shm_misuse_workers.py", "_transport_shm_workers.py", "_transport_shm_util.py"):
-        shutil.copy(os.path.join(TESTS, name), home / "tests" / name)
+        shutil.copy(os.path.join(HERE, name), home / "tests" / name)
     site = os.path.dirname(os.path.dirname(torch.__file__))   # torch and numpy, readable by everyone
     code = (f"import sys; sys.path[:0] = [{str(home)!r}, {str(home / 'tests')!r}]; sys.path.append({site!r})\n"
             "import _transport_shm_misuse_workers as w\nfrom _transport_shm_util import run\n"
@@ -111,7 +111,7 @@ def test_a_waiting_rank_sleeps():
 @needs_root_unshare
 def test_a_reused_pid_is_not_taken_for_the_peer():
     proc = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", sys.executable,
-                           os.path.join(TESTS, "_transport_shm_pid_reuse.py"), channel_name()],
+                           os.path.join(HERE, "_transport_shm_pid_reuse.py"), channel_name()],
                           capture_output=True, text=True, timeout=180)
     line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT")), None)
     assert line is not None, proc.stdout + proc.stderr
@@ -138,7 +138,7 @@ def test_a_job_in_another_pid_namespace_leaves_this_one_alone():
     try:
         assert q.get(timeout=60)[1] == "ready"
         other = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-c",
-                                f"import sys; sys.path.insert(0, {TESTS!r}); import _transport_shm_misuse_workers as w; "
+                                f"import sys; sys.path.insert(0, {HERE!r}); import _transport_shm_misuse_workers as w; "
                                 f"w.namespace_job({channel_name()!r}, {SLOT})"],
                                capture_output=True, text=True, timeout=120)
         assert "JOB [(0, [3.0, 3.0, 3.0]), (1, [3.0, 3.0, 3.0])]" in other.stdout, other.stdout + other.stderr

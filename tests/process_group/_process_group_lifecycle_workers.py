@@ -1,4 +1,4 @@
-"""Bodies of tests/comm/test_backend_lifecycle.py: groups with the same members used from several threads
+"""Bodies of tests/process_group/test_backend_lifecycle.py: groups with the same members used from several threads
 at once, tensors that require grad, ncclavg's Communicator over a group of the `ncclavg` backend, and
 communicators built and closed again and again (nothing may stay mapped or grow)."""
 import datetime

@@ -1,4 +1,4 @@
-"""Bodies of tests/comm/test_backend_fast.py: the `ncclavg` backend's fast path for a synchronous
+"""Bodies of tests/process_group/test_backend_fast.py: the `ncclavg` backend's fast path for a synchronous
 all_reduce (Note [The backend's fast path] in ncclavg/process_group/fast_path.py) against the general path."""
 import datetime
 import gc
