@@ -74,6 +74,8 @@ class MetricsLogger(Callback):
 
 
 class ProgressCallback(Callback):
+    """A tqdm bar per epoch (ProgressBar); each stays on screen with its epoch's figures."""
+
     def __init__(self, enabled: bool = True, stream: Any = None):
         self.bar = ProgressBar(enabled=enabled, stream=stream)
 
@@ -85,7 +87,7 @@ class ProgressCallback(Callback):
         self.bar.update(record.get("loss"), record.get("accuracy"), record.get("samples_per_s"))
 
     def on_epoch_end(self, trainer: Any, record: dict) -> None:
-        self.bar.close()
+        self.bar.finish(record)
 
     def on_fit_end(self, trainer: Any, history: Sequence[dict]) -> None:
         self.bar.close()

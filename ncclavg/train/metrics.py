@@ -123,6 +123,18 @@ class ProgressBar:
         self._bar.set_postfix(post, refresh=False)
         self._bar.update(1)
 
+    def finish(self, record: dict) -> None:
+        """Leaves the epoch's bar on screen with the epoch's figures: its means, the test accuracy."""
+        if self._bar is None:
+            return
+        post = {}
+        for key, label, fmt in (("loss", "loss", ".4f"), ("accuracy", "acc", ".3f"),
+                                ("val_accuracy", "test_acc", ".3f"), ("samples_per_s", "samples/s", ".0f")):
+            if record.get(key) is not None:
+                post[label] = format(record[key], fmt)
+        self._bar.set_postfix(post, refresh=True)
+        self.close()
+
     def close(self) -> None:
         if self._bar is not None:
             self._bar.close()

@@ -50,8 +50,8 @@ from .fit import FitLoop
 from .metrics import PHASES, StepTimes
 from .schedules import LRSchedule, ScheduleSpec, make_schedule, replan, schedule_name
 from .state import seed_everything
-from .towers import (TowerRunner, build_towers, default_devices, model_signature, parse_devices,
-                     split_sizes, trainable_parameters, unpack_batch)
+from .towers import (TowerRunner, apply_tower_threads, build_towers, default_devices, model_signature,
+                     parse_devices, split_sizes, tower_threads, trainable_parameters, unpack_batch)
 from .trainer_state import TrainerState
 
 # Importable from here too, for callers that know them from this module; fit.py and trainer_state.py
@@ -92,7 +92,10 @@ def _accuracy_counts(out: Any, y: Any) -> torch.Tensor | None:
 class TowerTrainer(FitLoop, TrainerState):
     """Data-parallel training over towers: this process's `devices`, and under torchrun (or given `comm`)
     the towers of every process; see Note [Towers of several processes] in distributed.py. `timeout`
-    (seconds, default NCCLAVG_TIMEOUT or 600) bounds every wait on another process. See the module
+    (seconds, default NCCLAVG_TIMEOUT or 600) bounds every wait on another process. `threads`: torch's
+    intra-op threads, set for the process when the trainer is built (default: the cores shared out over
+    the CPU towers of this host; GPU towers leave torch's setting alone): Note [Threads of CPU towers]
+    in towers.py. See the module
     docstring and docs/architecture.md. fit() comes from FitLoop (fit.py); state_dict, save, restore
     and load from TrainerState (trainer_state.py)."""
 
@@ -104,7 +107,7 @@ class TowerTrainer(FitLoop, TrainerState):
                  first_bucket_mb: float = 1.0, loss_fn: Callable | None = None, concurrent: bool = True,
                  overlap: bool = True, init_loss_scale: float = 2.0 ** 16, on_nonfinite: str = "skip",
                  replan_schedule: bool = True, comm: Any = None, timeout: float | None = None,
-                 shard_master: bool = False):
+                 shard_master: bool = False, threads: int | None = None):
         # Validate everything before touching the model: a bad argument leaves it as it was.
         if not isinstance(model, nn.Module):
             raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
@@ -113,6 +116,7 @@ class TowerTrainer(FitLoop, TrainerState):
             raise ValueError(f"model: {type(model).__name__} has no trainable parameters (none with "
                              "requires_grad=True); there is nothing to train")
         devs = default_devices() if devices is None else parse_devices(devices)
+        tower_threads(devs, threads)   # checked here, applied once everything is: Note [Threads of CPU towers]
         if not isinstance(optimizer, str) or optimizer.lower() not in OPTIMIZERS:
             raise ValueError(f"optimizer: must be one of {', '.join(OPTIMIZERS)}, got {optimizer!r}")
         optimizer = optimizer.lower()
@@ -199,6 +203,8 @@ class TowerTrainer(FitLoop, TrainerState):
         self.nonfinite_steps = 0   # steps skipped for an inf/NaN gradient (fp16 overflows included)
         opt = OptimConfig(optimizer, lr, weight_decay, momentum, bool(nesterov), betas, eps)
 
+        # Before the tower threads first compute: See Note [Threads of CPU towers] in towers.py.
+        self.threads = apply_tower_threads(devs, threads)
         seed_everything(seed, devs)
         if self.processes > 1:   # every process starts from rank 0's weights and buffers
             self.comm.broadcast_tensors(list(model.parameters()) + list(model.buffers()))
@@ -269,7 +275,7 @@ class TowerTrainer(FitLoop, TrainerState):
                 "devices": [str(d) for d in self.devices], "master": self.master,
                 "optimizer": self.config["optimizer"], "amp": self.amp, "params": self.plan.param_numel,
                 "buckets": len(self.plan.buckets), "bucket_bytes": self.plan.total_bytes,
-                "concurrent": self.runner.concurrent,
+                "concurrent": self.runner.concurrent, "threads": self.threads,
                 # between the processes: "shm", "shm+gloo", "gloo" or "nccl"; None with one process
                 "transport": getattr(self.comm, "transport", self.comm.backend) if self.comm is not None else None}
 
