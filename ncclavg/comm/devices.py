@@ -1,4 +1,6 @@
 """Tower devices from what users write: 'cpu', 'cuda', 'cuda:N', N (a GPU ordinal) or a torch.device.
+'cpu:0' is torch's other spelling of 'cpu'; 'cpu:N' past it is refused (there is one CPU device: CPU
+towers are replicas that share it).
 
 One parser for the local communicator's `device` and the trainer's `devices[i]`, so that both accept the
 same spellings and their errors name the argument in the same words. It is split in two because the
@@ -34,6 +36,9 @@ def device_of(value: Any, name: str) -> torch.device:
     else:
         raise TypeError(f"{name}: expected {_SPELLINGS}, got {type(value).__name__}")
     if dev.type == "cpu":
+        if dev.index not in (None, 0):   # torch names one CPU device; an index past it means nothing here
+            raise ValueError(f"{name}: {dev} is not a device: CPU towers all run on the one 'cpu' (also spelled "
+                             "'cpu:0'); give 'cpu' once per tower, e.g. ['cpu', 'cpu'] or --devices cpu,cpu")
         return torch.device("cpu")
     if dev.type != "cuda":
         raise ValueError(f"{name}: {dev} is not supported; towers run on 'cpu' or 'cuda:N'")

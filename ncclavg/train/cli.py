@@ -288,7 +288,8 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _asked(epochs: int, max_steps: int | None) -> str:
-    return f"{epochs} epochs" + (f" or {max_steps} steps" if max_steps is not None else "")
+    return (f"{epochs} epoch{'s' if epochs != 1 else ''}" +
+            (f" or {max_steps} step{'s' if max_steps != 1 else ''}" if max_steps is not None else ""))
 
 
 class _OutputsReport(Callback):

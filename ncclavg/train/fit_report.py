@@ -55,7 +55,8 @@ class FitSummary:
 
 
 class FitHistory(list):
-    """What fit() returns: the epoch records (a list, as before), with the run's `summary` (FitSummary)."""
+    """What fit() returns: the epoch records (a list, as before), with the run's `summary` (FitSummary; None
+    when the fit had nothing left to train)."""
 
     def __init__(self, records: Sequence[dict], summary: FitSummary | None = None):
         super().__init__(records)

@@ -41,6 +41,8 @@ def test_cpu_device_is_the_default_backend(device):
     (-1, ValueError, "device: a GPU ordinal must be >= 0"),
     ("gpu0", ValueError, "device: unknown device 'gpu0'"),
     ("meta", ValueError, "device: meta is not supported"),
+    ("cpu:1", ValueError, "device: cpu:1 is not a device: CPU towers all run on the one 'cpu'"),
+    (torch.device("cpu", 2), ValueError, "device: cpu:2 is not a device"),
 ])
 def test_bad_device_names_the_argument(device, exc, match):
     with pytest.raises(exc, match=match):
