@@ -58,8 +58,9 @@ def present_cuda_device(dev: torch.device, name: str) -> torch.device:
     or a ValueError naming `name` when torch sees no GPU or not that one."""
     count = cuda_count()
     if count == 0:
-        raise ValueError(f"{name}: {dev} needs a CUDA device, but torch.cuda.is_available() is False or sees none (torch "
-                         f"{torch.__version__}, CUDA build: {torch.version.cuda or 'no'})")
+        from ..info import torch_no_gpu_reason   # Note [Saying why there is no GPU] in ncclavg/info.py
+
+        raise ValueError(f"{name}: {dev} needs a GPU, and torch sees none: {torch_no_gpu_reason()}")
     index = torch.cuda.current_device() if dev.index is None else dev.index
     if index >= count:
         raise ValueError(f"{name}: cuda:{index} does not exist ({count} visible CUDA device(s))")

@@ -168,3 +168,24 @@ class EpochPrinter(Callback):
         if record.get("samples_per_s"):
             parts.append(f"{record['samples_per_s']:.0f} samples/s")
         print("  ".join(parts), file=self.stream if self.stream is not None else sys.stdout, flush=True)
+
+
+class OutputsReport(Callback):
+    """`ncclavg train`'s lines saying where the metrics, checkpoints and plot went, once they are written
+    (its last callback, so they come just before fit's summary line)."""
+
+    def __init__(self, say: Any, metrics: Any, saver: Any, plot: Any, checkpoint_dir: str | None):
+        self.say, self.metrics, self.saver, self.plot, self.checkpoint_dir = say, metrics, saver, plot, checkpoint_dir
+
+    def on_fit_end(self, trainer: Any, history: Any) -> None:
+        say = self.say
+        say(f"metrics: {os.path.abspath(self.metrics.path)}" if self.metrics else
+            "metrics: not written (pass --metrics FILE)")
+        if self.saver:
+            say(f"checkpoints: {os.path.abspath(self.checkpoint_dir)} (latest: {self.saver.last_path})")
+        else:
+            say("checkpoints: not written (pass --checkpoint-dir DIR)")
+        if self.plot and trainer.history:
+            say(f"plot: {os.path.abspath(self.plot.path)}")
+        else:
+            say("plot: not written (pass --plot [FILE])" if not self.plot else "plot: not written (no completed epoch)")

@@ -15,8 +15,6 @@ import sys
 from typing import Any
 
 from ..errors import UsageError
-from .callbacks import Callback
-from .fit_report import nothing_left
 
 DEFAULTS = {
     "epochs": 10, "batch_size": 64, "optimizer": "adamw", "lr_schedule": "cosine", "weight_decay": 0.0,
@@ -180,9 +178,10 @@ def run(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     from . import checkpoint as ckpt
-    from .callbacks import CheckpointCallback, MetricsLogger, PlotCallback
+    from .callbacks import CheckpointCallback, MetricsLogger, OutputsReport, PlotCallback
     from .data import TensorLoader
     from .distributed import check_same_start
+    from .fit_report import nothing_left
     from .models import build_model
     from .trainer import TowerTrainer
 
@@ -278,7 +277,7 @@ def _run(args: argparse.Namespace) -> int:
     say(note if note else f"lr schedule: {trainer.schedule!r}")
     sys.stdout.flush()
 
-    outputs = _OutputsReport(say, metrics, saver, plot, args.checkpoint_dir)
+    outputs = OutputsReport(say, metrics, saver, plot, args.checkpoint_dir)
     # --progress: the bar; --no-progress: epoch lines; neither: the bar on a terminal, else epoch lines.
     # fit() ends with the summary line (Note [Progress of fit] in fit_report.py), after `outputs`.
     progress = None if args.progress is None else ("bar" if args.progress else "lines")
@@ -290,27 +289,6 @@ def _run(args: argparse.Namespace) -> int:
 def _asked(epochs: int, max_steps: int | None) -> str:
     return (f"{epochs} epoch{'s' if epochs != 1 else ''}" +
             (f" or {max_steps} step{'s' if max_steps != 1 else ''}" if max_steps is not None else ""))
-
-
-class _OutputsReport(Callback):
-    """Says where the metrics, checkpoints and plot went, once they are written (the last callback of
-    fit, so just before its summary line)."""
-
-    def __init__(self, say: Any, metrics: Any, saver: Any, plot: Any, checkpoint_dir: str | None):
-        self.say, self.metrics, self.saver, self.plot, self.checkpoint_dir = say, metrics, saver, plot, checkpoint_dir
-
-    def on_fit_end(self, trainer: Any, history: Any) -> None:
-        say = self.say
-        say(f"metrics: {os.path.abspath(self.metrics.path)}" if self.metrics else
-            "metrics: not written (pass --metrics FILE)")
-        if self.saver:
-            say(f"checkpoints: {os.path.abspath(self.checkpoint_dir)} (latest: {self.saver.last_path})")
-        else:
-            say("checkpoints: not written (pass --checkpoint-dir DIR)")
-        if self.plot and trainer.history:
-            say(f"plot: {os.path.abspath(self.plot.path)}")
-        else:
-            say("plot: not written (pass --plot [FILE])" if not self.plot else "plot: not written (no completed epoch)")
 
 
 def _finish(trainer: Any) -> int:

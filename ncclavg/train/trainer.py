@@ -160,8 +160,8 @@ class TowerTrainer(FitLoop, TrainerState):
             from .._ext import cuda_built
 
             if not cuda_built():
-                raise ValueError(f"devices: {devs[0]} needs ncclavg built with CUDA (NCCLAVG_CUDA=1); this "
-                                 "build is CPU only")
+                raise ValueError(f"devices: {devs[0]} needs ncclavg's CUDA build, and this ncclavg has none "
+                                 "(built CPU-only; rebuild with NCCLAVG_CUDA=1, see docs/building.md)")
 
         # See Note [Towers of several processes]; building it is a collective when there are several.
         process_comm = processes_communicator(comm, devs, timeout)
