@@ -44,7 +44,7 @@ import torch
 from torch import nn
 
 from .amp import DynamicLossScale, autocast_context, normalise_amp
-from .distributed import processes_communicator
+from .distributed import check_replicas_agree, processes_communicator
 from .engines import CpuMasterEngine, DeviceMasterEngine, OptimConfig
 from .fit import FitLoop
 from .metrics import PHASES, StepTimes
@@ -422,7 +422,7 @@ class TowerTrainer(FitLoop, TrainerState):
         stats = self._sum_results(live) if reduced or not in_backward else None
         info = self.engine.step(lr, loss_scale, self.grad_clip, times)
         if self.processes > 1 and self.comm.debug:
-            self._check_replicas_agree()
+            check_replicas_agree(self.comm, self.tower_params[0], self.step)
         if info["skipped"]:
             self._nonfinite_step(info, results, loss_scale)
         if self.scaler is not None:
@@ -445,26 +445,6 @@ class TowerTrainer(FitLoop, TrainerState):
         for k in PHASES:
             acc["t_" + k] += times.times[k]
         return record
-
-    def _check_replicas_agree(self) -> None:
-        """NCCLAVG_DEBUG=1 with several processes: after every step, tower 0 of every process must hold
-        bit for bit the same weights (Note [Towers of several processes]); a fingerprint of them is
-        compared across the processes, and a difference raises CollectiveMismatchError naming the ranks."""
-        import hashlib
-
-        from ..errors import CollectiveMismatchError
-
-        h = hashlib.blake2b(digest_size=16)
-        for p in self.tower_params[0]:
-            h.update(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
-        prints = self.comm.allgather_object(h.hexdigest())
-        if len(set(prints)) > 1:
-            groups: dict = {}
-            for r, fp in enumerate(prints):
-                groups.setdefault(fp, []).append(r)
-            raise CollectiveMismatchError(
-                f"step {self.step + 1}: the processes' weights differ after the update (NCCLAVG_DEBUG=1): ranks "
-                + "; ".join(", ".join(map(str, rs)) for rs in groups.values()) + " agree among themselves only")
 
     def _nonfinite_step(self, info: dict, results: list, loss_scale: float | None) -> None:
         """A step the engine skipped for an inf/NaN gradient: count it, log where it came from, or raise.
