@@ -5,8 +5,9 @@ Note [Threads of CPU towers]
 Each tower runs its forward and backward in a thread of its own (TowerRunner), and torch gives every
 thread that computes an intra-op pool of torch.get_num_threads() threads: by default one per core. T CPU
 towers in each of P processes of a host then run T * P * cores busy threads on `cores` cores, and they
-preempt each other: the README's 2 towers on 2 cores took 1.2 to 13 s per run with torch's default,
-0.8 to 1.2 s with one thread each. So a trainer with CPU towers sets torch's intra-op threads to
+preempt each other: fits of the README's example (2 towers, 2 cores) took 2.8 to 10 s with torch's
+default against 3.0 to 5.7 s with one thread per tower, alternated on a busy machine (load average 5 to
+9), and the spread grows with the load. So a trainer with CPU towers sets torch's intra-op threads to
 
     max(1, cores of this process // (its CPU towers * processes on this host))
 
