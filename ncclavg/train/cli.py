@@ -36,7 +36,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     g.add_argument("--towers", type=int, help="towers of this process (default: all GPUs, else 2 CPU towers; "
                    "under torchrun: the GPU of LOCAL_RANK, else 2 CPU towers per process)")
     g.add_argument("--devices", help="comma-separated tower devices of this process, e.g. cpu,cpu or "
-                   "cuda:0,cuda:1 or 0,1")
+                   "cuda:0,cuda:1 or 0,1 ('cpu' once per CPU tower: there is one CPU device)")
     g.add_argument("--master", choices=("cpu", "device"),
                    help="where the optimizer runs: fp32 master weights on the CPU (default) or on each device "
                         "(the default for GPU towers under torchrun)")
@@ -62,7 +62,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                         "ignore (no check, one pass less)")
     t.add_argument("--seed", type=int, help="seed of the model init, data split and shuffling (default 0)")
     t.add_argument("--max-steps", type=int, help="stop after this many optimizer steps in total")
-    t.add_argument("--threads", type=int, help="torch intra-op threads (default: cores / CPU towers)")
+    t.add_argument("--threads", type=int, help="torch intra-op threads (default for CPU towers: cores / (CPU towers x "
+                   "torchrun processes on this host), as TowerTrainer does)")
     d = p.add_argument_group("data")
     d.add_argument("--synthetic", action="store_true", help="random Gaussian-cluster data instead of digits")
     d.add_argument("--synthetic-samples", type=int, help="samples of synthetic data (default 8192)")
@@ -71,17 +72,21 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     o.add_argument("--checkpoint-dir", help="save a checkpoint here after every epoch (keeps the newest two)")
     o.add_argument("--checkpoint-every", type=int, help="epochs between checkpoints (default 1)")
     o.add_argument("--keep", type=int, help="complete checkpoints to keep (default 2)")
-    o.add_argument("--resume", metavar="PATH", help="checkpoint file, or a directory: its newest complete one. "
-                   "With another --epochs (or --lr) than the saved run, a named lr schedule is planned again "
-                   "over the new total from the step reached (cosine keeps decaying to 0 at the new end)")
+    o.add_argument("--resume", metavar="PATH", help="checkpoint file, or a directory: its newest complete one, "
+                   "on its CPU towers unless --towers / --devices say otherwise. With another --epochs (or --lr) "
+                   "than the saved run, a named lr schedule is planned again over the new total from the step "
+                   "reached (cosine keeps decaying to 0 at the new end); a checkpoint at --epochs already says "
+                   "there is nothing to train")
     o.add_argument("--keep-schedule", action="store_true", default=None,
                    help="with --resume: keep the saved lr schedule as it was planned, even past its end")
     o.add_argument("--metrics", metavar="FILE", help="write metrics as JSON lines to FILE")
     o.add_argument("--plot", metavar="FILE", nargs="?", const=DEFAULT_PLOT,
                    help=f"PNG of loss and accuracy per epoch (default file {DEFAULT_PLOT})")
     o.add_argument("--progress", dest="progress", action="store_true", default=None,
-                   help="show a progress bar (default: when stderr is a terminal)")
-    o.add_argument("--no-progress", dest="progress", action="store_false")
+                   help="a progress bar per epoch on stderr (default: when stderr is a terminal, else one line "
+                        "per epoch)")
+    o.add_argument("--no-progress", dest="progress", action="store_false",
+                   help="one line per epoch on stdout, never a bar")
     p.set_defaults(func=run)
     return p
 
