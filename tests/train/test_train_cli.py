@@ -163,3 +163,20 @@ def test_default_run_reaches_95_percent(tmp_path):
     assert float(s["acc"]) >= 0.95, proc.stdout
     assert s["towers"] == "2" and s["devices"] == "cpu,cpu" and int(s["epochs"]) >= 1
     assert os.listdir(tmp_path) == []  # no output files unless asked for
+
+
+def test_a_gpu_device_without_a_driver_says_so(capsys, monkeypatch):
+    """No NVIDIA driver: said as such, with torch's CUDA build named as torch's (Note [Saying why there is
+    no GPU] in ncclavg/info.py), not as the CUDA runtime's 'driver version is insufficient'."""
+    import torch
+
+    from ncclavg import info
+
+    monkeypatch.setattr(info, "nvidia_driver_evidence", lambda: "")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main(["train", "--devices", "cuda:0", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert ("--devices: devices[0]: cuda:0 needs a GPU, and torch sees none: no NVIDIA driver on this machine "
+            "(no /proc/driver/nvidia, libcuda.so.1 does not load), so no GPU") in err
+    assert "torch's CUDA build: " in err or torch.version.cuda, err
+    assert "insufficient" not in err
