@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     loads = [x["load_1m_after"] for rs in runs.values() for x in rs]
     result = {
         "bench": "newcomer", "date": date, "machine": machine(),
-        "command": "python bench/newcomer.py" + " ".join(a for a in [""] + (argv if argv is not None else sys.argv[1:])),
+        "command": " ".join(["python bench/newcomer.py", *(argv if argv is not None else sys.argv[1:])]),
         "contenders": {name: " ".join(cmd[1:]) if name == "cli" else "python snippet.py (README.md, "
                        "'For a trainer author')" for name, cmd in contenders.items()},
         "load_1m": {"before": load_before, "min": min(loads), "max": max(loads)},

@@ -53,12 +53,14 @@ class FitLoop:
             if not isinstance(cb, Callback):
                 raise TypeError(f"callbacks[{i}]: expected an ncclavg.train.callbacks.Callback, got {type(cb).__name__}")
         mode = progress_mode(progress, self.is_main)
-        done = nothing_left(self, epochs, max_steps)
+        resumable = all(hasattr(loader, a) for a in ("state_dict", "load_state_dict", "epoch"))
+        # the epoch the loop below starts from: a resumable loader's (as restored from a checkpoint) or ours
+        start = (dict(self._data_state or {}).get("epoch", loader.epoch) if resumable else self.epoch)
+        done = nothing_left(self, epochs, max_steps, int(start))
         if done is not None:   # every process decides alike: the same checkpoint, the same arguments
             self._say(f"nothing to train: {done}; fit() returns without a step", mode)
             return FitHistory(self.history)
         callbacks = reporters(mode) + list(callbacks)
-        resumable = all(hasattr(loader, a) for a in ("state_dict", "load_state_dict", "epoch"))
         if resumable and self._data_state is not None:
             loader.load_state_dict(self._data_state)
         self._data_state = None

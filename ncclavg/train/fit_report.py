@@ -94,13 +94,15 @@ def show_summary(summary: FitSummary, mode: str | None) -> None:
     log.info("%s", summary.line())
 
 
-def nothing_left(trainer: Any, epochs: int, max_steps: int | None) -> str | None:
+def nothing_left(trainer: Any, epochs: int, max_steps: int | None, epoch: int | None = None) -> str | None:
     """Why a fit of `epochs` epochs in total (and `max_steps` steps) has nothing to train, in facts both
-    fit() and `ncclavg train` word for their callers; None when there is something to train."""
+    fit() and `ncclavg train` word for their callers; None when there is something to train. `epoch`:
+    the epoch the fit would start in (fit's loop follows a resumable loader's), default the trainer's."""
+    epoch = trainer.epoch if epoch is None else epoch
     if max_steps is not None and trainer.step >= max_steps:
         return f"step {trainer.step} reached, max_steps is {max_steps}"
-    if trainer.epoch >= epochs:
-        return f"epoch {trainer.epoch} reached (step {trainer.step}), epochs is {epochs}"
+    if epoch >= epochs:
+        return f"epoch {epoch} reached (step {trainer.step}), epochs is {epochs}"
     return None
 
 

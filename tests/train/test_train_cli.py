@@ -117,7 +117,8 @@ def test_bf16_run(capsys):
     (["--towers", "4", "--batch-size", "3"], r"--batch-size: 3 is smaller than the number of towers \(4\)"),
     (["--devices", ""], r"--devices: devices: the list is empty"),
     (["--devices", "cpu,tpu:1"], r"devices\[1\]: unknown device 'tpu:1'"),
-    (["--devices", "cpu:1,cpu"], r"--devices: devices\[0\]: cpu:1 is not a device: CPU towers all run on the one 'cpu'"),
+    (["--devices", "cpu:1,cpu"], r"--devices: devices\[0\]: cpu:1 is not a device: CPU towers all run on the one "
+                                 r"'cpu'"),
     (["--devices", "cpu,cpu", "--towers", "3"], "--towers: 3 does not match"),
     (["--towers", "0"], "--towers: must be >= 1"),
     (["--epochs", "0"], "--epochs: must be >= 1"),
