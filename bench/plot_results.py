@@ -1,8 +1,9 @@
 """The figures and tables of docs/performance.md, made from the committed results in bench/results/.
 
 Every number on that page comes from here: each question has one table of ratios and one figure, both
-computed from the results files named in SOURCES (their markdown tables, which every results file has;
-some have no JSON). Nothing is measured here.
+computed from the results files named in SOURCES: their markdown tables (every results file has one;
+some have no JSON), or the JSON beside them where it holds the unrounded medians. Nothing is measured
+here.
 
     python bench/plot_results.py            # writes docs/figures/*.png and prints the tables
     python bench/plot_results.py --tables   # the tables only (no matplotlib needed)
@@ -14,6 +15,7 @@ table below is in docs/performance.md as printed here and that every figure ther
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import sys
 from pathlib import Path
@@ -83,17 +85,33 @@ def md(header: list[str], rows: list[list[str]], right_from: int = 1) -> str:
 
 # ---------------------------------------------------------------- the questions
 def one_host_data() -> dict[int, list[dict]]:
-    """P -> [{size, mpi: best MPI time / ncclavg's, mpi_name, gloo: gloo time / ncclavg's}] (public API)."""
+    """P -> [{size, mpi: best MPI time / ncclavg's, mpi_name, gloo: gloo time / ncclavg's}] (public API),
+    from the JSON next to each markdown source (its unrounded medians)."""
     out: dict[int, list[dict]] = {}
     for name in SOURCES["one_host"]:
-        for r in table_with(name, "ncclavg us"):
-            ours = number(r["ncclavg us"])
-            mpis = {c: number(r[c]) for c in MPI_COLUMNS if number(r.get(c, "-")) is not None}
-            best = min(mpis, key=mpis.get)
-            out.setdefault(int(r["P"]), []).append({
-                "size": r["size"], "bytes": size_bytes(r["size"]), "mpi": mpis[best] / ours,
-                "mpi_name": best[:-len(" us")], "gloo": number(r["gloo us"]) / ours})
+        doc = json.loads((RESULTS / name).with_suffix(".json").read_text())
+        # "MPICH 4" + "MPICH Version: 4.1.2" -> "MPICH 4.1.2"
+        labels = {p["peer"]: f"{re.sub(r' [0-9]+$', '', p['label'])} {mpi_version(p['mpi'])}" for p in doc["peers"]}
+        for r in doc["merged"]:
+            ours = r["time_us"]["ncclavg"]
+            out.setdefault(int(r["procs"]), []).append({
+                "size": human(r["size_bytes"]), "bytes": r["size_bytes"],
+                "mpi": r["mpi_us"][r["best_mpi"]] / ours, "mpi_name": labels[r["best_mpi"]],
+                "gloo": r["time_us"]["torch gloo"] / ours})
     return out
+
+
+def mpi_version(text: str) -> str:
+    """The version in an MPI_Get_library_version line: 'Open MPI v5.0.11, ...' -> 5.0.11."""
+    m = re.search(r"v?(\d+\.\d+(?:\.\d+)?)", text)
+    return m.group(1) if m else ""
+
+
+def human(n: int) -> str:
+    for unit in ("MiB", "KiB"):
+        if n >= UNITS[unit] and n % UNITS[unit] == 0:
+            return f"{n // UNITS[unit]} {unit}"
+    return f"{n} B"
 
 
 def one_host_table() -> str:
@@ -113,13 +131,13 @@ TORCH_SIZES = ("8 B", "64 KiB", "16 MiB")
 
 
 def torch_face_data() -> dict[str, list[dict]]:
-    """collective -> [{size, gloo: torch gloo time / torch ncclavg's, api: torch ncclavg time / public API's}]."""
+    """collective -> [{size, gloo: torch gloo time / torch ncclavg's, api: torch ncclavg time / public API's}],
+    from the file's own ratio columns (computed from its unrounded times)."""
     out: dict[str, list[dict]] = {}
-    for r in table_with(SOURCES["torch_face"][0], "torch ncclavg us"):
-        ours = number(r["torch ncclavg us"])
+    for r in table_with(SOURCES["torch_face"][0], "ncclavg/API"):
+        ours, gloo = number(r["ncclavg/API"]), number(r["gloo/API"])
         out.setdefault(r["collective"], []).append({
-            "size": r["size"], "bytes": size_bytes(r["size"]), "gloo": number(r["torch gloo us"]) / ours,
-            "api": ours / number(r["public API us"])})
+            "size": r["size"], "bytes": size_bytes(r["size"]), "gloo": gloo / ours, "api": ours})
     return out
 
 
