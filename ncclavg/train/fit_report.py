@@ -33,8 +33,9 @@ class FitSummary:
 
     test_accuracy: on the eval loader after the last step (None without one, or for a task without class
     targets); epochs: epochs completed in total (a resumed trainer counts the saved ones); samples_per_s:
-    training samples per second of step time (evaluation excluded); wall_s: the fit's wall time (the
-    command's, for `ncclavg train`); processes, towers (of every process), devices (this process's)."""
+    training samples per second of step time (evaluation excluded); wall_s: the fit's wall time, its
+    evaluations included (not the imports, data loading or model building before it); processes, towers
+    (of every process), devices (this process's)."""
     test_accuracy: float | None
     epochs: int
     samples_per_s: float
