@@ -10,19 +10,8 @@ in-tree backend build_backend/ncclavg_build.py puts it in the isolated build env
 visible; it is printed as one line and recorded next to the extension (ncclavg/_build.json) for
 `ncclavg info`. NCCL is never needed at build time: it is loaded at run time (csrc/cuda/nccl_api.cpp).
 
-Note [Telling pip users about a CPU-only build]
-pip runs the build backend with stdout and stderr on one pipe and logs what comes out at its VERBOSE
-level (pip/_internal/utils/subprocess.py, call_subprocess with show_stdout=False): without -v nothing
-the build prints reaches the user unless the build fails. What does reach the user is a UserWarning
-raised inside the backend's hook: pip's runner (pyproject_hooks' _in_process.py, "captured_warnings")
-records it and pip 26 logs it as a BuildBackendWarning, at WARNING level when the source is a local
-directory (`pip install .`) and at DEBUG level otherwise (an sdist from an index), and older pips not
-at all. So a CPU-only decision under NCCLAVG_CUDA=auto is printed (the -v log), raised as a warning
-when the runner forwards warnings, and, when the warning will not be shown and stdout is not a
-terminal, written to the controlling terminal (/dev/tty), which the backend still shares with an
-interactive `pip install`. In CI (no terminal, an old pip, an sdist) it is in the -v log only; at run
-time `ncclavg info` says the same on a machine with an NVIDIA driver (ncclavg/info.py).
-NCCLAVG_CUDA=0 is a choice, so it is not announced.
+The decision line reaches pip's users without -v: Note [Telling pip users about the build] in
+build_backend/build_messages.py.
 
 Environment: NCCLAVG_CUDA, NCCLAVG_CUDA_ARCHS ("80;90" by default; PTX for the newest is added),
 CUDA_HOME, NCCLAVG_CUDA_MAJOR (pypi: 13), NCCLAVG_CXXFLAGS / NCCLAVG_LDFLAGS (extra flags, e.g.
@@ -37,8 +26,6 @@ import shutil
 import subprocess
 import sys
 import sysconfig
-import tempfile
-import warnings
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -48,6 +35,7 @@ from setuptools.command.build_ext import build_ext
 
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT / "build_backend"))
+from build_messages import BuildDecision, CpuOnlyBuild, tell_user  # noqa: E402
 from ncclavg_build import PYPI_TOOLKIT, pypi_major, pypi_toolkit_requirements  # noqa: E402
 VERSION = re.search(r'__version__ = "([^"]+)"', (ROOT / "ncclavg" / "_version.py").read_text()).group(1)
 
@@ -161,7 +149,7 @@ def decide_cuda():
 
 CPU_ONLY_HELP = """\
 ncclavg build: NOTE: this build is CPU-only, because {why}.
-  The nccl backend and GPU tensors will not be available (`ncclavg info` says "CUDA built  no").
+  The nccl backend and GPU tensors will not be available (`ncclavg info` says "ncclavg's CUDA build  none").
   For the CUDA part, either
     - install a binary wheel that has it: pip install ncclavg-cu13
     - or build from source with NVIDIA's CUDA toolkit from PyPI (no system toolkit needed):
@@ -169,41 +157,6 @@ ncclavg build: NOTE: this build is CPU-only, because {why}.
       or with a system toolkit: NCCLAVG_CUDA=1 CUDA_HOME=/path/to/cuda pip install ...
       (--no-cache-dir: pip would otherwise reuse the CPU-only wheel it built and cached from the sdist)
   NCCLAVG_CUDA=0 builds CPU-only without this note."""
-
-
-class CpuOnlyBuild(UserWarning):
-    pass
-
-
-def frontend_forwards_warnings():
-    """True under a PEP 517 runner that hands the backend's UserWarnings to the frontend."""
-    main = getattr(sys.modules.get("__main__"), "__file__", None) or ""
-    try:
-        return main.endswith("_in_process.py") and "captured_warnings" in Path(main).read_text()
-    except OSError:
-        return False
-
-
-def building_a_local_directory():
-    """False when pip unpacked an sdist into its temporary directory (pip-install-*, pip-req-build-*)."""
-    cwd = os.path.realpath(os.getcwd())
-    return not (cwd.startswith(os.path.realpath(tempfile.gettempdir())) and "/pip-" in cwd)
-
-
-def tell_user(text):
-    """Makes `text` visible through pip's capture. See Note [Telling pip users about a CPU-only build]."""
-    print(text, flush=True)
-    if frontend_forwards_warnings():
-        warnings.warn(text, CpuOnlyBuild, stacklevel=1)
-        if building_a_local_directory():
-            return  # pip shows it at WARNING level
-    try:
-        if sys.stdout.isatty():
-            return
-        with open("/dev/tty", "w") as tty:
-            tty.write("\n" + text + "\n")
-    except OSError:  # no controlling terminal (CI, nohup): the -v log and `ncclavg info` remain
-        pass
 
 
 def sources(sub, *patterns):
@@ -245,12 +198,12 @@ class BuildExt(build_ext):
                 where = f"from PyPI (nvidia-cuda-nvcc {pypi_nvcc_version()} in the build environment)"
             decision = (f"ncclavg build: CUDA=yes (nvcc {nvcc_version(cuda['nvcc'])} {where}, "
                         f"archs {';'.join(cuda['archs'])} + PTX {cuda['archs'][-1]}, cudart static)")
-            print(decision, flush=True)
+            tell_user(decision, BuildDecision)
         else:
             decision = f"ncclavg build: CUDA=no ({why_not}); CPU core only"
             print(decision, flush=True)
             if mode == "auto":
-                tell_user(CPU_ONLY_HELP.format(why=why_not))
+                tell_user(CPU_ONLY_HELP.format(why=why_not), CpuOnlyBuild)
 
         include = [str(ROOT / "csrc"), *ext.include_dirs, sysconfig.get_paths()["include"]]
         defines = [f'-DNCCLAVG_VERSION="{VERSION}"']

@@ -50,6 +50,71 @@ CPU_ONLY_HINT = ("this machine has an NVIDIA driver ({evidence}) but this ncclav
                  "toolkit (NCCLAVG_CUDA=1 CUDA_HOME=/path/to/cuda pip install ...); see docs/building.md")
 
 
+NO_DRIVER = "no NVIDIA driver on this machine (no /proc/driver/nvidia, libcuda.so.1 does not load), so no GPU"
+
+
+def no_gpu_reason(core: dict | None = None) -> str:
+    """Why ncclavg finds no GPU here, in the words of what is true on this machine ("" when its CUDA
+    runtime sees one). See Note [Saying why there is no GPU]."""
+    core = dict(_C.core_info()) if core is None else core
+    if core.get("device_count", 0):
+        return ""
+    evidence = nvidia_driver_evidence()
+    if not evidence:
+        return NO_DRIVER
+    if not core.get("cuda"):
+        return f"an NVIDIA driver is here ({evidence}), but ncclavg's CUDA build is none (CPU-only)"
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    hidden = f", CUDA_VISIBLE_DEVICES={visible!r}" if visible is not None else ""
+    return (f"an NVIDIA driver is here ({evidence}{hidden}) but no GPU is usable: "
+            f"{core.get('driver_error') or 'the CUDA runtime reports no device'}")
+
+
+def torch_cuda_build() -> str:
+    """"torch's CUDA build: 13.0", "... none (torch 2.13.0+cpu)", or that torch is not importable.
+
+    Note [Saying why there is no GPU]
+    Two CUDA builds meet in a process and either can be missing: torch's (torch.version.cuda; a +cpu
+    wheel has none) and ncclavg's (its compiled CUDA part; `ncclavg info`'s "ncclavg's CUDA build").
+    Messages name them apart, as "torch's CUDA build" and "ncclavg's CUDA build", never "CUDA build"
+    alone. Where there is no GPU they say the machine's state: the CUDA runtime's own error for a missing
+    libcuda is cudaErrorInsufficientDriver ("CUDA driver version is insufficient"), which on a machine
+    with no NVIDIA driver at all is not what is true; so when neither the kernel module's /proc entry nor
+    libcuda.so.1 is there, the words are "no NVIDIA driver ..., so no GPU", and the runtime's error is
+    kept for a driver that is there but does not work (too old, no device, hidden devices)."""
+    try:
+        import torch
+    except Exception:   # not installed, or broken
+        return "torch is not importable"
+    build = getattr(torch.version, "cuda", None)
+    return f"torch's CUDA build: {build}" if build else f"torch's CUDA build: none (torch {torch.__version__})"
+
+
+def torch_no_gpu_reason() -> str:
+    """Why torch.cuda sees no GPU here: no driver, torch's CUDA build being none, or the driver's own
+    error, whichever are true (joined by '; '). See Note [Saying why there is no GPU]."""
+    parts = []
+    evidence = nvidia_driver_evidence()
+    if not evidence:
+        parts.append(NO_DRIVER)
+    if not _torch_cuda_version():
+        parts.append(torch_cuda_build())
+    if not parts:
+        core = dict(_C.core_info())
+        err = core.get("driver_error") if core.get("cuda") else ""
+        parts.append(f"an NVIDIA driver is here ({evidence}) but torch.cuda.is_available() is False"
+                     + (f" ({err})" if err else ""))
+    return "; ".join(parts)
+
+
+def _torch_cuda_version() -> str | None:
+    try:
+        import torch
+    except Exception:
+        return None
+    return getattr(torch.version, "cuda", None)
+
+
 def cuda_hint(cuda_built: bool) -> str:
     """What to do to get the CUDA half, when it is missing and a driver is there; "" otherwise."""
     if cuda_built:
@@ -69,6 +134,7 @@ def build_info() -> dict:
         "cuda_runtime": _cuda_version_string(core.get("cuda_runtime_version", 0)),
         "driver": _cuda_version_string(core.get("driver_version", 0)),
         "driver_error": core.get("driver_error", ""),
+        "no_gpu_reason": no_gpu_reason(core),
         "device_count": core.get("device_count", 0),
         "devices": [f"{n} (sm_{c.replace('.', '')})" for n, c in
                     zip(core.get("device_names", []), core.get("device_capabilities", []))],
@@ -83,10 +149,15 @@ def build_info() -> dict:
         "python": platform.python_version(),
         "platform": platform.platform(),
         "torch": _module_version("torch"),
+        "torch_cuda": _torch_cuda_version(),
         "cupy": _module_version("cupy"),
         "numpy": _module_version("numpy"),
     }
     return info
+
+
+LABEL_WIDTH = len("ncclavg's CUDA build")   # the longest label of format_info's rows
+CONTINUED = "\n" + " " * (LABEL_WIDTH + 2)   # a value's next line, under its first
 
 
 def format_info(info: dict) -> str:
@@ -94,13 +165,15 @@ def format_info(info: dict) -> str:
     nccl = info["nccl"]
     if not info["cuda"]:
         reason = info.get("build", {}).get("reason", "")
-        cuda_line = f"no (CPU-only build{': ' + reason if reason else ''})"
+        cuda_line = f"none (built CPU-only{': ' + reason if reason else ''})"
         if info.get("cuda_hint"):
-            cuda_line += "\n" + " " * 16 + info["cuda_hint"]
+            cuda_line += CONTINUED + info["cuda_hint"]
     else:
         cuda_line = f"yes, archs {';'.join(info['cuda_archs'])}, runtime {info['cuda_runtime']}"
-    if not info["cuda"]:
-        driver_line = "n/a (CPU-only build)"
+    if info.get("no_gpu_reason") == NO_DRIVER:   # See Note [Saying why there is no GPU]
+        driver_line = "none: " + NO_DRIVER
+    elif not info["cuda"]:
+        driver_line = "n/a (ncclavg's CUDA build is none)"
     elif info["driver"]:
         driver_line = info["driver"] + (f" ({info['driver_error']})" if info["driver_error"] else "")
     else:
@@ -109,14 +182,14 @@ def format_info(info: dict) -> str:
         nccl_line = f"{nccl['version']} from {nccl['path']} ({nccl['source']})"
     else:
         # First line: what to install; then one indented line per place that was tried.
-        nccl_line = "not found: " + "\n                ".join(
+        nccl_line = "not found: " + CONTINUED.join(
             line.strip() for line in nccl["error"].splitlines() if line.strip())
     simd = info["simd_level"]
     if simd != info["simd_best_supported"]:
         simd += f" (forced; best supported {info['simd_best_supported']})"
     rows = [
         ("ncclavg", info["version"]),
-        ("CUDA built", cuda_line),
+        ("ncclavg's CUDA build", cuda_line),
         ("CUDA driver", driver_line),
         ("devices", f"{info['device_count']}" + (": " + ", ".join(info["devices"]) if info["devices"] else "")),
         ("NCCL", nccl_line),
@@ -124,12 +197,12 @@ def format_info(info: dict) -> str:
         ("OpenMP threads", str(info["openmp_threads"])),
         ("compiler", info["compiler"]),
         ("python", f"{info['python']} on {info['platform']}"),
-        ("torch", info["torch"] or "not importable"),
+        ("torch", f"{info['torch']} (torch's CUDA build: {info.get('torch_cuda') or 'none'})" if info["torch"]
+         else "not importable"),
         ("cupy", info["cupy"] or "not importable"),
         ("numpy", info["numpy"] or "not importable"),
     ]
-    width = max(len(k) for k, _ in rows)
-    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+    return "\n".join(f"{k:<{LABEL_WIDTH}}  {v}" for k, v in rows)
 
 
 def env_overrides() -> dict:

@@ -10,14 +10,14 @@ from ncclavg.train import callbacks
 if (os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0"
         and os.environ.get("RANK") == os.environ.get("ELASTIC_VICTIM_RANK")):
     kill_step = int(os.environ["ELASTIC_KILL_STEP"])
-    original = callbacks.ProgressCallback.on_step_end
+    original = callbacks.CheckpointCallback.on_step_end
 
-    def on_step_end(self, trainer, record):   # every process has a ProgressCallback (it prints on rank 0)
+    def on_step_end(self, trainer, record):   # every process has one: --checkpoint-dir (rank 0 writes)
         if trainer.step == kill_step:
             os.kill(os.getpid(), signal.SIGKILL)
         original(self, trainer, record)
 
-    callbacks.ProgressCallback.on_step_end = on_step_end
+    callbacks.CheckpointCallback.on_step_end = on_step_end
 
 from ncclavg.cli import main  # noqa: E402
 

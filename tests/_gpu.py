@@ -11,13 +11,15 @@ from ncclavg import _ext
 
 def require_cuda(min_devices: int = 1):
     """torch with CUDA and >= min_devices devices, or skip. Returns the torch module."""
+    from ncclavg.info import no_gpu_reason, torch_no_gpu_reason
+
     if not ncclavg.cuda_built():
-        pytest.skip("this build of ncclavg has no CUDA part (NCCLAVG_CUDA=0 or no toolkit at build time)")
+        pytest.skip("ncclavg's CUDA build is none (NCCLAVG_CUDA=0 or no toolkit at build time)")
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
-        pytest.skip("no CUDA device visible to torch")
+        pytest.skip("torch sees no GPU: " + torch_no_gpu_reason())
     if not ncclavg.cuda_available():
-        pytest.skip("ncclavg's CUDA runtime sees no device: " + str(ncclavg.build_info().get("driver_error")))
+        pytest.skip("ncclavg sees no GPU: " + no_gpu_reason())
     n = torch.cuda.device_count()
     if n < min_devices:
         pytest.skip(f"needs {min_devices} CUDA devices, {n} visible")

@@ -30,8 +30,10 @@ def _has_cuda_device() -> bool:
 def pytest_collection_modifyitems(config, items):
     if _has_cuda_device():
         return
-    reason = ("no CUDA device: " + str(_C.core_info().get("driver_error") or "CPU-only build")
-              if _C.core_info()["cuda"] else "no CUDA device: this build of ncclavg is CPU-only")
+    from ncclavg.info import no_gpu_reason   # words that are true here: Note [Saying why there is no GPU]
+
+    reason = (no_gpu_reason() if _C.core_info()["cuda"] else
+              "ncclavg's CUDA build is none (CPU-only)" + (f"; and {no_gpu_reason()}" if no_gpu_reason() else ""))
     skip = pytest.mark.skip(reason=reason)
     for item in items:
         if "gpu" in item.keywords:

@@ -62,6 +62,56 @@ def test_cpu_only_note_reaches_the_terminal_when_output_is_captured(tmp_path):
     assert "this build is CPU-only" in log.read_text()                   # and the captured log has it too
 
 
+def _messages(monkeypatch, forwards: bool, local: bool):
+    monkeypatch.syspath_prepend(str(ROOT / "build_backend"))
+    import build_messages
+    monkeypatch.setattr(build_messages, "frontend_forwards_warnings", lambda: forwards)
+    monkeypatch.setattr(build_messages, "building_a_local_directory", lambda: local)
+    return build_messages
+
+
+DECISION = "ncclavg build: CUDA=yes (nvcc 13.0 at /usr/local/cuda, archs 80;90 + PTX 90, cudart static)"
+
+
+def test_the_decision_is_one_warning_line_as_pip_writes_it(monkeypatch, tmp_path, capsys):
+    """Under pip's PEP 517 runner the decision goes out as a warning that pip writes with
+    warnings.formatwarning: one line, with no source line after it, in any working directory (Note
+    [Telling pip users about the build])."""
+    import warnings
+
+    msgs = _messages(monkeypatch, forwards=True, local=True)
+    (tmp_path / "setup.py").write_text("print('a line of some other setup.py')\n")
+    monkeypatch.chdir(tmp_path)   # where pip runs: a setup.py there must not be quoted
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")
+        msgs.tell_user(DECISION, msgs.BuildDecision)
+    assert capsys.readouterr().out == DECISION + "\n"   # the -v log
+    assert len(caught) == 1 and caught[0].category is msgs.BuildDecision
+    w = caught[0]
+
+    class BuildBackendWarning(UserWarning):   # the category pip gives every forwarded warning
+        pass
+
+    shown = warnings.formatwarning(str(w.message), BuildBackendWarning, w.filename, w.lineno, None)
+    assert shown == f"setup.py:0: BuildBackendWarning: {DECISION}\n"
+
+
+def test_the_cuda_decision_reaches_the_terminal_when_output_is_captured(tmp_path):
+    """With a toolkit here: the CUDA=yes line also reaches a terminal when the build's output is piped."""
+    from shutil import which
+    if not which("script") or not (which("nvcc") or os.environ.get("CUDA_HOME")):
+        pytest.skip("needs util-linux `script` and a CUDA toolkit")
+    log = tmp_path / "captured.log"
+    inner = (f"cd {ROOT} && {sys.executable} setup.py -q build_ext --build-temp {tmp_path / 't'} "
+             f"--build-lib {tmp_path / 'l'} > {log} 2>&1")
+    env = {**os.environ, "NCCLAVG_CUDA": "1", "NCCLAVG_CXXFLAGS": "-fno-such-flag"}
+    r = subprocess.run(["script", "-qec", inner, "/dev/null"], capture_output=True, text=True, timeout=600,
+                       env=env, stdin=subprocess.DEVNULL)
+    shown = [ln for ln in r.stdout.splitlines() if "ncclavg build: CUDA=" in ln]
+    assert len(shown) == 1 and "CUDA=yes (nvcc " in shown[0], r.stdout + r.stderr
+    assert "ncclavg build: CUDA=yes (nvcc " in log.read_text()
+
+
 def test_explicit_cpu_build_is_not_announced(tmp_path):
     r = _build(tmp_path, NCCLAVG_CUDA="0", NCCLAVG_CXXFLAGS="-fno-such-flag")
     assert "CUDA=no (NCCLAVG_CUDA=0)" in r.stdout + r.stderr

@@ -39,7 +39,8 @@ def test_build_info_keys_and_types():
 def test_cli_info_text_and_json():
     r = _run("info")
     assert r.returncode == 0, r.stderr
-    for label in ("ncclavg", "CUDA built", "CUDA driver", "devices", "NCCL", "SIMD", "OpenMP threads"):
+    for label in ("ncclavg", "ncclavg's CUDA build", "CUDA driver", "devices", "NCCL", "SIMD", "OpenMP threads",
+                  "torch's CUDA build"):
         assert label in r.stdout
     r = _run("info", "--json")
     assert r.returncode == 0, r.stderr
@@ -95,20 +96,22 @@ build_parser().parse_args(["train", "--epochs", "1"])
 import contextlib, io
 with contextlib.redirect_stdout(io.StringIO()) as out:
     assert main(["info"]) == 0
-assert "torch           not importable" in out.getvalue(), out.getvalue()
+assert ["torch", "not importable"] in [ln.split(None, 1) for ln in out.getvalue().splitlines()], out.getvalue()
 print("ok")
 """
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
 
 
-def _fake_core(monkeypatch, cuda, evidence):
-    """build_info() of a core that reports `cuda`, on a machine whose driver check says `evidence`."""
+def _fake_core(monkeypatch, cuda, evidence, **core_fields):
+    """build_info() of a core that reports `cuda` (and `core_fields`), on a machine whose driver check says
+    `evidence`."""
     from types import SimpleNamespace
     from ncclavg import info as info_mod
     real = info_mod._C
     core = dict(real.core_info())
     core.update(cuda=cuda, cuda_archs="80;90" if cuda else "", cuda_runtime_version=13000 if cuda else 0)
+    core.update(core_fields)
     monkeypatch.setattr(info_mod, "_C", SimpleNamespace(core_info=lambda: core,
                                                         simd_levels_supported=real.simd_levels_supported))
     monkeypatch.setattr(info_mod, "nvidia_driver_evidence", lambda: evidence)
@@ -137,3 +140,47 @@ def test_build_record_matches_the_core():
     if not rec:
         pytest.skip("core built before setup.py kept a build record")
     assert rec["cuda"] == info["cuda"] and rec["decision"].startswith("ncclavg build: CUDA=")
+
+
+INSUFFICIENT = "cudaErrorInsufficientDriver: CUDA driver version is insufficient for CUDA runtime version"
+
+
+def test_no_driver_is_said_as_such_not_as_an_old_driver(monkeypatch):
+    """nvcc at build time, no NVIDIA driver here: the CUDA runtime's error for a missing libcuda says the
+    driver is too old; info says there is none (Note [Saying why there is no GPU])."""
+    info_mod = _fake_core(monkeypatch, cuda=True, evidence="", device_count=0, driver_version=0,
+                          driver_error=INSUFFICIENT)
+    info = info_mod.build_info()
+    assert info["no_gpu_reason"] == info_mod.NO_DRIVER
+    text = info_mod.format_info(info)
+    assert "CUDA driver           none: no NVIDIA driver on this machine" in text and "insufficient" not in text
+    assert "ncclavg's CUDA build  yes, archs 80;90" in text
+
+
+def test_a_driver_that_does_not_work_keeps_the_runtimes_words(monkeypatch):
+    info_mod = _fake_core(monkeypatch, cuda=True, evidence="/proc/driver/nvidia exists", device_count=0,
+                          driver_version=0, driver_error=INSUFFICIENT)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    reason = info_mod.build_info()["no_gpu_reason"]
+    assert reason == ("an NVIDIA driver is here (/proc/driver/nvidia exists, CUDA_VISIBLE_DEVICES='') but no GPU is "
+                      "usable: " + INSUFFICIENT)
+    assert "not usable: " + INSUFFICIENT in info_mod.format_info(info_mod.build_info())
+    info_mod = _fake_core(monkeypatch, cuda=True, evidence="libcuda.so.1 loads", device_count=1)
+    assert info_mod.no_gpu_reason() == ""
+
+
+def test_torchs_cuda_build_is_named_apart(monkeypatch):
+    torch = pytest.importorskip("torch")
+    from ncclavg import info as info_mod
+
+    monkeypatch.setattr(info_mod, "nvidia_driver_evidence", lambda: "")
+    monkeypatch.setattr(torch.version, "cuda", None)
+    assert info_mod.torch_no_gpu_reason() == (info_mod.NO_DRIVER + f"; torch's CUDA build: none (torch "
+                                              f"{torch.__version__})")
+    assert "(torch's CUDA build: none)" in info_mod.format_info(info_mod.build_info())
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    assert info_mod.torch_cuda_build() == "torch's CUDA build: 13.0"
+    assert info_mod.torch_no_gpu_reason() == info_mod.NO_DRIVER
+    monkeypatch.setattr(info_mod, "nvidia_driver_evidence", lambda: "libcuda.so.1 loads")
+    assert info_mod.torch_no_gpu_reason().startswith("an NVIDIA driver is here (libcuda.so.1 loads) but "
+                                                     "torch.cuda.is_available() is False")

@@ -1,4 +1,6 @@
 """Tower devices from what users write: 'cpu', 'cuda', 'cuda:N', N (a GPU ordinal) or a torch.device.
+'cpu:0' is torch's other spelling of 'cpu'; 'cpu:N' past it is refused (there is one CPU device: CPU
+towers are replicas that share it).
 
 The one parser of the package's device arguments: the local communicator's `device`, the trainer's
 `devices[i]`, from_torch_distributed's `devices`, the nccl backend's `devices` and `device`, so that all
@@ -42,6 +44,9 @@ def device_of(value: Any, name: str, cuda_only: bool = False) -> torch.device:
     if cuda_only and dev.type != "cuda":
         raise ValueError(f"{name}: {dev} is not a CUDA device")
     if dev.type == "cpu":
+        if dev.index not in (None, 0):   # torch names one CPU device; an index past it means nothing here
+            raise ValueError(f"{name}: {dev} is not a device: CPU towers all run on the one 'cpu' (also spelled "
+                             "'cpu:0'); give 'cpu' once per tower, e.g. ['cpu', 'cpu'] or --devices cpu,cpu")
         return torch.device("cpu")
     if dev.type != "cuda":
         raise ValueError(f"{name}: {dev} is not supported; towers run on 'cpu' or 'cuda:N'")
@@ -94,8 +99,9 @@ def present_cuda_device(dev: torch.device, name: str) -> torch.device:
     or a ValueError naming `name` when torch sees no GPU or not that one."""
     count = cuda_count()
     if count == 0:
-        raise ValueError(f"{name}: {dev} needs a CUDA device, but torch.cuda.is_available() is False or sees none (torch "
-                         f"{torch.__version__}, CUDA build: {torch.version.cuda or 'no'})")
+        from ..info import torch_no_gpu_reason   # Note [Saying why there is no GPU] in ncclavg/info.py
+
+        raise ValueError(f"{name}: {dev} needs a GPU, and torch sees none: {torch_no_gpu_reason()}")
     index = torch.cuda.current_device() if dev.index is None else dev.index
     if index >= count:
         raise ValueError(f"{name}: cuda:{index} does not exist ({count} visible CUDA device(s))")

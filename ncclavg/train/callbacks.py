@@ -74,6 +74,8 @@ class MetricsLogger(Callback):
 
 
 class ProgressCallback(Callback):
+    """A tqdm bar per epoch (ProgressBar); each stays on screen with its epoch's figures."""
+
     def __init__(self, enabled: bool = True, stream: Any = None):
         self.bar = ProgressBar(enabled=enabled, stream=stream)
 
@@ -85,7 +87,7 @@ class ProgressCallback(Callback):
         self.bar.update(record.get("loss"), record.get("accuracy"), record.get("samples_per_s"))
 
     def on_epoch_end(self, trainer: Any, record: dict) -> None:
-        self.bar.close()
+        self.bar.finish(record)
 
     def on_fit_end(self, trainer: Any, history: Sequence[dict]) -> None:
         self.bar.close()
@@ -166,3 +168,24 @@ class EpochPrinter(Callback):
         if record.get("samples_per_s"):
             parts.append(f"{record['samples_per_s']:.0f} samples/s")
         print("  ".join(parts), file=self.stream if self.stream is not None else sys.stdout, flush=True)
+
+
+class OutputsReport(Callback):
+    """`ncclavg train`'s lines saying where the metrics, checkpoints and plot went, once they are written
+    (its last callback, so they come just before fit's summary line)."""
+
+    def __init__(self, say: Any, metrics: Any, saver: Any, plot: Any, checkpoint_dir: str | None):
+        self.say, self.metrics, self.saver, self.plot, self.checkpoint_dir = say, metrics, saver, plot, checkpoint_dir
+
+    def on_fit_end(self, trainer: Any, history: Any) -> None:
+        say = self.say
+        say(f"metrics: {os.path.abspath(self.metrics.path)}" if self.metrics else
+            "metrics: not written (pass --metrics FILE)")
+        if self.saver:
+            say(f"checkpoints: {os.path.abspath(self.checkpoint_dir)} (latest: {self.saver.last_path})")
+        else:
+            say("checkpoints: not written (pass --checkpoint-dir DIR)")
+        if self.plot and trainer.history:
+            say(f"plot: {os.path.abspath(self.plot.path)}")
+        else:
+            say("plot: not written (pass --plot [FILE])" if not self.plot else "plot: not written (no completed epoch)")

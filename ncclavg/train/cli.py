@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 from typing import Any
 
 from ..errors import UsageError
@@ -37,7 +36,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     g.add_argument("--towers", type=int, help="towers of this process (default: all GPUs, else 2 CPU towers; "
                    "under torchrun: the GPU of LOCAL_RANK, else 2 CPU towers per process)")
     g.add_argument("--devices", help="comma-separated tower devices of this process, e.g. cpu,cpu or "
-                   "cuda:0,cuda:1 or 0,1")
+                   "cuda:0,cuda:1 or 0,1 ('cpu' once per CPU tower: there is one CPU device)")
     g.add_argument("--master", choices=("cpu", "device"),
                    help="where the optimizer runs: fp32 master weights on the CPU (default) or on each device "
                         "(the default for GPU towers under torchrun)")
@@ -63,7 +62,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                         "ignore (no check, one pass less)")
     t.add_argument("--seed", type=int, help="seed of the model init, data split and shuffling (default 0)")
     t.add_argument("--max-steps", type=int, help="stop after this many optimizer steps in total")
-    t.add_argument("--threads", type=int, help="torch intra-op threads (default: cores / CPU towers)")
+    t.add_argument("--threads", type=int, help="torch intra-op threads (default for CPU towers: cores / (CPU towers x "
+                   "torchrun processes on this host), as TowerTrainer does)")
     d = p.add_argument_group("data")
     d.add_argument("--synthetic", action="store_true", help="random Gaussian-cluster data instead of digits")
     d.add_argument("--synthetic-samples", type=int, help="samples of synthetic data (default 8192)")
@@ -72,22 +72,29 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     o.add_argument("--checkpoint-dir", help="save a checkpoint here after every epoch (keeps the newest two)")
     o.add_argument("--checkpoint-every", type=int, help="epochs between checkpoints (default 1)")
     o.add_argument("--keep", type=int, help="complete checkpoints to keep (default 2)")
-    o.add_argument("--resume", metavar="PATH", help="checkpoint file, or a directory: its newest complete one. "
-                   "With another --epochs (or --lr) than the saved run, a named lr schedule is planned again "
-                   "over the new total from the step reached (cosine keeps decaying to 0 at the new end)")
+    o.add_argument("--resume", metavar="PATH", help="checkpoint file, or a directory: its newest complete one, "
+                   "on its CPU towers unless --towers / --devices say otherwise. With another --epochs (or --lr) "
+                   "than the saved run, a named lr schedule is planned again over the new total from the step "
+                   "reached (cosine keeps decaying to 0 at the new end); a checkpoint at --epochs already says "
+                   "there is nothing to train")
     o.add_argument("--keep-schedule", action="store_true", default=None,
                    help="with --resume: keep the saved lr schedule as it was planned, even past its end")
     o.add_argument("--metrics", metavar="FILE", help="write metrics as JSON lines to FILE")
     o.add_argument("--plot", metavar="FILE", nargs="?", const=DEFAULT_PLOT,
                    help=f"PNG of loss and accuracy per epoch (default file {DEFAULT_PLOT})")
     o.add_argument("--progress", dest="progress", action="store_true", default=None,
-                   help="show a progress bar (default: when stderr is a terminal)")
-    o.add_argument("--no-progress", dest="progress", action="store_false")
+                   help="a progress bar per epoch on stderr (default: when stderr is a terminal, else one line "
+                        "per epoch)")
+    o.add_argument("--no-progress", dest="progress", action="store_false",
+                   help="one line per epoch on stdout, never a bar")
     p.set_defaults(func=run)
     return p
 
 
-def _resolve_devices(args: argparse.Namespace) -> list:
+def _resolve_devices(args: argparse.Namespace, resuming: bool) -> list | None:
+    """This process's tower devices from --towers / --devices, or None when a run resumed without either
+    takes its CPU towers from the checkpoint (TowerTrainer.load spreads the saved towers over the
+    processes). GPU towers come from this machine's GPUs, resumed or not."""
     import torch
 
     from .distributed import launched_with_processes
@@ -103,6 +110,8 @@ def _resolve_devices(args: argparse.Namespace) -> list:
             raise UsageError(f"--towers: {args.towers} does not match the {len(devices)} devices of --devices")
         return devices
     base = default_devices()
+    if resuming and args.towers is None and base[0].type == "cpu":
+        return None
     if launched_with_processes() and base[0].type == "cuda":
         # one GPU per process: LOCAL_RANK's; more processes than GPUs share them round robin (several NCCL
         # ranks on one GPU: NCCL >= 2.30 with NCCL_MULTI_RANK_GPU_ENABLE=1, checked when the ranks start)
@@ -173,13 +182,11 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    t_start = time.perf_counter()
-    import torch
-
     from . import checkpoint as ckpt
-    from .callbacks import CheckpointCallback, EpochPrinter, MetricsLogger, PlotCallback, ProgressCallback
+    from .callbacks import CheckpointCallback, MetricsLogger, OutputsReport, PlotCallback
     from .data import TensorLoader
     from .distributed import check_same_start
+    from .fit_report import nothing_left
     from .models import build_model
     from .trainer import TowerTrainer
 
@@ -187,18 +194,13 @@ def _run(args: argparse.Namespace) -> int:
     for flag, v in (("--epochs", args.epochs), ("--batch-size", args.batch_size), ("--max-steps", args.max_steps),
                     ("--checkpoint-every", args.checkpoint_every), ("--keep", args.keep), ("--threads", args.threads)):
         UsageError.check_at_least(flag, v)
-    devices = _resolve_devices(args)
+    restarted = _elastic_resume(args)   # See Note [Elastic restart]
+    devices = _resolve_devices(args, resuming=bool(restarted or args.resume))
     seed = _value(args, "seed")
     batch_size = _value(args, "batch_size")
-    if batch_size < len(devices):
+    if devices is not None and batch_size < len(devices):
         raise UsageError(f"--batch-size: {batch_size} is smaller than the number of towers ({len(devices)}); "
                           "every tower needs at least one sample")
-    if devices[0].type == "cpu":
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        per_host = len(devices) * int(os.environ.get("LOCAL_WORLD_SIZE", "1"))   # torchrun's processes here
-        torch.set_num_threads(args.threads or max(1, cores // per_host))
-    elif args.threads:
-        torch.set_num_threads(args.threads)
     split = _load_data(args, seed)
     model = build_model(_value(args, "model"), input_shape=split.input_shape, num_classes=split.num_classes,
                         seed=seed)
@@ -206,8 +208,9 @@ def _run(args: argparse.Namespace) -> int:
     test_loader = TensorLoader(split.x_test, split.y_test, batch_size=max(256, batch_size), shuffle=False)
     epochs = _value(args, "epochs")
 
+    # threads: See Note [Threads of CPU towers] in towers.py (the trainer applies the rule)
     overrides = {k: getattr(args, k) for k in ("optimizer", "lr", "weight_decay", "momentum", "nesterov",
-                                              "grad_clip", "master", "on_nonfinite", "shard_master")
+                                              "grad_clip", "master", "on_nonfinite", "shard_master", "threads")
                  if getattr(args, k) is not None}
     if args.amp is not None:
         overrides["amp"] = None if args.amp == "none" else args.amp
@@ -215,7 +218,6 @@ def _run(args: argparse.Namespace) -> int:
         raise UsageError("--keep-schedule: only applies with --resume")
     if args.keep_schedule:
         overrides["replan_schedule"] = False
-    restarted = _elastic_resume(args)   # See Note [Elastic restart]
     if restarted or args.resume:
         resume_path = restarted or ckpt.resolve(args.resume)
         if args.lr_schedule is not None:
@@ -228,7 +230,7 @@ def _run(args: argparse.Namespace) -> int:
                "weight_decay": DEFAULTS["weight_decay"], "momentum": DEFAULTS["momentum"], "seed": seed,
                "lr_schedule": _value(args, "lr_schedule")}
         cfg.update(overrides)
-        trainer = TowerTrainer(model, devices=devices, **cfg)
+        trainer = TowerTrainer(model, devices=devices, **cfg)   # devices is None only when resuming
     check_same_start(trainer.comm, trainer.step, resume_path)   # a collective: before anything else can fail alone
     if batch_size < trainer.total_towers:
         raise UsageError(f"--batch-size: {batch_size} is smaller than the number of towers of all processes "
@@ -238,8 +240,7 @@ def _run(args: argparse.Namespace) -> int:
     # See Note [Towers of several processes].
     main = trainer.is_main
     say = print if main else (lambda *a, **k: None)
-    progress = main and (args.progress if args.progress is not None else sys.stderr.isatty())
-    callbacks: list = [ProgressCallback(enabled=progress)] + ([EpochPrinter(sys.stdout)] if main else [])
+    callbacks: list = []
     metrics = MetricsLogger(args.metrics, append=resume_path is not None) if args.metrics and main else None
     if metrics:
         callbacks.append(metrics)
@@ -259,37 +260,44 @@ def _run(args: argparse.Namespace) -> int:
              f"{info['towers']} in {info['processes']} processes ({','.join(info['devices'])} on rank 0, "
              f"{info['transport']} between them)")
     sharded = f" sharded over {info['processes']} processes" if info["shard_master"] else ""
-    say(f"towers: {where}; master={info['master']}{sharded}; "
+    threads = f"; threads={info['threads']}" if info["threads"] is not None else ""
+    say(f"towers: {where}{threads}; master={info['master']}{sharded}; "
         f"optimizer={info['optimizer']} lr={trainer.config['lr']:g}; amp={info['amp'] or 'none'}; "
         f"model={_value(args, 'model')} ({info['params']} params, {info['buckets']} bucket"
         f"{'s' if info['buckets'] != 1 else ''})")
     if resume_path:
         how = f" after torchrun restart {os.environ.get('TORCHELASTIC_RESTART_COUNT')}" if restarted else ""
         say(f"resumed{how}: {resume_path} (step {trainer.step}, epoch {trainer.epoch})")
+        if trainer.resume_note:
+            say(trainer.resume_note)
+        done = nothing_left(trainer, epochs, args.max_steps)
+        if done is not None:   # every process decides alike: same checkpoint, same flags
+            more = (f"--max-steps above {trainer.step}" if args.max_steps is not None and trainer.step >= args.max_steps
+                    else f"--epochs {trainer.epoch + 1} or more")
+            say(f"nothing to train: the checkpoint is at epoch {trainer.epoch} (step {trainer.step}) and the run "
+                f"asks for {_asked(epochs, args.max_steps)}; pass {more} to train on", flush=True)
+            return _finish(trainer)
     # See Note [Schedules over a resumed run]: what this run's schedule is, and what changed.
     note = trainer.plan_schedule(len(train_loader), epochs, args.max_steps, log_note=False)
     say(note if note else f"lr schedule: {trainer.schedule!r}")
     sys.stdout.flush()
 
-    trainer.fit(train_loader, epochs=epochs, eval_loader=test_loader, callbacks=callbacks,
-                max_steps=args.max_steps)
-    final = trainer.evaluate(test_loader)
-    trainer.close()
+    outputs = OutputsReport(say, metrics, saver, plot, args.checkpoint_dir)
+    # --progress: the bar; --no-progress: epoch lines; neither: the bar on a terminal, else epoch lines.
+    # fit() ends with the summary line (Note [Progress of fit] in fit_report.py), after `outputs`.
+    progress = None if args.progress is None else ("bar" if args.progress else "lines")
+    trainer.fit(train_loader, epochs=epochs, eval_loader=test_loader, callbacks=callbacks + [outputs],
+                max_steps=args.max_steps, progress=progress)
+    return _finish(trainer)
 
-    say(f"metrics: {os.path.abspath(metrics.path)}" if metrics else "metrics: not written (pass --metrics FILE)")
-    if saver:
-        say(f"checkpoints: {os.path.abspath(args.checkpoint_dir)} (latest: {saver.last_path})")
-    else:
-        say("checkpoints: not written (pass --checkpoint-dir DIR)")
-    if plot and trainer.history:
-        say(f"plot: {os.path.abspath(plot.path)}")
-    else:
-        say("plot: not written (pass --plot [FILE])" if not plot else "plot: not written (no completed epoch)")
-    sps = trainer.last_fit.get("samples_per_s", 0.0)
-    acc = final["accuracy"] if final["accuracy"] is not None else float("nan")
-    say(f"summary: test_accuracy={acc:.3f} epochs={trainer.epoch} samples_per_s={sps:.1f} "
-        f"wall_s={time.perf_counter() - t_start:.1f} processes={trainer.processes} towers={trainer.total_towers} "
-        f"devices={','.join(str(d) for d in trainer.devices)}", flush=True)
+
+def _asked(epochs: int, max_steps: int | None) -> str:
+    return (f"{epochs} epoch{'s' if epochs != 1 else ''}" +
+            (f" or {max_steps} step{'s' if max_steps != 1 else ''}" if max_steps is not None else ""))
+
+
+def _finish(trainer: Any) -> int:
+    trainer.close()
     if trainer.processes > 1 and trainer.comm.backend == "gloo":
         # Every process is past its last collective (the final evaluation): leave without torch's gloo
         # teardown, which aborts now and then. See Note [Gloo teardown] in ncclavg/comm/dist.py.

@@ -94,3 +94,25 @@ def check_same_start(comm: Any, step: int, source: str | None) -> None:
                       for r, s in enumerate(seen))
     raise ValueError(f"the processes would start from different points ({found}): every process must see the "
                      "same checkpoints (one file system shared by the hosts for --checkpoint-dir and --resume)")
+
+
+def check_replicas_agree(comm: Any, params: Sequence[torch.Tensor], step: int) -> None:
+    """NCCLAVG_DEBUG=1 with several processes: after every step (`step` steps were taken before it),
+    tower 0 of every process must hold bit for bit the same weights `params` (Note [Towers of several
+    processes]); a fingerprint of them is compared across the processes, and a difference raises
+    CollectiveMismatchError naming the ranks."""
+    import hashlib
+
+    from ..errors import CollectiveMismatchError
+
+    h = hashlib.blake2b(digest_size=16)
+    for p in params:
+        h.update(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    prints = comm.allgather_object(h.hexdigest())
+    if len(set(prints)) > 1:
+        groups: dict = {}
+        for r, fp in enumerate(prints):
+            groups.setdefault(fp, []).append(r)
+        raise CollectiveMismatchError(
+            f"step {step + 1}: the processes' weights differ after the update (NCCLAVG_DEBUG=1): ranks "
+            + "; ".join(", ".join(map(str, rs)) for rs in groups.values()) + " agree among themselves only")

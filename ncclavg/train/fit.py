@@ -11,11 +11,15 @@ import time
 from typing import Any, Iterable, Sequence
 
 from .callbacks import Callback
+from .fit_report import FitHistory, FitSummary, log, nothing_left, progress_mode, reporters, show_summary
 from .metrics import PHASES
 
 
 class FitLoop:
-    """The epoch loop of TowerTrainer: fit(), and what it reports (epoch records, `last_fit`)."""
+    """The epoch loop of TowerTrainer: fit(), and what it reports (epoch records, `last_fit`,
+    `last_summary`)."""
+
+    last_summary: FitSummary | None = None   # the summary of the last fit that trained
 
     @staticmethod
     def _new_epoch_acc() -> dict:
@@ -27,11 +31,16 @@ class FitLoop:
         return total, int(getattr(self._loader, "batch", 0) or 0)
 
     def fit(self, loader: Iterable, epochs: int = 1, eval_loader: Iterable | None = None,
-            callbacks: Sequence[Callback] = (), max_steps: int | None = None) -> list[dict]:
+            callbacks: Sequence[Callback] = (), max_steps: int | None = None,
+            progress: bool | str | None = None) -> FitHistory:
         """Train until `epochs` epochs are complete in total (a resumed trainer continues where its
         checkpoint stopped) or `max_steps` optimizer steps were taken in total. Returns the history of
-        epoch records. A loader with state_dict/load_state_dict/epoch (TensorLoader) is resumable mid-epoch;
-        any other iterable of (inputs..., target) batches is iterated once per epoch."""
+        epoch records (a list) whose `summary` (FitSummary) holds the line `ncclavg train` ends with; that
+        line is printed (unless progress=False) and logged. `progress`: None shows a bar on a terminal and
+        one line per epoch otherwise, "bar" (True) or "lines" choose, False prints nothing (Note [Progress
+        of fit] in fit_report.py). A trainer with nothing left to train says so and returns at once.
+        A loader with state_dict/load_state_dict/epoch (TensorLoader) is resumable mid-epoch; any other
+        iterable of (inputs..., target) batches is iterated once per epoch."""
         if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
             raise ValueError(f"epochs: must be a positive integer, got {epochs!r}")
         if max_steps is not None and (isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps < 1):
@@ -43,14 +52,22 @@ class FitLoop:
         for i, cb in enumerate(callbacks):
             if not isinstance(cb, Callback):
                 raise TypeError(f"callbacks[{i}]: expected an ncclavg.train.callbacks.Callback, got {type(cb).__name__}")
+        mode = progress_mode(progress, self.is_main)
         resumable = all(hasattr(loader, a) for a in ("state_dict", "load_state_dict", "epoch"))
+        # the epoch the loop below starts from: a resumable loader's (as restored from a checkpoint) or ours
+        start = (dict(self._data_state or {}).get("epoch", loader.epoch) if resumable else self.epoch)
+        done = nothing_left(self, epochs, max_steps, int(start))
+        if done is not None:   # every process decides alike: the same checkpoint, the same arguments
+            self._say(f"nothing to train: {done}; fit() returns without a step", mode)
+            return FitHistory(self.history)
+        callbacks = reporters(mode) + list(callbacks)
         if resumable and self._data_state is not None:
             loader.load_state_dict(self._data_state)
         self._data_state = None
         steps_per_epoch = len(loader) if hasattr(loader, "__len__") else None
         self.plan_schedule(steps_per_epoch, epochs, max_steps)
         self._loader, self.target_epochs, self.stop_training = loader, epochs, False
-        fit_samples, fit_train_s, t_fit = 0, 0.0, time.perf_counter()
+        fit_samples, fit_train_s, t_fit, step0 = 0, 0.0, time.perf_counter(), self.step
         for cb in callbacks:
             cb.on_fit_start(self)
         try:
@@ -89,7 +106,33 @@ class FitLoop:
         self._note_fit(fit_samples, fit_train_s, t_fit)
         for cb in callbacks:
             cb.on_fit_end(self, self.history)
-        return self.history
+        accuracy = self._final_accuracy(eval_loader)
+        summary = FitSummary(test_accuracy=accuracy, epochs=self.epoch,
+                             samples_per_s=self.last_fit["samples_per_s"], wall_s=time.perf_counter() - t_fit,
+                             processes=self.processes, towers=self.total_towers,
+                             devices=tuple(str(d) for d in self.devices), steps=self.step - step0)
+        self.last_summary = summary
+        if self.is_main:
+            show_summary(summary, mode)
+        return FitHistory(self.history, summary)
+
+    def _say(self, text: str, mode: str | None) -> None:
+        """A sentence of fit's own: printed where progress is shown, logged at INFO by the printing process."""
+        if not self.is_main:
+            return
+        if mode is not None:
+            print(text, flush=True)
+        log.info("%s", text)
+
+    def _final_accuracy(self, eval_loader: Iterable | None) -> float | None:
+        """Test accuracy after the last step: the last epoch's evaluation when no step came after it, else
+        one more evaluation (a fit stopped by max_steps inside an epoch). Every process decides alike."""
+        if eval_loader is None:
+            return None
+        last = self.history[-1] if self.history else None
+        if last is not None and last.get("step") == self.step and "val_accuracy" in last:
+            return last["val_accuracy"]
+        return self.evaluate(eval_loader)["accuracy"]
 
     def _note_fit(self, samples: int, train_s: float, t_fit: float) -> None:
         self.last_fit = {"samples": samples, "train_s": train_s,

@@ -123,6 +123,18 @@ class ProgressBar:
         self._bar.set_postfix(post, refresh=False)
         self._bar.update(1)
 
+    def finish(self, record: dict) -> None:
+        """Leaves the epoch's bar on screen with the epoch's figures: its means, the test accuracy."""
+        if self._bar is None:
+            return
+        post = {}
+        for key, label, fmt in (("loss", "loss", ".4f"), ("accuracy", "acc", ".3f"),
+                                ("val_accuracy", "test_acc", ".3f"), ("samples_per_s", "samples/s", ".0f")):
+            if record.get(key) is not None:
+                post[label] = format(record[key], fmt)
+        self._bar.set_postfix(post, refresh=True)
+        self.close()
+
     def close(self) -> None:
         if self._bar is not None:
             self._bar.close()
@@ -132,36 +144,10 @@ class ProgressBar:
 def plot_history(history: Sequence[dict], path: str | os.PathLike, title: str | None = None) -> str:
     """PNG with loss (left) and accuracy (right) per epoch from the epoch records of `fit`. Needs
     matplotlib (the `plot` extra); uses the non-interactive Agg backend."""
-    try:
-        import matplotlib
+    fig = history_figure(history, title)
+    import matplotlib.pyplot as plt
 
-        matplotlib.use("Agg", force=False)
-        import matplotlib.pyplot as plt
-    except ImportError as e:
-        raise ImportError("plotting needs matplotlib: pip install 'ncclavg[plot]'") from e
-    if not history:
-        raise ValueError("history: no epoch records to plot")
-    epochs = [h["epoch"] for h in history]
-    fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(10, 4))
     try:
-        for key, label in (("loss", "train loss"), ("val_loss", "test loss")):
-            ys = [h.get(key) for h in history]
-            if any(y is not None for y in ys):
-                ax_loss.plot(epochs, [math.nan if y is None else y for y in ys], marker="o", label=label)
-        for key, label in (("accuracy", "train accuracy"), ("val_accuracy", "test accuracy")):
-            ys = [h.get(key) for h in history]
-            if any(y is not None for y in ys):
-                ax_acc.plot(epochs, [math.nan if y is None else y for y in ys], marker="o", label=label)
-        ax_loss.set_xlabel("epoch")
-        ax_loss.set_ylabel("loss")
-        ax_loss.legend()
-        ax_loss.grid(alpha=0.3)
-        ax_acc.set_xlabel("epoch")
-        ax_acc.set_ylabel("accuracy")
-        ax_acc.legend()
-        ax_acc.grid(alpha=0.3)
-        if title:
-            fig.suptitle(title)
         fig.tight_layout()
         path = os.fspath(path)
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
@@ -169,3 +155,44 @@ def plot_history(history: Sequence[dict], path: str | os.PathLike, title: str | 
     finally:
         plt.close(fig)
     return path
+
+
+def history_figure(history: Sequence[dict], title: str | None = None) -> Any:
+    """The matplotlib figure plot_history saves (the caller closes it). Epochs are whole: the epoch axes
+    tick at integers only (matplotlib's default locator puts ticks at 2.5, 7.5 for ten epochs, and at
+    0.96, 0.98, ... for one)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg", force=False)
+        import matplotlib.pyplot as plt
+        from matplotlib.ticker import MaxNLocator
+    except ImportError as e:
+        raise ImportError("plotting needs matplotlib: pip install 'ncclavg[plot]'") from e
+    if not history:
+        raise ValueError("history: no epoch records to plot")
+    epochs = [h["epoch"] for h in history]
+    fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(10, 4))
+    try:
+        for ax, keys, ylabel in ((ax_loss, (("loss", "train loss"), ("val_loss", "test loss")), "loss"),
+                                 (ax_acc, (("accuracy", "train accuracy"), ("val_accuracy", "test accuracy")),
+                                  "accuracy")):
+            for key, label in keys:
+                ys = [h.get(key) for h in history]
+                if any(y is not None for y in ys):
+                    ax.plot(epochs, [math.nan if y is None else y for y in ys], marker="o", label=label)
+            ax.set_xlabel("epoch")
+            ax.set_ylabel(ylabel)
+            if max(epochs) - min(epochs) < 3:   # too short a span for the locator: tick every epoch
+                ax.set_xticks(range(min(epochs), max(epochs) + 1))
+                ax.set_xlim(min(epochs) - 0.5, max(epochs) + 0.5)
+            else:
+                ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+            ax.legend()
+            ax.grid(alpha=0.3)
+        if title:
+            fig.suptitle(title)
+    except BaseException:
+        plt.close(fig)
+        raise
+    return fig

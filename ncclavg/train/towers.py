@@ -1,7 +1,29 @@
-"""Towers: device parsing, replica construction, batch splitting and the thread-per-tower runner."""
+"""Towers: device parsing, replica construction, batch splitting, the thread-per-tower runner and the
+number of torch threads each CPU tower gets (Note [Threads of CPU towers]).
+
+Note [Threads of CPU towers]
+Each tower runs its forward and backward in a thread of its own (TowerRunner), and torch gives every
+thread that computes an intra-op pool of torch.get_num_threads() threads: by default one per core. T CPU
+towers in each of P processes of a host then run T * P * cores busy threads on `cores` cores, and they
+preempt each other: fits of the README's example (2 towers, 2 cores) took 2.8 to 10 s with torch's
+default against 3.0 to 5.7 s with one thread per tower, alternated on a busy machine (load average 5 to
+9), and the spread grows with the load. So a trainer with CPU towers sets torch's intra-op threads to
+
+    max(1, cores of this process // (its CPU towers * processes on this host))
+
+where the cores are those this process may run on (os.sched_getaffinity) and the processes on this host
+are torchrun's LOCAL_WORLD_SIZE (1 without torchrun). GPU towers leave torch's setting alone: their
+compute is on the GPU. `threads=` (TowerTrainer) or `--threads` (ncclavg train) overrides the rule.
+The setting is torch's, for the whole process, and is made when the trainer is built: a thread reads
+it the first time it computes (torch initialises each thread's pool once), so the tower threads,
+which start after it, all see it. The decision is logged once per process (again only if it changes)
+and shown by describe() and the `towers:` line of `ncclavg train`.
+"""
 from __future__ import annotations
 
 import copy
+import logging
+import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Sequence
@@ -11,6 +33,9 @@ from torch import nn
 
 from ..comm.devices import cuda_count, device_of, present_cuda_device
 from .data import check_sample_tensors
+
+log = logging.getLogger(__name__)
+_logged_threads: tuple | None = None   # the last decision logged: See Note [Threads of CPU towers]
 
 
 def parse_device(value: Any, name: str) -> torch.device:
@@ -46,6 +71,52 @@ def default_devices(cpu_towers: int = 2) -> list[torch.device]:
     if n > 0 and cuda_built():
         return [torch.device("cuda", i) for i in range(n)]
     return [torch.device("cpu")] * cpu_towers
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity mask where the OS has one)."""
+    if hasattr(os, "sched_getaffinity"):
+        return max(1, len(os.sched_getaffinity(0)))
+    return max(1, os.cpu_count() or 1)
+
+
+def processes_on_this_host() -> int:
+    """torchrun's LOCAL_WORLD_SIZE (the processes of this job on this host), 1 without torchrun."""
+    try:
+        return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
+    except ValueError:
+        return 1
+
+
+def tower_threads(devices: Sequence[torch.device], threads: int | None = None) -> tuple[int | None, str]:
+    """(torch intra-op threads for these towers, why), or (None, why) when torch's setting is left as it
+    is (GPU towers without `threads`). See Note [Threads of CPU towers]."""
+    if threads is not None:
+        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+            raise ValueError(f"threads: must be a positive integer or None, got {threads!r}")
+        return threads, "as asked"
+    cpu_towers = sum(1 for d in devices if d.type == "cpu")
+    if cpu_towers == 0:
+        return None, "GPU towers: torch's setting kept"
+    cores, procs = usable_cores(), processes_on_this_host()
+    n = max(1, cores // (cpu_towers * procs))
+    where = f" x {procs} processes on this host" if procs > 1 else ""
+    return n, f"{cores} cores / ({cpu_towers} CPU towers{where})"
+
+
+def apply_tower_threads(devices: Sequence[torch.device], threads: int | None = None) -> int:
+    """Sets torch's intra-op threads by the rule of Note [Threads of CPU towers] (or to `threads`),
+    logs the decision once per process, and returns the number of threads torch now uses."""
+    global _logged_threads
+    n, why = tower_threads(devices, threads)
+    if n is not None and n != torch.get_num_threads():
+        torch.set_num_threads(n)
+    current = torch.get_num_threads()
+    if (current, why) != _logged_threads:
+        _logged_threads = (current, why)
+        log.info("torch intra-op threads: %d (%s; TowerTrainer(threads=N) or --threads N to choose)",
+                 current, why)
+    return current
 
 
 def trainable_parameters(model: nn.Module) -> tuple[list[str], list[nn.Parameter]]:

@@ -44,14 +44,14 @@ import torch
 from torch import nn
 
 from .amp import DynamicLossScale, autocast_context, normalise_amp
-from .distributed import processes_communicator
+from .distributed import check_replicas_agree, processes_communicator
 from .engines import CpuMasterEngine, DeviceMasterEngine, OptimConfig
 from .fit import FitLoop
 from .metrics import PHASES, StepTimes
 from .schedules import LRSchedule, ScheduleSpec, make_schedule, replan, schedule_name
 from .state import seed_everything
-from .towers import (TowerRunner, build_towers, default_devices, model_signature, parse_devices,
-                     split_sizes, trainable_parameters, unpack_batch)
+from .towers import (TowerRunner, apply_tower_threads, build_towers, default_devices, model_signature,
+                     parse_devices, split_sizes, tower_threads, trainable_parameters, unpack_batch)
 from .trainer_state import TrainerState
 
 # Importable from here too, for callers that know them from this module; fit.py and trainer_state.py
@@ -92,7 +92,10 @@ def _accuracy_counts(out: Any, y: Any) -> torch.Tensor | None:
 class TowerTrainer(FitLoop, TrainerState):
     """Data-parallel training over towers: this process's `devices`, and under torchrun (or given `comm`)
     the towers of every process; see Note [Towers of several processes] in distributed.py. `timeout`
-    (seconds, default NCCLAVG_TIMEOUT or 600) bounds every wait on another process. See the module
+    (seconds, default NCCLAVG_TIMEOUT or 600) bounds every wait on another process. `threads`: torch's
+    intra-op threads, set for the process when the trainer is built (default: the cores shared out over
+    the CPU towers of this host; GPU towers leave torch's setting alone): Note [Threads of CPU towers]
+    in towers.py. See the module
     docstring and docs/architecture.md. fit() comes from FitLoop (fit.py); state_dict, save, restore
     and load from TrainerState (trainer_state.py)."""
 
@@ -104,7 +107,7 @@ class TowerTrainer(FitLoop, TrainerState):
                  first_bucket_mb: float = 1.0, loss_fn: Callable | None = None, concurrent: bool = True,
                  overlap: bool = True, init_loss_scale: float = 2.0 ** 16, on_nonfinite: str = "skip",
                  replan_schedule: bool = True, comm: Any = None, timeout: float | None = None,
-                 shard_master: bool = False):
+                 shard_master: bool = False, threads: int | None = None):
         # Validate everything before touching the model: a bad argument leaves it as it was.
         if not isinstance(model, nn.Module):
             raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
@@ -113,6 +116,7 @@ class TowerTrainer(FitLoop, TrainerState):
             raise ValueError(f"model: {type(model).__name__} has no trainable parameters (none with "
                              "requires_grad=True); there is nothing to train")
         devs = default_devices() if devices is None else parse_devices(devices)
+        tower_threads(devs, threads)   # checked here, applied once everything is: Note [Threads of CPU towers]
         if not isinstance(optimizer, str) or optimizer.lower() not in OPTIMIZERS:
             raise ValueError(f"optimizer: must be one of {', '.join(OPTIMIZERS)}, got {optimizer!r}")
         optimizer = optimizer.lower()
@@ -156,8 +160,8 @@ class TowerTrainer(FitLoop, TrainerState):
             from .._ext import cuda_built
 
             if not cuda_built():
-                raise ValueError(f"devices: {devs[0]} needs ncclavg built with CUDA (NCCLAVG_CUDA=1); this "
-                                 "build is CPU only")
+                raise ValueError(f"devices: {devs[0]} needs ncclavg's CUDA build, and this ncclavg has none "
+                                 "(built CPU-only; rebuild with NCCLAVG_CUDA=1, see docs/building.md)")
 
         # See Note [Towers of several processes]; building it is a collective when there are several.
         process_comm = processes_communicator(comm, devs, timeout)
@@ -199,6 +203,8 @@ class TowerTrainer(FitLoop, TrainerState):
         self.nonfinite_steps = 0   # steps skipped for an inf/NaN gradient (fp16 overflows included)
         opt = OptimConfig(optimizer, lr, weight_decay, momentum, bool(nesterov), betas, eps)
 
+        # Before the tower threads first compute: See Note [Threads of CPU towers] in towers.py.
+        self.threads = apply_tower_threads(devs, threads)
         seed_everything(seed, devs)
         if self.processes > 1:   # every process starts from rank 0's weights and buffers
             self.comm.broadcast_tensors(list(model.parameters()) + list(model.buffers()))
@@ -269,7 +275,7 @@ class TowerTrainer(FitLoop, TrainerState):
                 "devices": [str(d) for d in self.devices], "master": self.master,
                 "optimizer": self.config["optimizer"], "amp": self.amp, "params": self.plan.param_numel,
                 "buckets": len(self.plan.buckets), "bucket_bytes": self.plan.total_bytes,
-                "concurrent": self.runner.concurrent,
+                "concurrent": self.runner.concurrent, "threads": self.threads,
                 # between the processes: "shm", "shm+gloo", "gloo" or "nccl"; None with one process
                 "transport": getattr(self.comm, "transport", self.comm.backend) if self.comm is not None else None}
 
@@ -416,7 +422,7 @@ class TowerTrainer(FitLoop, TrainerState):
         stats = self._sum_results(live) if reduced or not in_backward else None
         info = self.engine.step(lr, loss_scale, self.grad_clip, times)
         if self.processes > 1 and self.comm.debug:
-            self._check_replicas_agree()
+            check_replicas_agree(self.comm, self.tower_params[0], self.step)
         if info["skipped"]:
             self._nonfinite_step(info, results, loss_scale)
         if self.scaler is not None:
@@ -439,26 +445,6 @@ class TowerTrainer(FitLoop, TrainerState):
         for k in PHASES:
             acc["t_" + k] += times.times[k]
         return record
-
-    def _check_replicas_agree(self) -> None:
-        """NCCLAVG_DEBUG=1 with several processes: after every step, tower 0 of every process must hold
-        bit for bit the same weights (Note [Towers of several processes]); a fingerprint of them is
-        compared across the processes, and a difference raises CollectiveMismatchError naming the ranks."""
-        import hashlib
-
-        from ..errors import CollectiveMismatchError
-
-        h = hashlib.blake2b(digest_size=16)
-        for p in self.tower_params[0]:
-            h.update(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
-        prints = self.comm.allgather_object(h.hexdigest())
-        if len(set(prints)) > 1:
-            groups: dict = {}
-            for r, fp in enumerate(prints):
-                groups.setdefault(fp, []).append(r)
-            raise CollectiveMismatchError(
-                f"step {self.step + 1}: the processes' weights differ after the update (NCCLAVG_DEBUG=1): ranks "
-                + "; ".join(", ".join(map(str, rs)) for rs in groups.values()) + " agree among themselves only")
 
     def _nonfinite_step(self, info: dict, results: list, loss_scale: float | None) -> None:
         """A step the engine skipped for an inf/NaN gradient: count it, log where it came from, or raise.

@@ -9,6 +9,7 @@ check that a checkpoint fits the model are state.py's; the parts of a sharded ma
 """
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any, Sequence, TypeVar
 
@@ -26,10 +27,14 @@ from .towers import model_signature, parse_devices
 # the class `load` is called on (TowerTrainer, or a user's subclass of it); a name of this module, since
 # trainer.py imports this one and cannot be imported back
 _Trainer = TypeVar("_Trainer", bound="TrainerState")
+log = logging.getLogger("ncclavg.train")
 
 
 class TrainerState:
     """state_dict, load_state_dict, save, restore and load of TowerTrainer."""
+
+    # load(): one line saying how this run's towers differ from the checkpoint's; None when they do not
+    resume_note: str | None = None
 
     def state_dict(self) -> dict:
         return self._state(self.engine.master_state())
@@ -127,6 +132,9 @@ class TrainerState:
             config["lr_schedule"] = from_state_dict(state["schedule"])
         trainer = cls(model, devices=devices, **config)
         trainer.load_state_dict(state, path)
+        trainer.resume_note = _shape_change(state, saved_devices, trainer)
+        if trainer.resume_note and trainer.is_main:
+            log.info("%s", trainer.resume_note)
         if "lr_schedule" in overrides:  # the user's new schedule, not the saved one (planned by fit if named)
             trainer._schedule_spec = overrides["lr_schedule"]
             trainer.schedule = None if isinstance(trainer._schedule_spec, str) else make_schedule(
@@ -134,6 +142,24 @@ class TrainerState:
             trainer._schedule_plan = None
             trainer._planned_for = None
         return trainer
+
+
+def _towers_in_words(towers: int, processes: int, devices: Sequence[str]) -> str:
+    if processes == 1:
+        return f"{towers} tower{'s' if towers != 1 else ''} ({','.join(devices)})"
+    return f"{towers} towers in {processes} processes ({','.join(devices)} on rank 0)"
+
+
+def _shape_change(state: dict, saved_devices: list, trainer: Any) -> str | None:
+    """One line when the towers of this run differ from those the checkpoint was written by (their
+    number, the processes, or rank 0's devices); None when they are the same."""
+    saved = (int(state.get("total_towers", len(saved_devices))), int(state.get("processes", 1)),
+             [str(d) for d in saved_devices])
+    now = (trainer.total_towers, trainer.processes, [str(d) for d in trainer.devices])
+    if saved == now:
+        return None
+    return (f"towers changed: the checkpoint was written by {_towers_in_words(*saved)}, this run has "
+            f"{_towers_in_words(*now)}")
 
 
 def _resume_devices(path: str, state: dict, saved: list, comm: Any) -> list | None:

@@ -41,6 +41,8 @@ def test_cpu_device_is_the_default_backend(device):
     (-1, ValueError, "device: a GPU ordinal must be >= 0"),
     ("gpu0", ValueError, "device: unknown device 'gpu0'"),
     ("meta", ValueError, "device: meta is not supported"),
+    ("cpu:1", ValueError, "device: cpu:1 is not a device: CPU towers all run on the one 'cpu'"),
+    (torch.device("cpu", 2), ValueError, "device: cpu:2 is not a device"),
 ])
 def test_bad_device_names_the_argument(device, exc, match):
     with pytest.raises(exc, match=match):
@@ -50,8 +52,7 @@ def test_bad_device_names_the_argument(device, exc, match):
 def test_cuda_device_without_cuda_says_why(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     for dev in ("cuda:0", "cuda", 0, torch.device("cuda", 1)):
-        with pytest.raises(ValueError, match=r"device: cuda(:\d)? needs a CUDA device, but "
-                                             r"torch.cuda.is_available\(\) is False"):
+        with pytest.raises(ValueError, match=r"device: cuda(:\d)? needs a GPU, and torch sees none: "):
             LocalCommunicator(2, device=dev)
     monkeypatch.setattr(local_mod, "cuda_built", lambda: False)
     with pytest.raises(ValueError, match="device: cuda:0 needs ncclavg built with CUDA support.*CPU-only"):

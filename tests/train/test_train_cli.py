@@ -50,6 +50,49 @@ def test_short_run_writes_metrics_checkpoints_and_plot(tmp_path, capsys):
     assert "ckpt-000000045.ckpt" in os.listdir(ckdir)
 
 
+def test_resume_keeps_the_checkpoints_towers_and_says_when_they_change_or_nothing_is_left(tmp_path, capsys):
+    ckdir = tmp_path / "ck"
+    common = ["train", "--model", "mlp", "--batch-size", "100", "--no-progress", "--checkpoint-dir", str(ckdir)]
+    assert main([*common, "--epochs", "1", "--towers", "3"]) == 0
+    capsys.readouterr()
+    # Nothing left: one line saying so, exit 0, no summary, no new checkpoint.
+    before = sorted(os.listdir(ckdir))
+    assert main([*common, "--epochs", "1", "--resume", str(ckdir)]) == 0
+    out = capsys.readouterr().out
+    assert ("nothing to train: the checkpoint is at epoch 1 (step 15) and the run asks for 1 epoch; pass "
+            "--epochs 2 or more to train on") in out
+    assert "summary:" not in out and "samples_per_s" not in out and sorted(os.listdir(ckdir)) == before
+    # Without --towers the checkpoint's 3 CPU towers are kept, and nothing is said about towers.
+    assert main([*common, "--epochs", "2", "--resume", str(ckdir)]) == 0
+    out = capsys.readouterr().out
+    assert _summary(out)["towers"] == "3" and "towers changed" not in out
+    # Another number of towers is said in one line.
+    assert main([*common, "--epochs", "3", "--resume", str(ckdir), "--towers", "2"]) == 0
+    out = capsys.readouterr().out
+    changed = [ln for ln in out.splitlines() if ln.startswith("towers changed")]
+    assert changed == ["towers changed: the checkpoint was written by 3 towers (cpu,cpu,cpu), this run has "
+                       "2 towers (cpu,cpu)"]
+    assert _summary(out)["towers"] == "2"
+
+
+def test_the_threads_rule_is_the_trainers(capsys, monkeypatch):
+    """The CLI leaves torch's threads to TowerTrainer (Note [Threads of CPU towers]) and names them."""
+    import torch
+
+    from ncclavg.train import towers
+
+    threads = torch.get_num_threads()
+    monkeypatch.setattr(towers, "usable_cores", lambda: 6)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    try:
+        for extra, want in (([], "threads=2"), (["--threads", "1"], "threads=1")):
+            assert main(["train", "--model", "mlp", "--towers", "3", "--max-steps", "1", "--no-progress",
+                         *extra]) == 0
+            assert f"towers: 3 on cpu,cpu,cpu; {want};" in capsys.readouterr().out
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_no_outputs_requested_says_so(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     rc = main(["train", "--model", "mlp", "--epochs", "1", "--max-steps", "2", "--synthetic",
@@ -74,6 +117,8 @@ def test_bf16_run(capsys):
     (["--towers", "4", "--batch-size", "3"], r"--batch-size: 3 is smaller than the number of towers \(4\)"),
     (["--devices", ""], r"--devices: devices: the list is empty"),
     (["--devices", "cpu,tpu:1"], r"devices\[1\]: unknown device 'tpu:1'"),
+    (["--devices", "cpu:1,cpu"], r"--devices: devices\[0\]: cpu:1 is not a device: CPU towers all run on the one "
+                                 r"'cpu'"),
     (["--devices", "cpu,cpu", "--towers", "3"], "--towers: 3 does not match"),
     (["--towers", "0"], "--towers: must be >= 1"),
     (["--epochs", "0"], "--epochs: must be >= 1"),
@@ -119,3 +164,20 @@ def test_default_run_reaches_95_percent(tmp_path):
     assert float(s["acc"]) >= 0.95, proc.stdout
     assert s["towers"] == "2" and s["devices"] == "cpu,cpu" and int(s["epochs"]) >= 1
     assert os.listdir(tmp_path) == []  # no output files unless asked for
+
+
+def test_a_gpu_device_without_a_driver_says_so(capsys, monkeypatch):
+    """No NVIDIA driver: said as such, with torch's CUDA build named as torch's (Note [Saying why there is
+    no GPU] in ncclavg/info.py), not as the CUDA runtime's 'driver version is insufficient'."""
+    import torch
+
+    from ncclavg import info
+
+    monkeypatch.setattr(info, "nvidia_driver_evidence", lambda: "")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main(["train", "--devices", "cuda:0", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert ("--devices: devices[0]: cuda:0 needs a GPU, and torch sees none: no NVIDIA driver on this machine "
+            "(no /proc/driver/nvidia, libcuda.so.1 does not load), so no GPU") in err
+    assert "torch's CUDA build: " in err or torch.version.cuda, err
+    assert "insufficient" not in err

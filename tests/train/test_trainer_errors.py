@@ -37,7 +37,7 @@ def test_bad_devices(devices, match):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
 def test_cuda_device_without_gpu_is_named():
-    with pytest.raises(ValueError, match=r"devices\[0\]: cuda:0 needs a CUDA device"):
+    with pytest.raises(ValueError, match=r"devices\[0\]: cuda:0 needs a GPU, and torch sees none: "):
         TowerTrainer(build_model("mlp"), devices=["cuda:0"])
     with pytest.raises(ValueError, match=r"devices\[1\]"):
         TowerTrainer(build_model("mlp"), devices=["cpu", 3])
