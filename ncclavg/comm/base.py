@@ -60,7 +60,7 @@ from ..transport.failure import Face, LazyText
 from ..transport.runner import Runner
 from ..transport.work import DoneWork, Work, check_seconds
 from . import debug as comm_debug
-from .devices import device_list, one_kind
+from .devices import device_list, device_of, one_kind
 
 DEFAULT_TIMEOUT_S = 600.0
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")   # what torchrun sets for env://
@@ -432,9 +432,7 @@ def _parse_process_devices(devices: Any) -> Optional[list]:
         except (RuntimeError, TypeError):
             raise ValueError(f"devices[{i}]: expected a device such as 'cpu' or 'cuda:0', got {d!r}") from None
     one_kind([d.type for d in out], devices, "devices", "all towers of a process must be CPU or all CUDA")
-    if out[0].type == "cpu" and any(d.index not in (None, 0) for d in out):
-        raise ValueError(f"devices: CPU towers are 'cpu', got {[str(d) for d in out]}")
-    return out
+    return [device_of(d, f"devices[{i}]") if d.type == "cpu" else d for i, d in enumerate(out)]
 
 
 def _default_process_device() -> torch.device:
