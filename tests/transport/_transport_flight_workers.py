@@ -133,3 +133,36 @@ def profiled_p2p_job(rank, world, port, outdir):
             json.dump(got, f)
     if rank == 0:
         time.sleep(12)   # stays (connected) until rank 1's receive has given up
+
+
+def quiet_mismatch_job(rank, world, port, outdir, face, trace_dir):
+    """The ranks call different collectives (4 against 5 elements): each rank's error names both calls, and
+    the recorder prints nothing on the rank's stderr (its own file, `outdir/stderr<rank>`): a mismatch is
+    said once, by the exception (Note [What the recorder says]). With `trace_dir` the record is written
+    there all the same."""
+    import sys
+
+    from _fault_util import report
+
+    err = open(os.path.join(outdir, f"stderr{rank}"), "w")
+    os.dup2(err.fileno(), 2)   # this rank's fd 2, what the recorder writes to
+    sys.stderr = os.fdopen(2, "w", buffering=1)
+    if trace_dir:
+        os.environ["NCCLAVG_TRACE_DIR"] = trace_dir
+    init_backend(rank, world, port, timeout_s=30)
+    t = torch.ones(4 + rank)
+    try:
+        if face == "api":
+            from ncclavg import Communicator
+
+            comm = Communicator.from_torch_distributed(device="cpu", timeout=30)
+            comm.all_reduce_avg_async([t]).wait()
+        else:
+            dist.all_reduce(t, async_op=True).wait()
+        report(outdir, rank, type="none")
+    except Exception as e:   # noqa: BLE001 (reported for the test to judge)
+        report(outdir, rank, type=type(e).__name__, msg=str(e))
+    sys.stderr.flush()
+    from ncclavg.comm import end_process
+
+    end_process(0)

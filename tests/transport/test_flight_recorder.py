@@ -167,3 +167,57 @@ def test_sigusr1_dumps_every_group(tmp_path, monkeypatch):
             assert json.load(f)["reason"] == "signal"
     finally:
         signal.signal(signal.SIGUSR1, previous)
+
+
+# ---------------------------------------------------------------- Note [What the recorder says]
+@pytest.mark.parametrize("face", ["torch", "api"])
+@pytest.mark.parametrize("trace", [False, True], ids=["no-trace-dir", "trace-dir"])
+def test_a_mismatch_is_said_once_by_the_exception(tmp_path, face, trace):
+    from _dist_util import run_ranks
+
+    trace_dir = str(tmp_path / "trace") if trace else ""
+    run_ranks(FW.quiet_mismatch_job, 2, args=(str(tmp_path), face, trace_dir), timeout_s=120)
+    reports = read_reports(tmp_path, 2)
+    for r in range(2):
+        rep = reports[r]
+        assert rep["type"] in ("BackendMismatchError", "CollectiveMismatchError"), rep
+        assert "out of step" in rep["msg"] and "4 float32" in rep["msg"] and "5 float32" in rep["msg"], rep
+        stderr = (tmp_path / f"stderr{r}").read_text()
+        assert "flight recorder" not in stderr and "out of step" not in stderr, stderr
+    if trace:   # the record is kept all the same
+        assert len(os.listdir(trace_dir)) == 2
+
+
+def _failed_rec(tmp_path, monkeypatch, trace):
+    rec = _rec(8)
+    if trace:
+        monkeypatch.setenv(flight.ENV_DIR, str(tmp_path))
+    else:
+        monkeypatch.delenv(flight.ENV_DIR, raising=False)
+    return rec
+
+
+@pytest.mark.parametrize("trace", [False, True])
+def test_a_timeout_or_lost_peer_is_reported_once_and_whole(tmp_path, monkeypatch, capfd, trace):
+    rec = _failed_rec(tmp_path, monkeypatch, trace)
+    writes = []
+    real = os.write
+    monkeypatch.setattr(flight.os, "write", lambda fd, data: writes.append(fd) or real(fd, data))
+    rec.failed("ncclavg allreduce did not complete within 2 s (rank 1 stopped responding)", loud=True)
+    rec.failed("a second failure is not reported", loud=True)
+    err = capfd.readouterr().err
+    if trace:
+        assert err.count(str(tmp_path)) == 1 and "ncclavg trace" in err, err
+        assert os.listdir(tmp_path) == [rec.file_name()]
+    else:
+        assert err.count("ncclavg flight recorder") == 1 and "did not complete within 2 s" in err, err
+    assert "second failure" not in err
+    assert len(writes) == 1   # one write(2): two ranks' reports on one terminal never interleave line by line
+
+
+@pytest.mark.parametrize("trace", [False, True])
+def test_a_mismatch_is_recorded_silently(tmp_path, monkeypatch, capfd, trace):
+    rec = _failed_rec(tmp_path, monkeypatch, trace)
+    rec.failed("collectives out of step: rank 0 called all_reduce(SUM) of 4 float32, rank 1 ...", loud=False)
+    assert capfd.readouterr().err == ""
+    assert os.listdir(tmp_path) == ([rec.file_name()] if trace else [])
