@@ -5,9 +5,9 @@
   recorder  the recorder on (the default), no profiler
   profiler  the recorder on, inside torch.profiler.profile(record_shapes=True)
 
-each for the call the lane runs (async_op=True, then wait: every such call is a Job, where the recorder
+each for the call the runner runs (async_op=True, then wait: every such call is a Job, where the recorder
 and the profiler hook in) and the synchronous call (the fast path where it takes it, which records
-its call with Recorder.done; under the profiler it steps aside and the call runs on the lane's worker).
+its call with Recorder.done; under the profiler it steps aside and the call runs on the runner's worker).
 Prints us per call and the ratios to `off` (the median of the ratios of blocks run side by side), and
 the hooks' own cost measured alone in this process (ns per call: the profiler check every collective
 makes, recording one lane collective, recording one fast-path call); --out writes JSON.

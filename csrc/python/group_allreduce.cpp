@@ -91,6 +91,7 @@ py::object GroupAllreduce::call(py::handle tensors, py::handle opts) {
   if (h == -1) throw py::error_already_set();
   ShmFastAverage* path = h == sum_hash_ ? sum_ : h == avg_hash_ ? avg_ : nullptr;
   if (path == nullptr) return general(tensors, opts);
+  // the call's timeout as group.py's call_limit reads it: torch's per-call option when set, else the group's
   double limit = default_s_;
   py::object timeout = attr(opts, s_timeout_);
   int unset = PyObject_RichCompareBool(timeout.ptr(), unset_.ptr(), Py_EQ);

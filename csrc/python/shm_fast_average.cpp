@@ -112,6 +112,8 @@ bool ShmFastAverage::run(py::handle tensors, double timeout_s, int64_t* count, d
     return false;
   }
   // Nothing may be queued on the channel or running: the general path then runs this call in order.
+  // The rule of Runner.acquire_idle (ncclavg/transport/runner.py), here in C++: the runner's order lock
+  // when it is free and nothing is outstanding (and, asynchronous, when the peers are in the call).
   if (!exec_->try_lock()) return false;
   if (exec_->outstanding() != 0 || (ready_wait_s >= 0 && !channel_->peers_ready(ready_wait_s))) {
     exec_->release();

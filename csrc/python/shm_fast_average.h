@@ -29,7 +29,7 @@ struct ReleaseGilWhenBlocking : cpu::ShmBlockingHook {
   void before_blocking() override { saved = PyEval_SaveThread(); }
 };
 
-// The order of one transport's collectives (ncclavg/transport/shm.py): a lock held while one runs, and the
+// The order of one runner's collectives (ncclavg/transport/runner.py): a lock held while one runs, and the
 // count of those submitted and not yet done. Native, so that the fast path checks both in nanoseconds;
 // Python uses it like a threading.Lock (acquire, release, `with`), blocking without the GIL.
 class ShmExec {

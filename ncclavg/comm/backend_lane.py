@@ -1,6 +1,6 @@
 """The torch backend's errors at their old address: they live in ncclavg/errors.py (`ncclavg.errors.
 BackendError`, `BackendTimeoutError`, `BackendMismatchError`). Kept for programs that catch
-`ncclavg.comm.backend_lane.BackendError`; the lane itself is ncclavg/process_group/lane.py."""
+`ncclavg.comm.backend_lane.BackendError`."""
 from typing import Any
 
 from .. import errors as _errors

@@ -4,7 +4,7 @@ Python (FastCalls), for synchronous broadcast, all_gather_into_tensor and reduce
 
 Note [The backend's fast path]
 Below ~1 MiB the cost of `dist.all_reduce` on this backend was the Python around the channel, not the
-channel: a Job with its Future and Event, the lane, the call's description, the transport's Work,
+channel: a Job with its Future and Event, the runner, the call's description, the transport's Work,
 ~40 us against the channel's ~1 us round. torch's own part (dist.all_reduce, the dispatcher, the call
 into this ProcessGroup and the Work handed back) costs ~2 us and cannot be avoided from a Python
 backend. So for the commonest call, the one a training loop makes for a loss, a metric or a flag, the
@@ -18,7 +18,7 @@ sends for the same call (the same channel call, divisor and call signature), so 
 path for a call and still meet; anything else (a first sight the checks would refuse, another dtype or
 op, an async_op=True call whose peers are not in it yet or over 256 KiB (Note [An asynchronous call
 whose peers wait] in csrc/transport/shm_channel.cpp), a failed or shut group) returns False and the
-general path runs the call, with its errors. A failure of the round fails the group as the lane's
+general path runs the call, with its errors. A failure of the round fails the group as the runner's
 would (BackendTimeoutError and the rest).
 
 The all_reduce itself is answered in C++ (_C.GroupAllreduce, installed as the group's own `allreduce`
@@ -123,7 +123,7 @@ def _plain(t: Any) -> bool:
 
 class FastCalls:
     """Synchronous broadcast, all_gather_into_tensor and reduce_scatter_tensor (SUM, or AVG of float32 /
-    float64) of contiguous CPU tensors, straight into the channel when the group's lane is idle: Note [The
+    float64) of contiguous CPU tensors, straight into the channel when the group's runner is idle: Note [The
     backend's fast path], in Python (these calls are rarer than all_reduce's; one dict lookup and the
     channel call, against the general path's Job, Work and description). Each method returns True when
     the call is done, False when the general path must run it (it then also raises what it raises); a

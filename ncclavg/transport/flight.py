@@ -10,9 +10,9 @@ NCCLAVG_TRACE_SIGNAL=1 (SIGUSR1 dumps every group of the process, when nothing e
 Note [A ring of plain lists]
 A training loop issues thousands of collectives a second, so recording one must cost about as little as
 the Python around it already does (~1 us): one list of nine slots per collective, stored at seq % N of a
-list allocated once, and three stores of times and states as the lane starts and completes it. No lock:
+list allocated once, and three stores of times and states as the runner starts and completes it. No lock:
 the sequence number comes from itertools.count (one C call, atomic under the GIL), a slot is written by
-one thread at a time (the issuing thread, then the lane's), and a dump copies the ring, reading slots
+one thread at a time (the issuing thread, then the runner's), and a dump copies the ring, reading slots
 that may change under it (a dump is a snapshot of a moving thing anyway). The descriptions (dtype name,
 the call in words, the root) are worked out from the stored objects only when a dump is written.
 The numbering is per group and per rank: the n-th collective this rank issued on the group. Ranks that
@@ -163,7 +163,7 @@ class Recorder:
             say(f"ncclavg: rank {self.global_rank}: the flight recorder could not write its dump: {e}")
 
 
-# ---------------------------------------------------------------------- the lane's and the fast path's hooks
+# ---------------------------------------------------------------------- the runner's and the fast paths' hooks
 def start(rec: list) -> None:
     rec[STARTED], rec[STATE] = _now(), RUNNING
 

@@ -7,13 +7,13 @@ torch records `c10d::allreduce_` when it dispatches a collective to a C++ backen
 records its own event, `gloo:all_reduce` for gloo, from issue to completion, begun on the calling thread
 and ended on gloo's worker thread (torch's profiler marks such an event async). A backend written in
 Python (Note [A ProcessGroup, not a Backend] in group.py) is called past the dispatcher, so
-nothing is recorded unless the backend records it. So `_submit`, which every lane collective passes,
+nothing is recorded unless the backend records it. So `_submit`, which every collective of the runner passes,
 records both, under the same names as gloo's with `ncclavg` for `gloo` (NAMES), each with
 the inputs (their shapes and dtypes when `record_shapes=True`):
 - the dispatcher's range `c10d::<op>` around the issue, on the calling thread (as torch's dispatcher
   records it, it ends when the call returns its Work);
 - the backend's range `ncclavg:<title>` from issue to completion, ended by the job when it completes.
-  While the profiler runs a collective runs on the lane's worker thread, a synchronous one too (the fast
+  While the profiler runs a collective runs on the runner's worker thread, a synchronous one too (the fast
   paths and the inline run step aside), so that range always ends on another thread than it began, as
   gloo's does: tools and torch's own tests tell a communication event by that (`is_async`).
 Point-to-point calls go straight to gloo's own send and recv; while the profiler runs they are wrapped
@@ -22,7 +22,7 @@ It is a torch RecordFunction (`_RecordFunctionFast`), which may be ended on anot
 that began it: its start took the profiler's callbacks of the issuing thread, and its end only writes
 the end time.
 The transport steps (`ncclavg:shm:<step>`, `ncclavg:gloo:<op>`) are children of the backend's range
-where they run. On the lane's worker thread torch's profiler records them only when asked to record every
+where they run. On the runner's worker thread torch's profiler records them only when asked to record every
 thread (`experimental_config=torch._C._profiler._ExperimentalConfig(profile_all_threads=True)`): a Python
 thread does not inherit the profiler's thread-local callbacks. The collective's ranges are there in
 either case.

@@ -10,7 +10,7 @@ IPC, PID and mount namespaces. Processes in separate network namespaces are sepa
 even when they could share /dev/shm: that is how containers, and the two-host test, say "another
 machine". All on one host: one channel over every process (transport "shm"). Several hosts, some with
 several processes: a channel per host and torch.distributed between the hosts' leaders (transport
-"shm+gloo", Note [Several hosts] below). Every process alone on its host: no channel ("gloo"). The setup
+"shm+gloo", Note [Several hosts] in hosts.py). Every process alone on its host: no channel ("gloo"). The setup
 is collective and bounded by the communicator's timeout: each host's leader creates its segment (a
 memory file without a name, Note [Segment without a name] in csrc/transport/shm_segment.cpp) and opens a
 door for it under a random name, one exchange tells the names, the others receive the segment through

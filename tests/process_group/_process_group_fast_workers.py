@@ -25,7 +25,7 @@ def _values(world, n, k, dtype):
 
 
 def agree_job(rank, world, port):
-    """Rank 0 calls synchronously (the fast path), the others with async_op=True (the lane), call by call
+    """Rank 0 calls synchronously (the fast path), the others with async_op=True (the runner), call by call
     the other way round too: the ranks meet, and every result is the float64 reference rounded once (the
     inputs are quarters below 16 in magnitude: their sums are exact in every dtype here, and the AVG of
     float32/float64 is the exact sum divided once)."""
@@ -212,7 +212,7 @@ def _pattern(n, dtype, r, k):
 
 def calls_agree_job(rank, world, port):
     """broadcast, all_gather_into_tensor and reduce_scatter_tensor with one rank synchronous (the fast
-    path) and the others asynchronous (the lane), swapping call by call, over dtypes and sizes whose
+    path) and the others asynchronous (the runner), swapping call by call, over dtypes and sizes whose
     payloads are multiples of 4 bytes, of 2, and odd (the general path's padding): every rank gets the
     reference (the inputs are small integers: every sum is exact, AVG divides once)."""
     init_backend(rank, world, port)

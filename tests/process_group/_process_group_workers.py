@@ -241,7 +241,7 @@ def check_async_and_functional(rank, world):
     import torch.distributed._functional_collectives as fc
 
     works, ts = [], []
-    for k in range(5):   # issued back to back, completed in order by the lane
+    for k in range(5):   # issued back to back, completed in order by the runner
         t = torch.full((1000,), float(rank + k))
         ts.append(t)
         works.append(dist.all_reduce(t, async_op=True))
@@ -448,7 +448,7 @@ def reinit_job(rank, world, port, files):
 
 def own_timeout_job(rank, world, port, outdir):
     """Each collective keeps its own group's timeout: a group made with timeout=2 s gives up after 2 s
-    while the default group's is 60 s (Note [Per-collective deadlines])."""
+    while the default group's is 60 s (Note [One deadline per call] in ncclavg/transport/runner.py)."""
     import time
 
     from _fault_util import report

@@ -1,7 +1,7 @@
 """torch.profiler on the `ncclavg` backend (ncclavg/transport/profiling.py): every collective as gloo's
 is seen, the dispatcher's range `c10d::<op>` around the issue and the backend's own `ncclavg:<title>`
 from issue to completion, ended on another thread (async), each with its shapes; point-to-point calls
-the same; the transport steps on the lane's worker when every thread is recorded."""
+the same; the transport steps on the runner's worker when every thread is recorded."""
 import json
 import os
 
@@ -44,7 +44,7 @@ def test_ddp_steps_show_one_allreduce_per_bucket(tmp_path, all_threads):
         one = [[7]] if not all_threads else "?"
         assert [(shapes(e), e["async"]) for e in by_name[p2p]] == [(one, True)], events
         assert [shapes(e) for e in by_name[dispatched]] == [one], events
-        # the channel's steps run on the lane's worker: recorded only when every thread is
+        # the channel's steps run on the runner's worker: recorded only when every thread is
         steps_seen = [e for e in events if e["name"].startswith("ncclavg:shm:")]
         if all_threads:
             names = [e["name"] for e in steps_seen]

@@ -1,7 +1,7 @@
 """A peer of an `ncclavg` process group killed (SIGKILL) or frozen (SIGSTOP): every survivor's next
 collective fails within the timeout with torch's DistBackendError (also ncclavg's CommError) naming the
 lost rank, through the shared-memory channel and through gloo alone (NCCLAVG_SHM=0); through stock DDP the
-same text arrives as the RuntimeError DDP's C++ reducer raises (Note [Backend works and futures])."""
+same text arrives as the RuntimeError DDP's C++ reducer raises (Note [One Work for both faces] in ncclavg/transport/work.py)."""
 import re
 import signal
 
@@ -56,7 +56,7 @@ def test_each_group_keeps_its_own_timeout(tmp_path):
     # heartbeats (2.5 s at most) come on top
     assert early["type"] == "BackendTimeoutError" and "within 2 s" in early["msg"], early
     assert early["elapsed"] < 2 + 10, early
-    # arrives to find the channel aborted by rank 0, with rank 0's reason, which names the 2 s: the lane's
+    # arrives to find the channel aborted by rank 0, with rank 0's reason, which names the 2 s: the runner's
     # words ("did not complete within 2 s") or, when rank 0's call took the fast path, the channel's own
     # ("timed out after 2 s")
     late = reports[1]

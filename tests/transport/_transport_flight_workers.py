@@ -39,7 +39,7 @@ def frozen_peer_job(rank, world, port, outdir, timeout):
 
 def ddp_profile_job(rank, world, port, outdir, steps, bucket_mb, all_threads=False):
     """`steps` DDP steps under torch.profiler (record_shapes), then one synchronous broadcast and one
-    send from rank 0 to rank 1; `all_threads` asks the profiler to record every thread (the lane's worker
+    send from rank 0 to rank 1; `all_threads` asks the profiler to record every thread (the runner's worker
     too). Each rank writes the events it saw of the backend, with DDP's bucket sizes, as JSON."""
     import json
 
@@ -82,7 +82,7 @@ def ddp_profile_job(rank, world, port, outdir, steps, bucket_mb, all_threads=Fal
 
 
 def mixed_paths_job(rank, world, port, outdir):
-    """Rank k % world calls synchronously (a fast path), the others asynchronously (the lane), for each
+    """Rank k % world calls synchronously (a fast path), the others asynchronously (the runner), for each
     collective the fast paths take; then every rank dumps its record."""
     import torch
     import torch.distributed as dist

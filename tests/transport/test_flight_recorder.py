@@ -41,7 +41,7 @@ def _rec(capacity, group="0", rank=0):
 
 
 def test_fast_and_queued_calls_get_the_same_numbers_and_words(tmp_path):
-    """One rank calls synchronously (the fast paths: no Job), the other asynchronously (the lane), and the
+    """One rank calls synchronously (the fast paths: no Job), the other asynchronously (the runner), and the
     other way round: both ranks' dumps list the same calls under the same numbers."""
     from _dist_util import run_ranks
 
@@ -63,7 +63,7 @@ def test_the_ring_keeps_the_last_n(tmp_path):
         r = rec.issue(calls.make("all_reduce", t.dtype, count=3), [t])
         flight.start(r)
         flight.finish(r, None)
-    rec.done(("all_reduce", torch.distributed.ReduceOp.SUM, None), t.dtype, 3)   # a fast path's record: described as the lane's
+    rec.done(("all_reduce", torch.distributed.ReduceOp.SUM, None), t.dtype, 3)   # a fast path's record: described as the runner's
     snap = rec.snapshot("test")
     assert [e["seq"] for e in snap["entries"]] == [9, 10, 11, 12, 13]
     assert snap["last_seq"] == 13 and len(rec.ring) == 5
