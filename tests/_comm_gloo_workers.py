@@ -105,27 +105,30 @@ def pretend_hosts(rank, layout):
 
 def spy_between_hosts(comm):
     """Between hosts (shm+gloo): records (op, output splits, input splits) of each all_to_all the hosts'
-    leaders run, and any other torch.distributed collective by name; None on other transports."""
-    if comm.transport != "shm+gloo":
+    leaders run on their lane-0 group, and any other data operation there by name (the records that compare
+    the calls, `_allgather_base`, are not recorded); None on other transports or on a process that leads no
+    host."""
+    if comm.transport != "shm+gloo" or comm._runner.transport._leaders is None:
         return None
-    calls, real = [], comm._runner.transport._dist
+    calls, lane = [], comm._runner.transport._leaders
+    real = lane.group
 
     class Spy:
         def __getattr__(self, name):
             fn = getattr(real, name)
-            if name == "all_to_all_single":
-                def record(out, inp, out_splits, in_splits, **kw):
-                    calls.append((name, list(out_splits), list(in_splits)))
-                    return fn(out, inp, out_splits, in_splits, **kw)
+            if name == "alltoall_base":
+                def record(out, inp, out_splits, in_splits, opts):
+                    calls.append(("all_to_all_single", list(out_splits), list(in_splits)))
+                    return fn(out, inp, out_splits, in_splits, opts)
                 return record
-            if name in ("all_reduce", "all_gather_into_tensor", "all_gather_single", "all_gather"):
+            if name in ("allreduce", "broadcast"):
                 def other(*a, **kw):
                     calls.append((name,))
                     return fn(*a, **kw)
                 return other
             return fn
 
-    comm._runner.transport._dist = Spy()
+    lane.group = Spy()
     return calls
 
 

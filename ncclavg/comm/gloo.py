@@ -77,7 +77,7 @@ class GlooCommunicator(Communicator):
             self._runner.namer = self._liveness.diagnose
         transport = host_setup.connect(
             self.rank, self.world_size, lambda obj: allgather_object(self, dist, group, obj, self.timeout),
-            [h for _, h in found], self.timeout, dist=dist, group=group)
+            [h for _, h in found], self.timeout, make_group=host_setup.dist_group_maker(dist, group, self.timeout))
         self._runner.transport = transport
         # between the processes: "shm", the shared-memory channel (one host); "shm+gloo", a channel per host
         # and torch.distributed between the hosts (Note [Several hosts] in transport/hosts.py); "gloo",

@@ -14,9 +14,8 @@ on one rank with those of the other on another. A channel costs a segment of abo
 
 The setup runs before torch has registered the group, so torch.distributed's functions cannot be used
 on it: host_setup.connect's exchanges (the host identities, the segment's name, each rank's outcome)
-go through the group's store (`_store_exchange`), and across hosts the leaders' steps, which speak
-torch.distributed, are handed `_DistOverBackends`: the few functions they call, implemented on the
-group's inner gloo backend and on a gloo backend of the hosts' leaders made the same way.
+go through the group's store (`_store_exchange`), and across hosts the lanes' gloo groups are gloo
+backends made over the same store (`_gloo_group_maker`).
 
 Note [Naming the lost rank from the backend]
 The channel names a peer that exited itself (it watches the pids). A frozen peer, or one lost across
@@ -35,8 +34,7 @@ import weakref
 from typing import Any, Callable, List, Optional
 
 import torch.distributed as dist
-from torch._C._distributed_c10d import (AllreduceOptions, AllToAllOptions, BroadcastOptions,
-                                        PrefixStore)
+from torch._C._distributed_c10d import PrefixStore
 
 from ..transport import host_setup, shm
 from ..transport.liveness import Liveness
@@ -63,49 +61,15 @@ def no_diagnosis() -> str:
 
 
 # ---------------------------------------------------------------------------------------------- the channel
-class _Group:
-    """A gloo backend and the group ranks it spans: the `group` of `_DistOverBackends`' functions."""
-
-    def __init__(self, backend: Any, ranks: List[int]):
-        self.backend, self.ranks = backend, ranks
-
-
-class _DistOverBackends:
-    """The torch.distributed functions the channel's several-hosts steps call (hosts.py: the leaders' group,
-    all_reduce, all_to_all_single, broadcast), on gloo backends the group made itself (see the module's
-    notes). Ranks are the group's ranks throughout."""
-
-    ReduceOp = dist.ReduceOp
-
-    def __init__(self, store: Any, rank: int, timeout: datetime.timedelta):
-        self._store, self._rank, self._timeout = store, rank, timeout
-
-    def get_global_rank(self, group: Any, rank: int) -> int:
-        return rank
-
-    def new_group(self, ranks: List[int], backend: str = "gloo", timeout: Any = None,
-                  use_local_synchronization: bool = True) -> _Group:
+def _gloo_group_maker(store: Any, rank: int, timeout: datetime.timedelta) -> Callable[[List[int]], Any]:
+    """host_setup.connect's make_group: a gloo backend of the given group ranks over the group's store (the
+    group is not registered with torch yet: see the module's notes), its timeout the group's own (a lane
+    must not wait longer than its group does)."""
+    def make(ranks: List[int]) -> Any:
         ranks = sorted(ranks)
-        store = PrefixStore("ncclavg-leaders/" + ",".join(map(str, ranks)) + "/", self._store)
-        # the group's own timeout, not the channel's: a leader must not wait longer than its group does
-        return _Group(dist.ProcessGroupGloo(store, ranks.index(self._rank), len(ranks), self._timeout), ranks)
-
-    def all_reduce(self, tensor: Any, op: Any = dist.ReduceOp.SUM, group: Optional[_Group] = None,
-                   async_op: bool = True) -> Any:
-        opts = AllreduceOptions()
-        opts.reduceOp = op
-        return group.backend.allreduce([tensor], opts)   # type: ignore[union-attr]
-
-    def broadcast(self, tensor: Any, src: int, group: _Group, async_op: bool = True) -> Any:
-        opts = BroadcastOptions()
-        opts.rootRank, opts.rootTensor = group.ranks.index(src), 0
-        return group.backend.broadcast([tensor], opts)
-
-    def all_to_all_single(self, output: Any, tensor: Any, output_split_sizes: Optional[List[int]] = None,
-                          input_split_sizes: Optional[List[int]] = None, group: Optional[_Group] = None,
-                          async_op: bool = True) -> Any:
-        return group.backend.alltoall_base(output, tensor, list(output_split_sizes or []),   # type: ignore[union-attr]
-                                           list(input_split_sizes or []), AllToAllOptions())
+        store_of = PrefixStore("ncclavg-lane/" + ",".join(map(str, ranks)) + "/", store)
+        return dist.ProcessGroupGloo(store_of, ranks.index(rank), len(ranks), timeout)
+    return make
 
 
 def _store_exchange(store: Any, rank: int, size: int, timeout: datetime.timedelta) -> Callable[[Any], list]:
@@ -122,7 +86,7 @@ def _store_exchange(store: Any, rank: int, size: int, timeout: datetime.timedelt
     return exchange
 
 
-def connect_channel(store: Any, rank: int, size: int, gloo: Any, timeout: datetime.timedelta) -> Any:
+def connect_channel(store: Any, rank: int, size: int, timeout: datetime.timedelta) -> Any:
     """Collective over the group: its host channel (transport "shm" or "shm+gloo"), or None (every
     process alone on its host, NCCLAVG_SHM=0, or a failed setup under NCCLAVG_SHM=auto)."""
     if size < 2 or shm.setting() == "off":
@@ -134,7 +98,7 @@ def connect_channel(store: Any, rank: int, size: int, gloo: Any, timeout: dateti
         # group's timeout and the backstop; every collective passes its job's (Note [One deadline per call])
         limit = timeout.total_seconds() + BACKSTOP_S
         return host_setup.connect(rank, size, exchange, identities, limit,
-                                  dist=_DistOverBackends(store, rank, timeout), group=_Group(gloo, list(range(size))))
+                                  make_group=_gloo_group_maker(store, rank, timeout))
     except BackendError:
         raise
     except Exception as e:   # noqa: BLE001 (the reason, in the backend's words)
@@ -145,11 +109,11 @@ def connect_channel(store: Any, rank: int, size: int, gloo: Any, timeout: dateti
 _ALL_RUNNERS: "weakref.WeakSet[Runner]" = weakref.WeakSet()
 
 
-def runner_for(store: Any, rank: int, size: int, gloo: Any, timeout: datetime.timedelta,
+def runner_for(store: Any, rank: int, size: int, timeout: datetime.timedelta,
                namer: Callable[[], str]) -> Runner:
     """A new runner over a new host channel for one process group (a collective over the group). See Note
     [One channel per group]; `namer` names a lost rank (the group's heartbeats)."""
-    transport = connect_channel(store, rank, size, gloo, timeout)
+    transport = connect_channel(store, rank, size, timeout)
     runner = Runner(f"ncclavg-pg-{rank}of{size}", FACE, transport, namer)
     _ALL_RUNNERS.add(runner)
     return runner

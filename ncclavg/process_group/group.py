@@ -91,8 +91,7 @@ class ProcessGroupNcclavg(dist.ProcessGroup):
         self._liveness = connect.heartbeats(PrefixStore("beat/", store), rank, size)
         self._diagnose = self._liveness.diagnose if self._liveness is not None else connect.no_diagnosis
         try:
-            self._runner: Runner = connect.runner_for(PrefixStore("lane/", store), rank, size, self._gloo, timeout,
-                                                      self._diagnose)
+            self._runner: Runner = connect.runner_for(PrefixStore("lane/", store), rank, size, timeout, self._diagnose)
         except BaseException:
             if self._liveness is not None:
                 self._liveness.stop()

@@ -2,7 +2,17 @@
 (Note [Call signatures] in csrc/transport/shm_calls.cpp): which collective, the user's dtype, the reduction,
 the root and the element count. Ranks whose calls differ fail with both calls named, on every rank,
 whichever transport moves the data: the channel compares the calls in the round that moves the data
-(or in a round of its own before a gloo step), and without a channel `check_over_gloo` exchanges them.
+(or in a round of its own before a gloo step), and between hosts `exchange_record` exchanges them with
+the call's first data.
+
+Note [The check beside the data]
+Between hosts (and between processes that share no channel) the calls are compared by one all-gather of
+three words per rank over gloo. Run before the data, it would cost a network round trip per collective,
+which for a small all-reduce doubles its time. So it is started just before the call's data is sent, in
+flight beside it (gloo runs a group's operations on several threads), and waited for before any result
+is written where the caller sees it: the data's exchange and the check end together. A mismatch is then
+found within one exchange and raised on every rank, naming both calls; the data that went with it is
+never handed back (the group fails, and nothing waits for it).
 
 The codes come from the core's tables (`_C.shm_call_names()`), so that one place says what they mean.
 """
@@ -83,28 +93,48 @@ class CallMismatchError(_C.ShmMismatchError):
     """Ranks called different collectives, found by an exchange outside the channel (gloo)."""
 
 
-def check_over_gloo(gloo: Any, call: Call, rank: int, size: int, timeout: float, labels: Optional[list] = None,
-                    where: str = "gloo", ok: bool = True) -> None:
-    """Compares `call` across the ranks of the gloo backend `gloo` (one all-gather of three words each);
-    raises CallMismatchError naming this rank's call and the first that differs. `labels`: how errors
-    name gloo's ranks (the hosts' leaders: their group ranks). `ok=False`: this rank takes part only to
-    tell the others that its own step of the call failed (a host whose ranks disagree); it raises
-    nothing itself, its caller raises its own error."""
+FOLD_BYTES = 4096       # the data a record carries beside its call (Note [The check folded into the data])
+_HEADER = 4             # int64 words: tag, count, ok, the payload's bytes
+
+
+def exchange_record(gloo: Any, call: Call, rank: int, size: int, timeout: float, payload: Optional[Any] = None,
+                    labels: Optional[list] = None, where: str = "gloo", ok: bool = True) -> list:
+    """One exchange of a fixed-size record per rank over the torch.distributed process group `gloo` (its
+    c10d `_allgather_base`): this rank's call, whether its own step of the call went well (`ok=False`: a
+    host whose ranks disagree tells the others, which then fail at once) and up to FOLD_BYTES of the call's
+    data (`payload`, a uint8 tensor). Raises CallMismatchError naming this rank's call and the first that
+    differs (or the rank whose step failed); else returns every rank's payload, in rank order. With
+    ok=False it raises nothing itself: its caller raises its own error. Note [The check folded into the
+    data]."""
     from torch._C._distributed_c10d import AllgatherOptions
 
-    mine = torch.tensor([call.tag, call.count, int(ok)], dtype=torch.int64)
-    rows = [torch.empty(3, dtype=torch.int64) for _ in range(size)]
-    gloo.allgather([rows], [mine], AllgatherOptions()).wait(datetime.timedelta(seconds=timeout))
+    n = 0 if payload is None else payload.numel()
+    if n > FOLD_BYTES:
+        raise ValueError(f"payload: at most {FOLD_BYTES} bytes, got {n}")
+    mine = torch.zeros(_HEADER * 8 + FOLD_BYTES, dtype=torch.uint8)
+    mine[:_HEADER * 8].view(torch.int64).copy_(torch.tensor([call.tag, call.count, int(ok), n], dtype=torch.int64))
+    if n:
+        mine[_HEADER * 8:_HEADER * 8 + n] = payload
+    rows = torch.empty(size, mine.numel(), dtype=torch.uint8)
+    gloo._allgather_base(rows.view(-1), mine, AllgatherOptions()).wait(datetime.timedelta(seconds=max(timeout, 1e-3)))
     if not ok:
-        return
+        return []
     names = labels if labels is not None else list(range(size))
-    for r, row in enumerate(rows):
+    heads = rows[:, :_HEADER * 8].contiguous().view(torch.int64)
+    for r in range(size):
         if r == rank:
             continue
-        if not int(row[2]):
+        if not int(heads[r, 2]):
             raise CallMismatchError(f"{call.describe()} failed on the host of rank {names[r]} ({where}): its "
                                     "processes' errors say why")
-        if not torch.equal(row[:2], mine[:2]):
+        if int(heads[r, 0]) != call.tag or int(heads[r, 1]) != call.count or int(heads[r, 3]) != n:
             raise CallMismatchError(mismatch_text(names[rank], (call.tag, call.count), names[r],
-                                                  (int(row[0]), int(row[1])), where))
+                                                  (int(heads[r, 0]), int(heads[r, 1])), where))
     call.checked = True
+    return [rows[r, _HEADER * 8:_HEADER * 8 + n] for r in range(size)]
+
+
+def check_over_gloo(gloo: Any, call: Call, rank: int, size: int, timeout: float, labels: Optional[list] = None,
+                    where: str = "gloo", ok: bool = True) -> None:
+    """Compares `call` across the ranks of `gloo`: a record that carries no data."""
+    exchange_record(gloo, call, rank, size, timeout, labels=labels, where=where, ok=ok)

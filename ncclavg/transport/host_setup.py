@@ -1,7 +1,8 @@
 """Setting up a group's host channels (Note [When the shared-memory channel is used] in shm.py): one
 `ShmTransport` when every process is on one host, a `HostsTransport` (hosts.py) when they span several
-hosts and some share one, None when every process is alone on its host. Both faces call `connect`: the
-Communicator over its torch.distributed group, the torch backend over its group's store.
+hosts and some share one (with its lanes' gloo groups between the hosts), None when every process is
+alone on its host. Both faces call `connect`: the Communicator over its torch.distributed group, the
+torch backend over its group's store.
 """
 from __future__ import annotations
 
@@ -12,15 +13,27 @@ from typing import Any, Callable, Optional, Union
 
 from .._ext import _C
 from ..errors import CommError
-from .hosts import HostsTransport
+from .hosts import HostsTransport, make_lanes
+from .liveness import _next_index
 from .shm import ShmTransport, setting, slot_bytes
 
 
-def _leaders_group(dist: Any, group: Any, leaders: list, timeout: float) -> Any:
-    """The process group of the hosts' leaders (group ranks `leaders`); only they build it."""
-    ranks = [dist.get_global_rank(group, r) if group is not None else r for r in leaders]
-    return dist.new_group(ranks=ranks, backend="gloo", timeout=datetime.timedelta(seconds=timeout),
-                          use_local_synchronization=True)
+def dist_group_maker(dist: Any, group: Any, timeout: float) -> Callable[[list], Any]:
+    """make_group for `connect` through torch.distributed: a gloo backend of the given ranks of `group`
+    over torch.distributed's default store, under a prefix of this communicator's own (Note [Heartbeat
+    keys per group] in liveness.py). Not dist.new_group: with use_local_synchronization its group name
+    counts the groups each process made before, which differs between the processes of a lane whenever
+    one of them carries several lanes."""
+    store = dist.distributed_c10d._get_default_store()
+    members = "world" if group is None else ",".join(map(str, dist.get_process_group_ranks(group)))
+    prefix = f"ncclavg/lanes/{members}/{_next_index('lanes ' + members)}/"
+
+    def make(ranks: list) -> Any:
+        ranks = sorted(ranks)
+        me = ranks.index(dist.get_rank(group))
+        lane_store = dist.PrefixStore(prefix + ",".join(map(str, ranks)) + "/", store)
+        return dist.ProcessGroupGloo(lane_store, me, len(ranks), datetime.timedelta(seconds=timeout))
+    return make
 
 
 def hosts_of(identities: list) -> list:
@@ -36,11 +49,11 @@ def hosts_of(identities: list) -> list:
 
 
 def connect(rank: int, world: int, exchange: Callable[[Any], list], identities: list, timeout: float,
-            dist: Any = None, group: Any = None) -> Optional[Union[ShmTransport, HostsTransport]]:
+            make_group: Optional[Callable[[list], Any]] = None) -> Optional[Union[ShmTransport, HostsTransport]]:
     """Collective: a transport when processes of the group share hosts, else None. `exchange(obj)`: every
     rank's `obj`, in rank order (one object per rank, all ranks calling; the caller bounds it), the
-    setup's only exchange on one host; `identities`: every rank's shm.host_identity(); `dist` and `group`:
-    the torch.distributed functions and group the hosts' leaders meet through (several hosts)."""
+    setup's only exchange on one host; `identities`: every rank's shm.host_identity(); `make_group(ranks)`:
+    a c10d process group (gloo) of those group ranks, called by them alone (several hosts: the lanes)."""
     mode = setting()
     if mode == "off" or world < 2:
         return None
@@ -72,12 +85,12 @@ def connect(rank: int, world: int, exchange: Callable[[Any], list], identities: 
     errors = [e for e in exchange(error) if e]
     if local == 0 and channel is not None:
         channel.close_door()   # everyone has joined (or given up)
-    leaders = None
-    if not errors and len(hosts) > 1 and local == 0:
+    lanes: list = []
+    if not errors and len(hosts) > 1:
         try:
-            leaders = _leaders_group(dist, group, [h[0] for h in hosts], timeout)
+            lanes = make_lanes(hosts, rank, make_group)
         except Exception as e:   # noqa: BLE001 (the others fail at their next collective, bounded)
-            raise CommError(f"rank {rank}: the group of the hosts' leaders could not be made: {e}") from e
+            raise CommError(f"rank {rank}: the gloo groups between the hosts could not be made: {e}") from e
     if errors:
         if mode == "on":
             raise CommError(f"NCCLAVG_SHM=1 but the shared-memory channel could not be set up: {errors[0]}")
@@ -86,4 +99,4 @@ def connect(rank: int, world: int, exchange: Callable[[Any], list], identities: 
         return None
     if len(hosts) == 1:
         return ShmTransport(channel, rank, world)
-    return HostsTransport(channel, rank, world, hosts, leaders, dist, group)
+    return HostsTransport(channel, rank, world, hosts, lanes)

@@ -41,6 +41,8 @@ _SEQ_LOCK = threading.Lock()
 
 
 def _next_index(members: str) -> int:
+    """The number of communicators this process made before over the member set `members` (Note
+    [Heartbeat keys per group]): the same on every member."""
     with _SEQ_LOCK:
         n = _SEQ.get(members, 0)
         _SEQ[members] = n + 1

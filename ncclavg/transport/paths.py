@@ -46,8 +46,8 @@ from torch._C._distributed_c10d import (AllgatherOptions, AllreduceOptions, AllT
                                         GatherOptions, ReduceOp, ScatterOptions)
 
 from . import profiling
-from .calls import check_over_gloo
-from .reductions import R, as_bytes, byte_wire, exact_mean, padded, reduce_rows
+from .calls import FOLD_BYTES, exchange_record
+from .reductions import R, as_bytes, byte_wire, exact_mean, padded, reduce_rows, sum_in_order
 from .runner import Job
 from .shm import supports
 
@@ -184,8 +184,10 @@ class ChannelPaths:
 
 class GlooPaths:
     """The steps through the torch.distributed process group `gloo` (its c10d methods: allreduce,
-    _allgather_base, ...): every step, for any arguments. `compare`: compare the ranks' calls before the
-    first step of a job (Note [Every call compared]; `channel` does it in one round where there is one)."""
+    _allgather_base, ...): every step, for any arguments. `compare`: compare the ranks' calls once per job
+    (Note [Every call compared]): one channel round where the group has a channel, else the first exchange
+    of the step, a record of fixed size that carries the call and, for a sum, its first data (Note [The
+    check folded into the data] in calls.py)."""
 
     def __init__(self, gloo: Any, rank: int, size: int, channel: Optional[ChannelPaths], compare: bool = True):
         self.gloo, self.rank, self.size = gloo, rank, size
@@ -199,17 +201,23 @@ class GlooPaths:
         return True
 
     def check(self, job: Job) -> None:
-        """The ranks' calls compared before a gloo step (Note [Every call compared])."""
+        """The ranks' calls compared (a barrier's whole work, or before a step of gloo's)."""
+        self._compared(job)
+
+    def _compared(self, job: Job, payload: Optional[torch.Tensor] = None) -> Optional[list]:
+        """Compares the job's call when it still has to be; the ranks' payloads when a record carried
+        `payload` (None when nothing was exchanged over gloo)."""
         call = job.call
         if call is None or call.checked or not self._compare:
-            return
+            return None
         if self.size == 1:   # nothing to compare a call with
             call.checked = True
-        elif self._channel is not None:
+            return None
+        if self._channel is not None:
             self._channel.check(job)
-        else:
-            with profiling.step(job, "gloo", "check"):
-                check_over_gloo(self.gloo, call, self.rank, self.size, job.remaining())
+            return None
+        with profiling.step(job, "gloo", "check"):
+            return exchange_record(self.gloo, call, self.rank, self.size, job.remaining(), payload)
 
     def _wait(self, job: Job, work: Any) -> None:
         # the wait only: gloo's work was issued by the caller's argument (and gloo records its own range,
@@ -219,10 +227,22 @@ class GlooPaths:
 
     # ------------------------------------------------------------------ reductions
     def sum(self, job: Job, t: torch.Tensor, divisor: float = 1.0) -> float:
-        self.check(job)
-        if t.numel():
-            self._allreduce(job, t, R.SUM)
+        flat = t.view(-1)
+        done = self._fold_sum(job, flat)
+        if flat.numel() > done:
+            self._allreduce(job, flat[done:], R.SUM)
         return divisor
+
+    def _fold_sum(self, job: Job, flat: torch.Tensor) -> int:
+        """The call's check, with the first FOLD_BYTES of `flat` summed in it when it goes over gloo: the
+        ranks' payloads added in rank order, accumulated wide and rounded once. Returns the number of
+        leading elements done."""
+        k = min(flat.numel(), FOLD_BYTES // flat.element_size())
+        rows = self._compared(job, as_bytes(flat[:k]))
+        if not rows or not k:
+            return 0
+        flat[:k].copy_(sum_in_order([r.view(flat.dtype) for r in rows]))
+        return k
 
     def _allreduce(self, job: Job, t: torch.Tensor, kind: Any) -> None:
         opts = AllreduceOptions()
@@ -230,7 +250,7 @@ class GlooPaths:
         self._wait(job, self.gloo.allreduce([t], opts))
 
     def reduce(self, job: Job, t: torch.Tensor, kind: Any) -> None:
-        self.check(job)
+        self._compared(job)
         if t.numel():
             self._reduce(job, t, kind)
 
@@ -302,21 +322,16 @@ class GlooPaths:
         bytes of a reduce-scatter), summed here in rank order, accumulated wide and rounded once (the
         channel's arithmetic). torch's gloo reduce_scatter ignores Work.wait(timeout) (torch 2.13: a peer 5 s
         late holds a wait with a 1 s limit for the whole 5 s); all_to_all stops at the deadline."""
-        self.check(job)
+        self._compared(job)
         if out.numel():
             pieces = torch.empty(self.size * out.numel(), dtype=out.dtype)
             self._wait(job, self.gloo.alltoall_base(pieces, inp.reshape(-1), [], [], AllToAllOptions()))
-            wide = torch.float64 if out.dtype == torch.float64 else torch.float32
-            rows = pieces.view(self.size, -1)
-            acc = rows[0].to(wide, copy=True)
-            for p in rows[1:]:
-                acc += p
-            out.view(-1).copy_(acc)
+            out.view(-1).copy_(sum_in_order(list(pieces.view(self.size, -1))))
         return divisor
 
     # ------------------------------------------------------------------ data movement (as bytes: gloo lacks some dtypes)
     def all_gather_bytes(self, job: Job, out_bytes: torch.Tensor, in_bytes: torch.Tensor) -> None:
-        self.check(job)
+        self._compared(job)
         if in_bytes.numel():
             self._wait(job, self.gloo._allgather_base(out_bytes, in_bytes, AllgatherOptions()))
 
@@ -329,19 +344,19 @@ class GlooPaths:
         return rows.view(self.size, -1)
 
     def broadcast_bytes(self, job: Job, data: torch.Tensor, root: int) -> None:
-        self.check(job)
+        self._compared(job)
         if data.numel():
             opts = BroadcastOptions()
             opts.rootRank, opts.rootTensor = root, 0
             self._wait(job, self.gloo.broadcast([data], opts))
 
     def allgather(self, job: Job, outs: List[torch.Tensor], inp: torch.Tensor) -> None:
-        self.check(job)
+        self._compared(job)
         if inp.numel():
             self._wait(job, self.gloo.allgather([[as_bytes(o) for o in outs]], [as_bytes(inp)], AllgatherOptions()))
 
     def gather(self, job: Job, outs: List[torch.Tensor], inp: torch.Tensor, root: int) -> None:
-        self.check(job)
+        self._compared(job)
         if inp.numel():
             opts = GatherOptions()
             opts.rootRank = root
@@ -349,7 +364,7 @@ class GlooPaths:
                                              [as_bytes(inp)], opts))
 
     def scatter(self, job: Job, out: torch.Tensor, inputs: Optional[List[torch.Tensor]], root: int) -> None:
-        self.check(job)
+        self._compared(job)
         if out.numel():
             opts = ScatterOptions()
             opts.rootRank = root
@@ -358,7 +373,7 @@ class GlooPaths:
 
     def alltoall_single(self, job: Job, out: torch.Tensor, inp: torch.Tensor, out_splits: List[int],
                         in_splits: List[int]) -> None:
-        self.check(job)
+        self._compared(job)
         if out.numel() or inp.numel():   # splits count rows of dim 0
             row_out = out.element_size() * (out.numel() // out.shape[0] if out.shape[0] else 0)
             row_in = inp.element_size() * (inp.numel() // inp.shape[0] if inp.shape[0] else 0)
@@ -366,7 +381,7 @@ class GlooPaths:
                                                     [s * row_in for s in in_splits], AllToAllOptions()))
 
     def alltoall(self, job: Job, outs: List[torch.Tensor], inputs: List[torch.Tensor]) -> None:
-        self.check(job)
+        self._compared(job)
         if any(t.numel() for t in list(outs) + list(inputs)):
             self._wait(job, self.gloo.alltoall([as_bytes(o) for o in outs], [as_bytes(i) for i in inputs],
                                                AllToAllOptions()))

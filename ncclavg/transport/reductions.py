@@ -153,3 +153,14 @@ def _floor_mean_u64(rows: np.ndarray) -> tuple:
         sum_q = q.sum(0, dtype=np.uint64)
     sum_r = r.sum(0, dtype=np.uint64)
     return sum_q + sum_r // p, sum_r % p
+
+
+def sum_in_order(parts: list) -> torch.Tensor:
+    """parts[0] + parts[1] + ... in order, accumulated in float64 for float64 and float32 otherwise, rounded
+    once to the parts' dtype: the channel's arithmetic, for sums done outside it (a record's payloads, the
+    pieces of an all_to_all)."""
+    wide = torch.float64 if parts[0].dtype == torch.float64 else torch.float32
+    acc = parts[0].to(wide, copy=True)
+    for p in parts[1:]:
+        acc += p
+    return acc.to(parts[0].dtype)
