@@ -1,0 +1,89 @@
+"""The all-reduce between hosts (ncclavg/transport/hosts.py, Note [Several hosts]) and the calls' check
+folded into its first exchange (Note [The check folded into the data] in calls.py), on hosts pretended on
+one machine (each rank says which host it is on): the lanes' layout on its own, then whole jobs through
+both faces. The namespace runs, on shaped links, are bench/hosts.py's and the slow tests'."""
+import json
+
+import _hosts_workers as W
+import pytest
+import torch
+from _dist_util import run_ranks
+
+from ncclavg.transport import hosts
+from ncclavg.transport.hosts import _Layout, owners
+
+
+@pytest.mark.parametrize("lanes_of, chunk", [
+    ([[0], [1]], 8), ([[0], [1]], 7), ([[0], [1], [2]], 1),         # as many lanes as processes
+    ([[0, 2], [1]], 10), ([[0, 2], [1]], 3),                          # 3 lanes on a host of 2
+    ([[0, 1, 2]], 11), ([[0, 1, 2, 3]], 0),                           # a host of one carries them all
+])
+def test_a_chunk_laid_out_by_lanes_comes_back_whole(lanes_of, chunk):
+    k = sum(len(x) for x in lanes_of)
+    shard = -(-chunk // k)
+    layout = _Layout(lanes_of, shard, chunk)
+    assert layout.direct == (all(len(x) == 1 for x in lanes_of) and shard * k == chunk)
+    src = torch.arange(1, chunk + 1, dtype=torch.float32)
+    stage = torch.full((len(lanes_of) * layout.region,), -1.0)
+    layout.scatter_in(src, stage)
+    # each rank's region holds its lanes' shards in order, zeros after (never garbage: it is summed)
+    for l, lanes in enumerate(lanes_of):
+        region = stage[l * layout.region:(l + 1) * layout.region]
+        want = torch.cat([torch.nn.functional.pad(src[i * shard:(i + 1) * shard], (0, 0)) for i in lanes] or [src[:0]])
+        assert torch.equal(region[:want.numel()], want) and not region[want.numel():].any()
+    back = torch.zeros(chunk)
+    layout.gather_out(stage, back)
+    assert torch.equal(back, src)
+
+
+def test_every_lane_has_one_carrier_per_host():
+    assert [owners([[0, 1, 2], [3]], k) for k in range(3)] == [[0, 3], [1, 3], [2, 3]]
+    assert [owners([[0, 2], [1, 3]], k) for k in range(2)] == [[0, 1], [2, 3]]
+
+
+@pytest.mark.parametrize("name, value", [("NCCLAVG_HOSTS_CHUNK_KB", "0"), ("NCCLAVG_HOSTS_CHUNK_KB", "x"),
+                                         ("NCCLAVG_HOSTS_DEPTH", "0")])
+def test_bad_settings_name_the_variable(monkeypatch, name, value):
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=name):
+        hosts.chunk_bytes() if "CHUNK" in name else hosts.depth()
+
+
+# 2 hosts of 2 (lanes as processes); 3 hosts of 2, 1 and 1 (a host of one carries both lanes, one with no
+# channel at all); chunks of 1 KiB so that every size here crosses several of them
+@pytest.mark.parametrize("layout", [(0, 1, 0, 1), pytest.param((0, 0, 1, 2), marks=pytest.mark.slow)])
+def test_every_float_type_sums_exactly_across_hosts(layout):
+    run_ranks(W.across_hosts_job, len(layout), args=(layout, 1), timeout_s=300)
+
+
+@pytest.mark.parametrize("layout", [(0, 0, 1, 1), (0, 1)])
+def test_the_calls_check_rides_in_the_first_exchange(tmp_path, layout):
+    run_ranks(W.exchanges_job, len(layout), args=(layout, str(tmp_path)), timeout_s=180)
+    for rank in range(len(layout)):
+        rep = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        seen = {int(n): ops for n, ops in rep["seen"].items()}
+        leads = layout.index(layout[rank]) == rank
+        if rep["transport"] == "gloo":   # no channel: the group's own gloo, one record per call
+            assert seen[1] == seen[1024] == [["_allgather_base"]], seen   # done in the record itself
+            assert seen[1024 + 2 * 4096 + 3] == [["_allgather_base", "allreduce"]], seen
+            continue
+        first = [["_allgather_base"]] if leads else [[]]
+        assert seen[1] == seen[1024] == first, seen          # only the leaders cross, once
+        # past the record: 3 chunks of 16 KiB (the last of 3 elements), each lane's own all-reduce per chunk,
+        # no other exchange
+        lanes = [ops[1:] if leads and i == 0 else ops for i, ops in enumerate(seen[1024 + 2 * 4096 + 3])]
+        assert all(ops == ["allreduce"] * 3 for ops in lanes), seen
+
+
+@pytest.mark.parametrize("layout, counts", [((0, 0, 1, 1), (3, 4)), ((0, 0, 1, 1), (5000, 5001)),
+                                            ((0, 1), (5000, 5001))])
+def test_a_different_count_on_another_host_fails_every_rank_naming_both(tmp_path, layout, counts):
+    run_ranks(W.host_mismatch_job, len(layout), args=(layout, str(tmp_path), counts), timeout_s=120)
+    for rank in range(len(layout)):
+        res = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert res["type"] == "BackendMismatchError", res
+        text = res["error"]
+        named = [f"of {c} float32" in text for c in counts]
+        # a leader names both calls; a rank its leader told may name its own and the host that differs
+        assert all(named) or (any(named) and "failed on the host of rank" in text), text
+        assert res["elapsed"] < 15, res   # one exchange, not the 30 s timeout
