@@ -73,8 +73,7 @@ class GlooCommunicator(Communicator):
         self._uniform = len(set(self.tower_counts)) == 1
         # See Note [Naming the lost rank] in liveness.py
         self._liveness = Liveness.for_group(dist, group, self.rank, self.world_size) if self.world_size > 1 else None
-        if self._liveness is not None:
-            self._runner.namer = self._liveness.diagnose
+        self._runner.liveness = self._liveness
         transport = host_setup.connect(
             self.rank, self.world_size, lambda obj: allgather_object(self, dist, group, obj, self.timeout),
             [h for _, h in found], self.timeout, make_group=host_setup.dist_group_maker(dist, group, self.timeout))

@@ -56,10 +56,6 @@ def heartbeats(store: Any, rank: int, size: int) -> Optional[Liveness]:
         return None
 
 
-def no_diagnosis() -> str:
-    return ""
-
-
 # ---------------------------------------------------------------------------------------------- the channel
 def _gloo_group_maker(store: Any, rank: int, timeout: datetime.timedelta) -> Callable[[List[int]], Any]:
     """host_setup.connect's make_group: a gloo backend of the given group ranks over the group's store (the
@@ -110,11 +106,11 @@ _ALL_RUNNERS: "weakref.WeakSet[Runner]" = weakref.WeakSet()
 
 
 def runner_for(store: Any, rank: int, size: int, timeout: datetime.timedelta,
-               namer: Callable[[], str]) -> Runner:
+               liveness: Optional[Liveness]) -> Runner:
     """A new runner over a new host channel for one process group (a collective over the group). See Note
-    [One channel per group]; `namer` names a lost rank (the group's heartbeats)."""
+    [One channel per group]; `liveness`: the group's heartbeats, which name a lost rank."""
     transport = connect_channel(store, rank, size, timeout)
-    runner = Runner(f"ncclavg-pg-{rank}of{size}", FACE, transport, namer)
+    runner = Runner(f"ncclavg-pg-{rank}of{size}", FACE, transport, liveness)
     _ALL_RUNNERS.add(runner)
     return runner
 

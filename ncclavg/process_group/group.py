@@ -89,9 +89,8 @@ class ProcessGroupNcclavg(dist.ProcessGroup):
         self.global_ranks = list(global_ranks) if global_ranks else list(range(size))
         self._gloo = dist.ProcessGroupGloo(PrefixStore("gloo/", store), rank, size, timeout)
         self._liveness = connect.heartbeats(PrefixStore("beat/", store), rank, size)
-        self._diagnose = self._liveness.diagnose if self._liveness is not None else connect.no_diagnosis
         try:
-            self._runner: Runner = connect.runner_for(PrefixStore("lane/", store), rank, size, timeout, self._diagnose)
+            self._runner: Runner = connect.runner_for(PrefixStore("lane/", store), rank, size, timeout, self._liveness)
         except BaseException:
             if self._liveness is not None:
                 self._liveness.stop()

@@ -50,7 +50,7 @@ from ..errors import is_timeout
 from .calls import FOLD_BYTES, Call, CallMismatchError, exchange_record
 from .reductions import as_bytes, sum_in_order
 from .runner import BACKSTOP_S
-from .shm import stalled_text, tag
+from .shm import tag
 
 # Note [The pipeline's chunk]
 # CHUNK_BYTES: the bytes of one chunk of an all-reduce between hosts; DEPTH: the chunks on the wire at
@@ -306,9 +306,10 @@ class HostsTransport:
         return False
 
     def stalled_on(self) -> str:
-        """Words naming the rank of this host a collective of this process waits for now, or "" (a wait
-        between the hosts is gloo's: the heartbeats name the lost rank)."""
-        return stalled_text(self._channel) if self._channel is not None else ""
+        """"": the rank this host's channel waits for may itself be waiting on another host (a leader in its
+        record exchange), and is then not lost; the heartbeats name the lost rank (Note [Naming the lost
+        rank] in liveness.py)."""
+        return ""
 
     def abort(self, why: str, mismatch: bool = False) -> None:
         if self._channel is not None:

@@ -94,6 +94,15 @@ class _Beats:
         with self._lock:
             return len(self._entries)
 
+    def mark_failed(self) -> None:
+        """This rank's collective failed: it is alive, and may stop beating soon because it exits with the
+        error (Note [Naming the lost rank]). Bounded: on a helper thread, given up after a moment when
+        the store does not answer."""
+        t = threading.Thread(target=_add_quietly, args=(self._store, self._failed_key(self._rank)),
+                             name="ncclavg-mark-failed", daemon=True)
+        t.start()
+        t.join(PERIOD_S)
+
     def stop(self) -> None:
         """At exit: no thread of ours may touch a store while the interpreter shuts down."""
         self._stop.set()
@@ -142,10 +151,38 @@ class Liveness:
         note that the store did not answer within DIAGNOSE_S. See Note [Naming the lost rank]."""
         return diagnose(self._store, self._rank, self._world, self._key, self._failed_key)
 
+    def mark_failed(self) -> None:
+        """This rank's collective failed: it is alive, and may stop beating soon because it exits with the
+        error (Note [Naming the lost rank]). Bounded: on a helper thread, given up after a moment when
+        the store does not answer."""
+        t = threading.Thread(target=_add_quietly, args=(self._store, self._failed_key(self._rank)),
+                             name="ncclavg-mark-failed", daemon=True)
+        t.start()
+        t.join(PERIOD_S)
+
     def stop(self) -> None:
         if not self._stopped:
             self._stopped = True
             BEATS.remove(self._store, self._key(self._rank))
+
+
+def _add_quietly(store: Any, key: str) -> None:
+    try:
+        store.add(key, 1)
+    except Exception:   # noqa: BLE001 (the store's host is gone: nothing to tell)
+        pass
+
+
+def store_address(store: Any) -> str:
+    """"host:port" of the TCP store under `store` (through PrefixStores), or "" when it has none."""
+    for _ in range(16):
+        host, port = getattr(store, "host", None), getattr(store, "port", None)
+        if host is not None and port is not None:
+            return f"{host}:{port}"
+        store = getattr(store, "underlying_store", None)
+        if store is None:
+            return ""
+    return ""
 
 
 def diagnose(store: Any, rank: int, world: int, key: Callable[[int], str], failed_key: Callable[[int], str]) -> str:
@@ -169,8 +206,10 @@ def diagnose(store: Any, rank: int, world: int, key: Callable[[int], str], faile
     t = threading.Thread(target=look, name="ncclavg-diagnose", daemon=True)
     t.start()
     t.join(DIAGNOSE_S)
-    if not found:
-        return " (which rank was lost is unknown: the store did not answer)"
+    if not found:   # the store's host, or the way to it, is gone: say where it was
+        where = store_address(store)
+        return (f" (which rank was lost is unknown: the store at {where} did not answer, so its host or the "
+                "link to it was lost)" if where else " (which rank was lost is unknown: the store did not answer)")
     lost = found[0]
     if not lost:
         return ""

@@ -137,12 +137,13 @@ class Job:
 class Runner:
     """Runs the jobs of one channel in order (Note [One runner]) under its `face` (failure.Face).
     `transport`: the channel (shm.ShmTransport or hosts.HostsTransport) the watchdog aborts, or None;
-    `namer()`: the lost rank in words (" (rank 1 stopped responding: ...)") or "" (liveness.py). The first
+    `liveness`: the heartbeats (liveness.Liveness: `diagnose()` names the lost rank in words, " (rank 1 stopped
+    responding: ...)" or "", and `mark_failed()` tells the slower survivors this rank is not lost). The first
     failure fails the runner for good: the ranks no longer agree on what comes next."""
 
-    def __init__(self, name: str, face: F.Face, transport: Any = None, namer: Optional[Callable[[], str]] = None):
+    def __init__(self, name: str, face: F.Face, transport: Any = None, liveness: Any = None):
         self.name, self.face, self.transport = name, face, transport
-        self.namer = namer
+        self.liveness = liveness
         self.order = _C.ShmExec()   # held while a job runs; counts the jobs outstanding (Note [One runner])
         self.failure: Optional[str] = None
         self.fast_paths: List[Any] = []          # objects with a disable(), turned off when the runner fails
@@ -263,7 +264,7 @@ class Runner:
         past = job.expired is not None or (job.deadline is not None and time.monotonic() >= job.deadline - 0.01)
         kind = F.kind_of(e, past)
         named = isinstance(e, F.NAMES_ITSELF) and getattr(self.transport, "names_peers", True)
-        who = "" if named or kind is F.Kind.MISMATCH or self.namer is None or job.expired is not None else self.namer()
+        who = "" if named or kind is F.Kind.MISMATCH or job.expired is not None else self._who()
         if job.expired is not None:
             msg = job.expired
         elif isinstance(e, DeadlinePassed):
@@ -276,6 +277,10 @@ class Runner:
         err = self.face.error_for(kind, F.unusable(msg, self.face.noun))
         return err
 
+    def _who(self) -> str:
+        """The heartbeats' words for the lost rank (Note [Naming the lost rank] in liveness.py), or ""."""
+        return self.liveness.diagnose() if self.liveness is not None else ""
+
     def fail(self, msg: str, kind: F.Kind = F.Kind.FAILED, job: Optional[Job] = None) -> None:
         """Fails the runner with `msg`: every later call is refused saying it, the fast paths are turned
         off, the channel is aborted (the peers fail at their next wait instead of at their timeout), and
@@ -284,6 +289,8 @@ class Runner:
             first = self.failure is None
             if first:
                 self.failure = msg
+        if first and self.liveness is not None:   # this rank is alive: a slower survivor must not name it
+            self.liveness.mark_failed()
         for fast in self.fast_paths:
             fast.disable()   # from now on every call takes the runner, which says why it refuses
         if self.transport is not None:
@@ -299,8 +306,7 @@ class Runner:
         timeout naming the job, and that is the error the waiter raises (Note [One deadline per call])."""
         if job.event.is_set():
             return job.error   # type: ignore[return-value]  (it completed meanwhile)
-        who = self.namer() if self.namer is not None else ""
-        msg = F.timed_out(job.what, timeout, "the wait's") + who
+        msg = F.timed_out(job.what, timeout, "the wait's") + self._who()
         self.fail(msg, F.Kind.TIMEOUT, job)
         return self.face.timeout_error(F.unusable(msg, self.face.noun))
 
@@ -318,7 +324,7 @@ class Runner:
             if job is None or job.deadline is None or job.expired is not None or time.monotonic() < job.deadline:
                 continue
             # the rank the channel waits for, else the heartbeats' lost rank (Note [Naming the lost rank])
-            who = self.transport.stalled_on() or (self.namer() if self.namer is not None else "")
+            who = self.transport.stalled_on() or self._who()
             if self._current is not job:
                 continue   # it completed while the peers were looked at
             job.expired = job.timed_out_text() + who

@@ -30,6 +30,20 @@ class Switch:
         self.off = True
 
 
+class Heartbeats:
+    """What a runner asks of the heartbeats: who was lost (recorded in `asked`), and to say it is alive."""
+
+    def __init__(self, asked, words=" (rank 1 stopped responding: heartbeat stopped)"):
+        self.asked, self.words, self.marked = asked, words, 0
+
+    def diagnose(self):
+        self.asked.append(1)
+        return self.words
+
+    def mark_failed(self):
+        self.marked += 1
+
+
 class FakeChannel:
     """What the watchdog needs of a transport: abort() ends the running body, stalled_on() names a rank."""
 
@@ -93,7 +107,7 @@ def test_an_asynchronous_call_whose_peers_wait_runs_here():
 ])
 def test_a_failure_is_told_by_type_and_fails_every_later_call(face, raised, kind, named):
     asked = []
-    r = Runner("test-runner", face, namer=lambda: asked.append(1) or " (rank 1 stopped responding: heartbeat stopped)")
+    r = Runner("test-runner", face, liveness=Heartbeats(asked))
     fast = Switch()
     r.fast_paths.append(fast)
 
@@ -111,6 +125,7 @@ def test_a_failure_is_told_by_type_and_fails_every_later_call(face, raised, kind
     assert bool(asked) == (not named)   # the heartbeats are asked only when the error names nobody
     assert ("heartbeat stopped" in text) == (not named)
     assert fast.off and r.failure is not None and r.failure in text
+    assert r.liveness.marked == 1   # alive, failed: a slower survivor must not name this rank
     later = r.submit(job("ncclavg broadcast", []), inline=True)
     with pytest.raises(face.error) as refused:
         later.wait()
@@ -133,7 +148,7 @@ def test_a_bad_argument_found_in_a_job_leaves_the_runner_usable():
 
 def test_the_watchdog_ends_a_job_at_its_deadline_naming_the_rank_it_waits_for():
     channel = FakeChannel()
-    r = Runner("test-runner", TORCH, transport=channel, namer=lambda: "")
+    r = Runner("test-runner", TORCH, transport=channel, liveness=Heartbeats([], ""))
 
     def stuck():
         assert channel.aborted.wait(20), "the watchdog never aborted the channel"
