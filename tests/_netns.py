@@ -117,12 +117,13 @@ class TwoHosts:
             self._ip("netns", "del", name, check=False)   # takes its end of the veth pair with it
         self._made.clear()
 
-    def torchrun(self, k: int, *args: str, nproc: int = 1) -> list[str]:
-        """The command starting node k of a two-node torchrun job (`nproc` processes per node) inside host k."""
+    def torchrun(self, k: int, *args: str, nproc: int = 1, max_restarts: int = 0) -> list[str]:
+        """The command starting node k of a two-node torchrun job (`nproc` processes per node) inside host k;
+        `max_restarts`: how often torchrun restarts the group after a worker failed."""
         return [self.ip, "netns", "exec", self.hosts[k].netns,
                 sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", str(nproc),
                 "--node-rank", str(k), "--master-addr", self.hosts[0].addr, "--master-port", str(MASTER_PORT),
-                "--max-restarts", "0", *args]
+                "--max-restarts", str(max_restarts), *args]
 
     def env(self, k: int, base: dict) -> dict:
         """`base` plus what node k's processes need: gloo on the node's veth (Note above)."""
