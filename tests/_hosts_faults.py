@@ -97,9 +97,10 @@ def check_named_loss(reports: dict, lost: dict, hosts, nproc: int) -> None:
 
 class HostsJob:
     """A two-node torchrun job, node k in host k of `hosts` (_netns.TwoHosts), its output in
-    `outdir`/host<k>.log; `cmd` is what torchrun runs on each node."""
+    `outdir`/host<k>.log; `cmd` is what torchrun runs on each node (in `cwds[k]`), restarting the group
+    up to `max_restarts` times."""
 
-    def __init__(self, hosts, outdir: Path, cmd: list, env: dict, nproc: int, cwds=None):
+    def __init__(self, hosts, outdir: Path, cmd: list, env: dict, nproc: int, cwds=None, max_restarts: int = 0):
         self.hosts, self.outdir, self.nproc = hosts, Path(outdir), nproc
         self.world = 2 * nproc
         self.deadline = time.monotonic() + JOB_DEADLINE_S
@@ -108,7 +109,8 @@ class HostsJob:
         self.logs = [self.outdir / f"host{k}.log" for k in (0, 1)]
         for k in (1, 0):
             with open(self.logs[k], "w") as log:
-                self.procs[k] = subprocess.Popen(hosts.torchrun(k, *cmd, nproc=nproc), env=hosts.env(k, env),
+                self.procs[k] = subprocess.Popen(hosts.torchrun(k, *cmd, nproc=nproc, max_restarts=max_restarts),
+                                                 env=hosts.env(k, env),
                                                  stdout=log, stderr=subprocess.STDOUT,
                                                  cwd=None if cwds is None else cwds[k])
         self.segments: set = set()
@@ -158,6 +160,16 @@ class HostsJob:
         else:
             raise ValueError(f"fault: one of {FAULTS}, got {fault!r}")
         return t
+
+    def mend_link(self) -> None:
+        """Sets host 1's end of the veth pair up again (after a "link" fault)."""
+        h = self.hosts.hosts[1]
+        self.hosts._ip("-n", h.netns, "link", "set", h.ifname, "up")
+
+    def workers(self) -> list:
+        """The pids of the job's processes other than the two torchrun agents."""
+        agents = {p.pid for p in self.procs}   # `ip netns exec` execs torchrun: the same pid
+        return [pid for k in (0, 1) for pid in self.hosts.pids(k) if pid not in agents]
 
     # ------------------------------------------------------------------ ending
     def reports(self) -> dict:
