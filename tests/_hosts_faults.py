@@ -1,5 +1,5 @@
-"""Faults between hosts for the slow tests (tests/process_group/test_hosts_faults.py and
-tests/train/test_hosts_faults.py): a two-node torchrun job in two network namespaces (_netns.py), a
+"""Faults between hosts for the slow tests (tests/process_group/test_two_hosts_faults.py and
+tests/train/test_two_hosts_restart.py): a two-node torchrun job in two network namespaces (_netns.py), a
 fault injected while it runs, and the checks that follow every fault: the job ends by its own hard
 deadline or is killed, and nothing of its channels is left on the machine.
 
@@ -32,6 +32,7 @@ from ncclavg.transport.liveness import DIAGNOSE_S
 from ncclavg.transport.runner import BACKSTOP_S
 
 FAULTS = ("kill", "link", "stop")
+MEMFD = "/memfd:ncclavg"   # how /proc writes a memory file that ncclavg made (memfd_create's name)
 LOAD_SLACK_S = 6.0   # a 2-core machine busy with both hosts' ranks and agents (and other jobs beside them)
 JOB_DEADLINE_S = 120   # a hard bound on any job: a hang ends there, killed, and the test fails saying so
 
@@ -116,9 +117,6 @@ class HostsJob:
         self.segments: set = set()
 
     # ------------------------------------------------------------------ while it runs
-    def left_s(self) -> float:
-        return max(0.0, self.deadline - time.monotonic())
-
     def output(self, k: int) -> str:
         return self.logs[k].read_text(errors="replace")
 
@@ -140,7 +138,7 @@ class HostsJob:
         them by rank, and records the channel segments the ranks map."""
         names = [f"ready{r}.json" for r in range(self.world)]
         assert self.wait_files(names, self.deadline), "the ranks never got ready:\n" + self.outputs()
-        self.segments = set().union(*(mapped_segments(pid) for k in (0, 1) for pid in self.hosts.pids(k)))
+        self.look_at_segments()
         return {r: json.loads((self.outdir / n).read_text()) for r, n in enumerate(names)}
 
     def inject(self, fault: str, victim_pid: int = 0) -> float:
@@ -161,6 +159,12 @@ class HostsJob:
             raise ValueError(f"fault: one of {FAULTS}, got {fault!r}")
         return t
 
+    def look_at_segments(self) -> None:
+        """Adds the channel segments the job's processes map now to those the leftover check looks for."""
+        for k in (0, 1):
+            for pid in self.hosts.pids(k):
+                self.segments |= mapped_segments(pid)
+
     def mend_link(self) -> None:
         """Sets host 1's end of the veth pair up again (after a "link" fault)."""
         h = self.hosts.hosts[1]
@@ -179,17 +183,13 @@ class HostsJob:
 
     def wait_nodes(self, until: float, nodes=(0, 1)) -> list:
         """The exit status of each node of `nodes`, or None for one still running at `until`."""
-        for k in nodes:
-            try:
-                self.procs[k].wait(timeout=max(0.0, until - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
+        wait_jobs([self], until, nodes)
         return [self.procs[k].poll() for k in nodes]
 
-    def stop(self) -> list:
+    def stop(self) -> dict:
         """Kills what is left of the job (a frozen host's processes among them: they hold their host's
-        channel) and returns the pids that were still there."""
-        left = [pid for k in (0, 1) for pid in self.hosts.pids(k)]
+        channel); returns the pids each host still had."""
+        left = {k: self.hosts.pids(k) for k in (0, 1)}
         for p in self.procs:
             if p.poll() is None:
                 p.kill()
@@ -209,6 +209,15 @@ class HostsJob:
         if self.segments:
             out += [f"segment {seg} still used by pid {pid}" for pid, seg in segment_users(self.segments)]
         return out
+
+
+def wait_jobs(jobs: list, until: float, nodes=(0, 1)) -> None:
+    """Waits until the nodes `nodes` of every job of `jobs` have exited, or `until`; meanwhile records the
+    segments their processes map (a restarted group makes new ones)."""
+    while time.monotonic() < until and any(job.procs[k].poll() is None for job in jobs for k in nodes):
+        for job in jobs:
+            job.look_at_segments()
+        time.sleep(0.2)
 
 
 def _signal(pid: int, sig: int) -> None:
@@ -232,7 +241,7 @@ def mapped_segments(pid: int) -> set:
         with open(f"/proc/{pid}/maps") as f:
             for line in f:
                 fields = line.split(None, 5)
-                if len(fields) == 6 and fields[5].startswith("/memfd:ncclavg"):
+                if len(fields) == 6 and fields[5].startswith(MEMFD):
                     out.add((fields[3], int(fields[4])))
     except OSError:
         pass
@@ -248,7 +257,7 @@ def _held(pid: str) -> set:
         return out
     for fd in fds:
         try:
-            if not os.readlink(f"/proc/{pid}/fd/{fd}").startswith("/memfd:ncclavg"):
+            if not os.readlink(f"/proc/{pid}/fd/{fd}").startswith(MEMFD):
                 continue
             st = os.stat(f"/proc/{pid}/fd/{fd}")
         except OSError:

@@ -1,4 +1,4 @@
-"""A rank of the faults-between-hosts tests (test_hosts_faults.py), run by torchrun inside a network
+"""A rank of the faults-between-hosts tests (test_two_hosts_faults.py), run by torchrun inside a network
 namespace that stands for a host (tests/_netns.py):
 
     python _hosts_fault_workers.py FACE OUTDIR TIMEOUT SURVIVORS

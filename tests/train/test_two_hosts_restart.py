@@ -4,14 +4,14 @@ fault between them (a rank of host 1 killed mid-run; the link cut mid-run, then 
 restarts the group on both hosts, every process resumes from the newest checkpoint in the directory the
 hosts share, and the run ends with the master weights of an uninterrupted run of the same shape, bit for
 bit (CPU towers). The faults themselves, and the errors the survivors raise, are the subject of
-tests/process_group/test_hosts_faults.py."""
+tests/process_group/test_two_hosts_faults.py."""
 import os
 import re
 import time
 
 import pytest
 import torch
-from _hosts_faults import HostsJob
+from _hosts_faults import HostsJob, wait_jobs
 from _netns import two_hosts_fixture
 from _paths import ROOT, TESTS
 
@@ -31,27 +31,50 @@ def hosts():
     yield from two_hosts_fixture()
 
 
+@pytest.fixture
+def ref_hosts():
+    """Two more hosts, for the uninterrupted run beside the one that meets the fault."""
+    yield from two_hosts_fixture()
+
+
 def env_for(**extra):
     return dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(TESTS), os.environ.get("PYTHONPATH", "")]),
                 NCCLAVG_TIMEOUT=str(TIMEOUT_S), PYTHONUNBUFFERED="1", **extra)
 
 
-def start(hosts, cwd, args, nproc, env, restarts):
-    """A two-node run of tests/_elastic_train.py (`ncclavg train`, a rank that may kill itself) with both
-    nodes in `cwd`: one file system shared by the hosts, as Note [Elastic restart] asks."""
+def start(hosts, cwd, args, nproc, restarts, victim="none", step="0"):
+    """A two-node run of tests/_elastic_train.py (`ncclavg train`; rank `victim` kills itself at `step`)
+    with both nodes in `cwd`: one file system shared by the hosts, as Note [Elastic restart] asks."""
+    cwd.mkdir()
     cmd = [str(TESTS / "_elastic_train.py"), *COMMON, *args]
+    env = env_for(ELASTIC_VICTIM_RANK=str(victim), ELASTIC_KILL_STEP=str(step))
     return HostsJob(hosts, cwd, cmd, env, nproc, cwds=[cwd, cwd], max_restarts=restarts)
 
 
-def finish(job):
-    """Waits for both nodes (the job's hard deadline), then returns the final checkpoint."""
+def wait_for(what, until):
+    while time.monotonic() < until:
+        if what():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def finish(*jobs):
+    """Waits for every node of `jobs` (their hard deadlines), checks that nothing of them is left (no
+    process, no channel segment: the leftover check saw the channels of a host of several processes),
+    then returns each job's final checkpoint."""
     try:
-        rcs = job.wait_nodes(job.deadline)
+        wait_jobs(jobs, max(job.deadline for job in jobs))
     finally:
-        job.stop()
-    assert rcs == [0, 0], f"exit statuses {rcs}\n" + job.outputs()
-    assert job.leftovers() == []
-    return ckpt.load(ckpt.resolve(str(job.outdir / "ck")))
+        left = [job.stop() for job in jobs]
+    out = []
+    for job, still in zip(jobs, left):
+        rcs = [p.returncode for p in job.procs]
+        assert rcs == [0, 0], f"exit statuses {rcs}\n" + job.outputs()
+        assert still == {0: [], 1: []} and job.leftovers() == [], (still, job.leftovers())
+        assert bool(job.segments) == (job.nproc > 1), job.segments
+        out.append(ckpt.load(ckpt.resolve(str(job.outdir / "ck"))))
+    return out
 
 
 def assert_bit_identical(got, want, steps):
@@ -61,42 +84,28 @@ def assert_bit_identical(got, want, steps):
 
 
 # 2 hosts x 2 processes x 1 tower (a channel per host) and 2 hosts x 1 process x 2 towers (no channel):
-# 4 towers either way. The reference is an uninterrupted run of the same shape: another shape sums the
-# towers in another order (test_two_hosts.py), and only the same order can be compared bit for bit.
-def wait_for(what, until):
-    while time.monotonic() < until:
-        if what():
-            return True
-        time.sleep(0.05)
-    return False
-
-
-@pytest.mark.parametrize("nproc,towers", [(2, "1")])
-def test_rank_killed_on_the_other_host_restarts_both_hosts_bit_identical(hosts, tmp_path, nproc, towers):
-    args = ["--epochs", "3", "--towers", towers]
+# 4 towers either way, one shape per fault. The reference is an uninterrupted run of the same shape
+# (another shape sums the towers in another order: only the same order can be compared bit for bit),
+# run at the same time on two hosts of its own.
+def test_rank_killed_on_the_other_host_restarts_both_hosts_bit_identical(hosts, ref_hosts, tmp_path):
+    nproc, args = 2, ["--epochs", "3", "--towers", "1"]
+    ref = start(ref_hosts, tmp_path / "ref", args, nproc, restarts=0)
     # the leader of host 1 dies at step 45, in epoch 2, after the checkpoint of epoch 1 (step 30)
-    (tmp_path / "run").mkdir()
-    job = start(hosts, tmp_path / "run", args, nproc, env_for(ELASTIC_VICTIM_RANK=str(nproc), ELASTIC_KILL_STEP="45"),
-                restarts=1)
-    got = finish(job)
+    job = start(hosts, tmp_path / "run", args, nproc, restarts=1, victim=nproc, step=45)
+    got, want = finish(job, ref)
     out = job.output(0)
     assert "after torchrun restart 1" in out and "(step 30, epoch 1)" in out, job.outputs()
     assert out.count("summary: ") == 1, job.outputs()
-    (tmp_path / "ref").mkdir()
-    ref = start(hosts, tmp_path / "ref", args, nproc, env_for(ELASTIC_VICTIM_RANK="none", ELASTIC_KILL_STEP="0"),
-                restarts=0)
-    assert_bit_identical(got, finish(ref), 90)
+    assert_bit_identical(got, want, 90)
 
 
-@pytest.mark.parametrize("nproc,towers", [(1, "2")])
-def test_link_cut_then_mended_restarts_both_hosts_bit_identical(hosts, tmp_path, nproc, towers):
+def test_link_cut_then_mended_restarts_both_hosts_bit_identical(hosts, ref_hosts, tmp_path):
     # long enough (12 epochs, 2-3 s after the first) that the cut comes well before the end
-    args = ["--epochs", "12", "--towers", towers]
-    (tmp_path / "run").mkdir()
-    job = start(hosts, tmp_path / "run", args, nproc, env_for(ELASTIC_VICTIM_RANK="none", ELASTIC_KILL_STEP="0"),
-                restarts=1)
+    nproc, args = 1, ["--epochs", "12", "--towers", "2"]
+    ref = start(ref_hosts, tmp_path / "ref", args, nproc, restarts=0)
+    job = start(hosts, tmp_path / "run", args, nproc, restarts=1)
     try:
-        first = tmp_path / "run" / "ck" / "ckpt-000000030.ckpt"
+        first = job.outdir / "ck" / "ckpt-000000030.ckpt"
         assert wait_for(first.exists, job.deadline), "no checkpoint after epoch 1\n" + job.outputs()
         workers = job.workers()
         job.inject("link")
@@ -107,11 +116,8 @@ def test_link_cut_then_mended_restarts_both_hosts_bit_identical(hosts, tmp_path,
     except BaseException:
         job.stop()
         raise
-    got = finish(job)
+    got, want = finish(job, ref)
     out = job.output(0)
     assert "after torchrun restart 1" in out and out.count("summary: ") == 1, job.outputs()
     assert re.search(r"CommTimeoutError: .*did not complete within 5 s", out), job.outputs()
-    (tmp_path / "ref").mkdir()
-    ref = start(hosts, tmp_path / "ref", args, nproc, env_for(ELASTIC_VICTIM_RANK="none", ELASTIC_KILL_STEP="0"),
-                restarts=0)
-    assert_bit_identical(got, finish(ref), 360)
+    assert_bit_identical(got, want, 360)
