@@ -147,14 +147,11 @@ class HostsJob:
             t = time.monotonic()
             os.kill(victim_pid, signal.SIGKILL)
         elif fault == "link":
-            h = self.hosts.hosts[1]
             t = time.monotonic()
-            self.hosts._ip("-n", h.netns, "link", "set", h.ifname, "down")
+            self.hosts.set_link(1, up=False)
         elif fault == "stop":
-            pids = self.hosts.pids(1)
             t = time.monotonic()
-            for pid in pids:
-                _signal(pid, signal.SIGSTOP)
+            self.hosts.kill_all(1, signal.SIGSTOP)
         else:
             raise ValueError(f"fault: one of {FAULTS}, got {fault!r}")
         return t
@@ -167,8 +164,7 @@ class HostsJob:
 
     def mend_link(self) -> None:
         """Sets host 1's end of the veth pair up again (after a "link" fault)."""
-        h = self.hosts.hosts[1]
-        self.hosts._ip("-n", h.netns, "link", "set", h.ifname, "up")
+        self.hosts.set_link(1, up=True)
 
     def workers(self) -> list:
         """The pids of the job's processes other than the two torchrun agents."""
@@ -218,13 +214,6 @@ def wait_jobs(jobs: list, until: float, nodes=(0, 1)) -> None:
         for job in jobs:
             job.look_at_segments()
         time.sleep(0.2)
-
-
-def _signal(pid: int, sig: int) -> None:
-    try:
-        os.kill(pid, sig)
-    except ProcessLookupError:
-        pass
 
 
 def shm_names() -> set:

@@ -97,15 +97,21 @@ class TwoHosts:
         link = json.loads(self._ip("-j", "-s", "-n", h.netns, "link", "show", h.ifname).stdout)[0]
         return int(link["stats64"]["rx"]["bytes"])
 
-    def kill_all(self, k: int) -> list[int]:
-        """SIGKILL every process inside host k's namespace (the host is gone); returns their pids."""
+    def kill_all(self, k: int, sig: int = signal.SIGKILL) -> list[int]:
+        """Sends `sig` to every process inside host k's namespace (SIGKILL: the host is gone; SIGSTOP: it
+        is frozen); returns their pids."""
         pids = self.pids(k)
         for pid in pids:
             try:
-                os.kill(pid, signal.SIGKILL)
+                os.kill(pid, sig)
             except ProcessLookupError:
                 pass
         return pids
+
+    def set_link(self, k: int, up: bool) -> None:
+        """Sets host k's end of the veth pair up or down, inside its namespace (down: the cable is cut)."""
+        h = self.hosts[k]
+        self._ip("-n", h.netns, "link", "set", h.ifname, "up" if up else "down")
 
     def down(self) -> None:
         for k in range(len(self._made)):

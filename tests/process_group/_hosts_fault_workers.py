@@ -47,7 +47,7 @@ class Backend:
         import ncclavg  # noqa: F401  (registers the backend)
 
         dist.init_process_group("ncclavg", timeout=datetime.timedelta(seconds=timeout))
-        self.transport = dist.group.WORLD._runner.transport
+        self.transport = dist.group.WORLD.transport   # "shm+gloo": a channel per host; "gloo": none
         self.x = torch.ones(NUMEL)
 
     def step(self):
@@ -81,7 +81,7 @@ class Api:
         # gloo's own timeout far above the communicator's: the communicator's must be what fires
         dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=10 * timeout))
         self.comm = Communicator.from_torch_distributed(device="cpu", timeout=timeout)
-        self.transport = self.comm.transport
+        self.transport = self.comm.transport   # as the backend's
         self.x = torch.ones(NUMEL)
 
     def step(self):
@@ -103,8 +103,7 @@ def main(face, outdir, timeout, survivors):
     job = FACES[face](timeout)
     for _ in range(3):
         job.step()
-    transport = job.transport if isinstance(job.transport, str) else getattr(job.transport, "kind", "gloo")
-    _report(outdir, f"ready{rank}", transport=transport, pid=os.getpid())
+    _report(outdir, f"ready{rank}", transport=job.transport, pid=os.getpid())
     calls = 0
     try:
         while True:
