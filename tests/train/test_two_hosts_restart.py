@@ -119,5 +119,5 @@ def test_link_cut_then_mended_restarts_both_hosts_bit_identical(hosts, ref_hosts
     got, want = finish(job, ref)
     out = job.output(0)
     assert "after torchrun restart 1" in out and out.count("summary: ") == 1, job.outputs()
-    assert re.search(r"CommTimeoutError: .*did not complete within 5 s", out), job.outputs()
+    assert re.search(rf"CommTimeoutError: .*did not complete within {TIMEOUT_S} s", out), job.outputs()
     assert_bit_identical(got, want, 360)
