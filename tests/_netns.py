@@ -97,15 +97,21 @@ class TwoHosts:
         link = json.loads(self._ip("-j", "-s", "-n", h.netns, "link", "show", h.ifname).stdout)[0]
         return int(link["stats64"]["rx"]["bytes"])
 
-    def kill_all(self, k: int) -> list[int]:
-        """SIGKILL every process inside host k's namespace (the host is gone); returns their pids."""
+    def kill_all(self, k: int, sig: int = signal.SIGKILL) -> list[int]:
+        """Sends `sig` to every process inside host k's namespace (SIGKILL: the host is gone; SIGSTOP: it
+        is frozen); returns their pids."""
         pids = self.pids(k)
         for pid in pids:
             try:
-                os.kill(pid, signal.SIGKILL)
+                os.kill(pid, sig)
             except ProcessLookupError:
                 pass
         return pids
+
+    def set_link(self, k: int, up: bool) -> None:
+        """Sets host k's end of the veth pair up or down, inside its namespace (down: the cable is cut)."""
+        h = self.hosts[k]
+        self._ip("-n", h.netns, "link", "set", h.ifname, "up" if up else "down")
 
     def down(self) -> None:
         for k in range(len(self._made)):
@@ -117,12 +123,13 @@ class TwoHosts:
             self._ip("netns", "del", name, check=False)   # takes its end of the veth pair with it
         self._made.clear()
 
-    def torchrun(self, k: int, *args: str, nproc: int = 1) -> list[str]:
-        """The command starting node k of a two-node torchrun job (`nproc` processes per node) inside host k."""
+    def torchrun(self, k: int, *args: str, nproc: int = 1, max_restarts: int = 0) -> list[str]:
+        """The command starting node k of a two-node torchrun job (`nproc` processes per node) inside host k;
+        `max_restarts`: how often torchrun restarts the group after a worker failed."""
         return [self.ip, "netns", "exec", self.hosts[k].netns,
                 sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", str(nproc),
                 "--node-rank", str(k), "--master-addr", self.hosts[0].addr, "--master-port", str(MASTER_PORT),
-                "--max-restarts", "0", *args]
+                "--max-restarts", str(max_restarts), *args]
 
     def env(self, k: int, base: dict) -> dict:
         """`base` plus what node k's processes need: gloo on the node's veth (Note above)."""
