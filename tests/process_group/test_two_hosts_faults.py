@@ -26,19 +26,6 @@ COLLECTIVE = {"backend": r"ncclavg allreduce of 262144 x float32",
               "ddp": r"ncclavg allreduce of \d+ x float32",
               "api": r"all_reduce_avg of 1048576 bytes \(262144 x float32 per tower\)"}
 
-# Known misnamings, marked so that they flip when fixed (raises=LostMisnamed: any other failure of these
-# cases still fails them):
-# - a non-leader whose deadline passes while its host's leader waits between the hosts names that leader
-#   (alive, waiting on the link) as the rank that stopped responding: what the channel waits for, not
-#   what was lost;
-# - a rank that the fault cut off from the store holding the heartbeats (host 0's, behind the cut link)
-#   says only that it does not know which rank was lost.
-LEADER_NAMED = pytest.mark.xfail(raises=LostMisnamed, strict=True, reason=(
-    "a non-leader names its own host's leader, waiting between the hosts, as the rank that stopped responding"))
-NOBODY_NAMED = pytest.mark.xfail(raises=LostMisnamed, strict=True, reason=(
-    "a rank cut off from the heartbeats' store names neither a rank nor a host that was lost"))
-
-
 @pytest.fixture
 def hosts():
     yield from two_hosts_fixture()
@@ -49,10 +36,10 @@ def hosts():
 # dist.all_reduce otherwise), the shape without a channel (2 x 1) through the public API.
 @pytest.mark.parametrize("face,fault,nproc", [
     ("ddp", "kill", 2),
-    pytest.param("backend", "link", 2, marks=LEADER_NAMED),   # and NOBODY_NAMED on host 1's leader
-    pytest.param("backend", "stop", 2, marks=LEADER_NAMED),
+    ("backend", "link", 2),
+    ("backend", "stop", 2),
     ("api", "kill", 1),
-    pytest.param("api", "link", 1, marks=NOBODY_NAMED),
+    ("api", "link", 1),
     ("api", "stop", 1),
 ])
 def test_fault_between_hosts_is_named_on_every_survivor_within_the_timeout(hosts, tmp_path, face, fault, nproc):
@@ -100,5 +87,5 @@ def test_fault_between_hosts_is_named_on_every_survivor_within_the_timeout(hosts
             assert {"BackendTimeoutError", "CommTimeoutError"} & set(rep["classes"]), (r, rep)
         # the group or communicator stays failed: the next call says so at once
         assert "unusable" in rep["later"], (r, rep["later"])
-    # last, so that a known misnaming (xfail) cannot hide a failure of the checks above
+    # last: what each survivor names (a rank that was lost, or the address of the host behind a cut link)
     check_named_loss(reports, {r: lost_by(fault, nproc, r) for r in alive}, hosts, nproc)
