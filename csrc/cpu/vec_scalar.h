@@ -4,6 +4,7 @@
 #include <cstdint>
 
 #include "../common/elementwise.h"
+#include "../common/finite_math.h"
 
 namespace ncclavg {
 namespace cpu {
@@ -21,6 +22,13 @@ struct ScalarLane {
   // _Float16 conversions are correctly rounded (F16C when the TU's target has it, libgcc otherwise).
   static V load_f16(const uint16_t* p) { return static_cast<float>(*reinterpret_cast<const _Float16*>(p)); }
   static void store_f16(uint16_t* p, V v) { *reinterpret_cast<_Float16*>(p) = static_cast<_Float16>(v); }
+  // "Some lane was not finite", accumulated in registers (Note [Finiteness from the pass that writes]):
+  // nonfinite(v, limit) marks the lanes whose value rounds to an inf/NaN in a type with that overflow limit.
+  using M = bool;
+  static M no_flags() { return false; }
+  static M nonfinite(V v, float limit) { return ew::written_nonfinite(v, limit); }
+  static M either(M a, M b) { return a | b; }
+  static bool any(M m) { return m; }
 };
 
 }  // namespace
