@@ -98,10 +98,13 @@ class Work:
     """Handle of an asynchronous collective. `wait(timeout=None)` blocks until it is complete (raising
     CommTimeoutError after `timeout` seconds, default the communicator's); `done()` polls.
     `divisor` is the division still to apply when the op was issued with defer_scale=True (1 otherwise);
-    `elapsed` the seconds from issue to completion once known."""
+    `elapsed` the seconds from issue to completion once known; `finite`, once wait() returned, whether
+    every value the op left in the tensors is finite, when the pass that wrote them last noted it (Note
+    [Finiteness from the pass that writes] in csrc/common/finite_math.h), else None."""
 
     divisor: float = 1.0
     elapsed: Optional[float] = None
+    finite: Optional[bool] = None
 
     def wait(self, timeout: Optional[float] = None) -> None:
         raise NotImplementedError

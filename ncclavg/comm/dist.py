@@ -166,7 +166,7 @@ class _DistWork(Work):
             t = check_timeout(timeout) if timeout is not None else self._comm.timeout
             _wait_dist(self._comm, self._work, t, self._what)
             if self._finalize is not None:
-                self._finalize()
+                self.finite = self._finalize()   # a checked pass's answer (Work.finite), or None
             self.elapsed = time.perf_counter() - self._t0
             self._finished = True
 

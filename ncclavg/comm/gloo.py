@@ -157,11 +157,14 @@ class GlooCommunicator(Communicator):
             return _issue_dist(self, what, self._shm.all_gather, out, inp, True, timeout, call)
         return _issue_dist(self, what, self._all_gather, out, inp, group=self.group, async_op=True)
 
-    def _scale(self, buf: Any, scale: float, divisor: float, dsts: Optional[list] = None) -> None:
-        """dsts (default [buf]) = buf * scale / divisor in one fused pass (the core's unpack)."""
+    def _scale(self, buf: Any, scale: float, divisor: float, dsts: Optional[list] = None) -> Optional[bool]:
+        """dsts (default [buf]) = buf * scale / divisor in one fused pass (the core's unpack). Returns
+        whether every value it wrote is finite, None when it wrote nothing (Note [Finiteness from the pass
+        that writes] in csrc/common/finite_math.h)."""
         if scale != 1.0 or divisor != 1.0 or dsts is not None:
             targets = [buf] if dsts is None else dsts
-            _C.unpack_(buf, targets, [0] * len(targets), float(scale), float(divisor), 0)
+            return _C.unpack_(buf, targets, [0] * len(targets), float(scale), float(divisor), 0, True)
+        return None
 
     def _fast_plan(self, t: torch.Tensor) -> Optional[tuple]:
         """What the fast path needs of a tensor it has not seen (Note [Small-message fast path]): its
@@ -225,10 +228,11 @@ class GlooCommunicator(Communicator):
         if self.local_size == 1 and (post_div == 1.0 or defer_scale):
             return _DistWork(self, work, what, divisor=post_div)
 
-        def finalize(owner: list = tensors) -> None:  # holds the tensors: the Buffers are only pointers
-            if len(bufs) > 1:   # the other towers first: tower 0's buffer is their source
-                self._scale(bufs[0], 1.0, post_div, dsts=bufs[1:])
-            self._scale(bufs[0], 1.0, post_div)
+        def finalize(owner: list = tensors) -> Optional[bool]:  # holds the tensors: the Buffers are only pointers
+            # -> Work.finite: every tower ends with the same values, so either pass's answer is the bucket's
+            copied = self._scale(bufs[0], 1.0, post_div, dsts=bufs[1:]) if len(bufs) > 1 else None
+            scaled = self._scale(bufs[0], 1.0, post_div)   # the other towers first: tower 0 is their source
+            return scaled if scaled is not None else copied
 
         return _DistWork(self, work, what, finalize=finalize)
 

@@ -59,7 +59,7 @@ class _FutureWork(Work):
     def wait(self, timeout: Optional[float] = None) -> None:
         t = check_timeout(timeout) if timeout is not None else self._comm.timeout
         try:
-            self.elapsed = self._future.result(timeout=t)
+            self.elapsed, self.finite = self._future.result(timeout=t)
         except FutureTimeout:
             msg = f"{self._what} did not complete within {t:g} s"
             self._comm._fail(msg)
@@ -199,18 +199,21 @@ class LocalCommunicator(Communicator):
             event = torch.cuda.Event()
             event.record(stream)
             return _CudaEventWork(self, event, self._what("all_reduce_avg", tensors, tag), list(tensors))
+        # The host average notes whether a mean it wrote is inf/NaN (Work.finite): a compare per vector
+        # in the same pass (Note [Finiteness from the pass that writes] in csrc/common/finite_math.h).
         if tensors[0].numel() * tensors[0].element_size() <= INLINE_BYTES and self._idle():
             t0 = time.perf_counter()   # See Note [Small averages run inline]
-            _C.average_(bufs, 0)
+            finite = _C.average_(bufs, 0, True)
             work = CompletedWork()
             work.elapsed = time.perf_counter() - t0
+            work.finite = finite
             return work
 
-        def job() -> float:
+        def job() -> tuple:
             t0 = time.perf_counter()
-            _C.average_(bufs, 0)
+            finite = _C.average_(bufs, 0, True)
             del keep_alive[:]  # the Buffers hold raw pointers only: the tensors live until the job ran
-            return time.perf_counter() - t0
+            return time.perf_counter() - t0, finite
 
         keep_alive = list(tensors)
         what = self._what("all_reduce_avg", tensors, tag)
