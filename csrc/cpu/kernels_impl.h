@@ -73,7 +73,7 @@ bool average_range_typed(void* const* bufs, int n, int64_t begin, int64_t end) {
   int64_t i = begin;
   for (; i + L::W <= end; i += L::W) average_step<L, T, kCheck>(bufs, n, fn, i, bad);
   for (; i < end; ++i) average_step<ScalarLane, T, kCheck>(bufs, n, fn, i, tail);
-  return L::any(bad) || tail;
+  return L::any(bad) || ScalarLane::any(tail);
 }
 
 // nonfinite != nullptr: *nonfinite = whether a written mean is an inf/NaN (Note [Finiteness from the pass
@@ -121,7 +121,7 @@ bool sum_range_mode(void* out, void* out2, const void* const* srcs, int n, float
   int64_t i = begin;
   for (; i + L::W <= end; i += L::W) sum_step<L, T, kMode, kCheck>(out, out2, srcs, n, mul, div, i, bad);
   for (; i < end; ++i) sum_step<ScalarLane, T, kMode, kCheck>(out, out2, srcs, n, mul, div, i, tail);
-  return L::any(bad) || tail;
+  return L::any(bad) || ScalarLane::any(tail);
 }
 
 template <class L, class T, bool kCheck>

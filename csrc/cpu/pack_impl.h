@@ -64,7 +64,7 @@ bool convert_loop(const void* src, void* dst, int64_t n, float mul, float div) {
     pk_store<ScalarLane>(D{}, dst, i, a);
     if (kCheck) tail = ScalarLane::either(tail, ScalarLane::nonfinite(a, limit));
   }
-  return L::any(bad) || tail;
+  return L::any(bad) || ScalarLane::any(tail);
 }
 
 // A copy of n elements of U (unsigned, the storage's width) that also tells whether one of them is an

@@ -24,11 +24,20 @@ struct ScalarLane {
   static void store_f16(uint16_t* p, V v) { *reinterpret_cast<_Float16*>(p) = static_cast<_Float16>(v); }
   // "Some lane was not finite", accumulated in registers (Note [Finiteness from the pass that writes]):
   // nonfinite(v, limit) marks the lanes whose value rounds to an inf/NaN in a type with that overflow limit.
-  using M = bool;
-  static M no_flags() { return false; }
-  static M nonfinite(V v, float limit) { return ew::written_nonfinite(v, limit); }
+  // On the bits, as ew::written_nonfinite on the values (|x| < limit orders like the sign-cleared
+  // patterns, NaN patterns above inf's): the top bit of (|x| bits) + (2^31 - limit bits) is set exactly
+  // when |x| >= limit or x is NaN. Integer and/add/or, which GCC vectorises for the scalar level's loops
+  // (SSE2); a float compare into a flag kept the loops scalar (measured 1.8-3.4x slower).
+  using M = uint32_t;
+  static M no_flags() { return 0; }
+  static M nonfinite(V v, float limit) {
+    uint32_t u, l;
+    __builtin_memcpy(&u, &v, sizeof u);
+    __builtin_memcpy(&l, &limit, sizeof l);
+    return (u & 0x7fffffffu) + (0x80000000u - l);
+  }
   static M either(M a, M b) { return a | b; }
-  static bool any(M m) { return m; }
+  static bool any(M m) { return (m & 0x80000000u) != 0; }
 };
 
 }  // namespace
