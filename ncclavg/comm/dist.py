@@ -149,11 +149,12 @@ class _DistWork(Work):
     """A torch.distributed async op, plus the in-place scale to run once it has completed."""
 
     def __init__(self, comm: "Communicator", work: Any, what: str, finalize: Optional[Callable] = None,
-                 divisor: float = 1.0):
+                 divisor: float = 1.0, finite: Optional[list] = None):
         self._comm = comm
         self._work = work
         self._what = what
         self._finalize = finalize
+        self._finite = finite   # filled by a checked channel sum: Work.finite once done
         self._t0 = time.perf_counter()
         self._lock = threading.Lock()
         self._finished = False
@@ -167,6 +168,8 @@ class _DistWork(Work):
             _wait_dist(self._comm, self._work, t, self._what)
             if self._finalize is not None:
                 self.finite = self._finalize()   # a checked pass's answer (Work.finite), or None
+            elif self._finite:
+                self.finite = self._finite[0]
             self.elapsed = time.perf_counter() - self._t0
             self._finished = True
 

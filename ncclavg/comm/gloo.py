@@ -127,10 +127,11 @@ class GlooCommunicator(Communicator):
     # `call`: the user's call, compared across the ranks by the channel (Note [Call signatures] in
     # csrc/transport/shm_calls.cpp); torch.distributed's path has no such check.
     def _sum(self, what: str, t: torch.Tensor, sync: bool = True, timeout: Optional[float] = None,
-             divisor: float = 1.0, call: Optional[Call] = None) -> Any:
-        """divisor != 1 (one-host channel only): the channel divides the sum in the same pass."""
+             divisor: float = 1.0, call: Optional[Call] = None, finite: Optional[list] = None) -> Any:
+        """divisor != 1 (one-host channel only): the channel divides the sum in the same pass. finite: a
+        list that receives the one-host channel's answer (Work.finite), left empty by the other paths."""
         if self._shm is not None and shm_supports(t):
-            return _issue_dist(self, what, self._shm.all_reduce_sum, t, sync, timeout, divisor, call)
+            return _issue_dist(self, what, self._shm.all_reduce_sum, t, sync, timeout, divisor, call, finite)
         assert divisor == 1.0, "only the shared-memory channel divides"
         return _issue_dist(self, what, self._dist.all_reduce, t, op=self._dist.ReduceOp.SUM, group=self.group,
                            async_op=True)
@@ -221,12 +222,13 @@ class GlooCommunicator(Communicator):
         self._scale(bufs[0], scale, pre_div)
         # See Note [Division in the channel]: the same choice on every rank
         fused = self._fuses_division and not defer_scale and shm_supports(tensors[0])
+        finite: list = []   # the channel's check of its sum, when it writes the result (Work.finite)
         work = self._sum(what, tensors[0], sync, timeout, post_div if fused else 1.0,
-                         average_call(tensors[0]))
+                         average_call(tensors[0]), finite)
         if fused:
             post_div = 1.0
         if self.local_size == 1 and (post_div == 1.0 or defer_scale):
-            return _DistWork(self, work, what, divisor=post_div)
+            return _DistWork(self, work, what, divisor=post_div, finite=finite)
 
         def finalize(owner: list = tensors) -> Optional[bool]:  # holds the tensors: the Buffers are only pointers
             # -> Work.finite: every tower ends with the same values, so either pass's answer is the bucket's

@@ -73,17 +73,19 @@ class CpuCollectives:
         raise AssertionError(f"no implementation of {name!r}")   # gloo has every step
 
     # ------------------------------------------------------------------ all-reduce and its relatives
-    def allreduce(self, job: Job, t: torch.Tensor, op: Any) -> None:
+    def allreduce(self, job: Job, t: torch.Tensor, op: Any, finite: Optional[list] = None) -> None:
+        """finite: a list that receives whether every value left in `t` is finite, where the pass that
+        wrote them noted it (the one-host channel's sum; see ChannelPaths.sum), else stays empty."""
         kind = red_kind(op)
         if t.is_complex():   # SUM / AVG / PREMUL_SUM (torch refuses the others on complex tensors)
-            self.allreduce(job, torch.view_as_real(t), op)
+            self.allreduce(job, torch.view_as_real(t), op, finite)
             return
         if kind == R.PREMUL_SUM:
             _premultiply(t, premul_factor(op))
             kind = R.SUM
         flat = t.view(-1)
         if t.dtype in GLOO_FLOATS and kind in (R.SUM, R.AVG):
-            self._step("sum", job, flat, kind == R.AVG)
+            self._step("sum", job, flat, kind == R.AVG, finite)
         else:
             self._step("reduce", job, flat, kind)
 

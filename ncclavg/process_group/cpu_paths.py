@@ -57,16 +57,18 @@ class ChannelPaths:
         call.checked = True
 
     # ------------------------------------------------------------------ reductions
-    def sum(self, job: Job, flat: torch.Tensor, average: bool) -> None:
-        """flat = the SUM (or AVG) over the ranks of a float32 / float64 / float16 / bfloat16 tensor."""
+    def sum(self, job: Job, flat: torch.Tensor, average: bool, finite: Optional[list] = None) -> None:
+        """flat = the SUM (or AVG) over the ranks of a float32 / float64 / float16 / bfloat16 tensor.
+        finite: receives the one-host channel's check of its sum where that sum writes the result (Note
+        [Finiteness from the pass that writes] in csrc/common/finite_math.h); stays empty otherwise."""
         if average and flat.dtype in HALF:   # an fp32 sum, one rounding
             acc = flat.to(torch.float32)
             self._run(job, "all_reduce_sum", acc)
             flat.copy_(acc.div_(self.size))
         elif average and self._one_host:   # the division in the channel's pass: the same bits as div_ after it
-            self._run(job, "all_reduce_sum", flat, divisor=float(self.size))
+            self._run(job, "all_reduce_sum", flat, divisor=float(self.size), finite=finite)
         else:
-            self._run(job, "all_reduce_sum", flat)
+            self._run(job, "all_reduce_sum", flat, finite=None if average else finite)
             if average:
                 flat.div_(self.size)
 
@@ -177,7 +179,8 @@ class GlooPaths:
             job.wait_gloo(work)
 
     # ------------------------------------------------------------------ reductions
-    def sum(self, job: Job, t: torch.Tensor, average: bool) -> None:
+    def sum(self, job: Job, t: torch.Tensor, average: bool, finite: Optional[list] = None) -> None:
+        """`finite` stays empty: gloo's sum is not checked."""
         self.check(job)
         if t.numel():
             self._sum(job, t, average)

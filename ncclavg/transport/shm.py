@@ -156,6 +156,13 @@ def _leaders_group(dist: Any, group: Any, leaders: list, timeout: float) -> Any:
                           use_local_synchronization=True)
 
 
+def _noting(fn: Callable, finite: list) -> Callable:
+    """fn (a checked channel sum), its answer appended to `finite`."""
+    def call(*args: Any) -> None:
+        finite.append(fn(*args))
+    return call
+
+
 def _tag(call: Optional[Call]) -> tuple:
     """The channel's (tag, tag_count) arguments of a user call (Note [Call signatures])."""
     return (0, 0) if call is None else (call.tag, call.count)
@@ -323,14 +330,19 @@ class ShmTransport:
     # `call` (calls.Call): the user's call this collective serves, compared across the ranks in the same
     # round (Note [Call signatures] in csrc/transport/shm_calls.cpp); None: the channel's own signature only.
     def all_reduce_sum(self, t: torch.Tensor, sync: bool = False, timeout: Optional[float] = None,
-                       divisor: float = 1.0, call: Optional[Call] = None) -> _ShmWork:
-        """divisor != 1: one host only (`channel` is not None); the channel divides in the same pass."""
+                       divisor: float = 1.0, call: Optional[Call] = None,
+                       finite: Optional[list] = None) -> _ShmWork:
+        """divisor != 1: one host only (`channel` is not None); the channel divides in the same pass.
+        finite (one host): a list that receives, once the call ran, whether every value the channel wrote
+        into `t` is finite (Note [Finiteness from the pass that writes] in csrc/common/finite_math.h)."""
         if self._hosts is not None:
             if divisor != 1.0:
                 raise ValueError("divisor: between hosts the channel does not divide")
             return self._submit(self._across_all_reduce, (t,), (t,), sync, timeout, (call,))
-        return self._submit(self._channel.all_reduce_sum, (t.data_ptr(), t.numel(), TYPE_CODES[t.dtype]), (t,),
-                            sync, timeout, (1.0, float(divisor)) + _tag(call))
+        fn, after = self._channel.all_reduce_sum, (1.0, float(divisor)) + _tag(call)
+        if finite is not None:
+            fn, after = _noting(fn, finite), after + (True,)   # check_finite=True
+        return self._submit(fn, (t.data_ptr(), t.numel(), TYPE_CODES[t.dtype]), (t,), sync, timeout, after)
 
     def reduce_scatter_sum(self, out: torch.Tensor, inp: torch.Tensor, sync: bool = True,
                            timeout: Optional[float] = None, call: Optional[Call] = None,
