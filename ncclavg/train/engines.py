@@ -306,7 +306,9 @@ class CpuMasterEngine:
             self.grad_flats = [[self.averager.bucket_storage(t, b) for b in range(len(self.plan.buckets))]
                                for t in range(len(self.tower_params))]
         # skip_nonfinite: a step with an inf/NaN gradient on any tower changes nothing (Note [Non-finite
-        # gradients] in trainer.py, Note [Dynamic loss scale]); the price is a read-only first pass.
+        # gradients] in trainer.py, Note [Dynamic loss scale]); the price is a read-only first pass, except
+        # where the averaging passes noted the gradients' finiteness (several processes: Note [Finiteness
+        # of the averaged gradients] in averager.py).
         self.master = MasterWeights(self.tower_params[0], plan=self.plan, pin=False,
                                     skip_nonfinite=skip_nonfinite, **opt.master_kwargs())
 
