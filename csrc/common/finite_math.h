@@ -1,5 +1,6 @@
-// Finiteness of what a pass writes, as a side effect of the pass: shared by the CPU kernels (scalar and
-// SIMD lanes) and usable by the CUDA kernels. See Note [Finiteness from the pass that writes].
+// Finiteness of what a pass writes, as a side effect of the pass: the limits and the test of the CPU
+// kernels (scalar and SIMD lanes), NCCLAVG_HD like the rest of the element math so that a CUDA kernel can
+// note the same (none does yet). See Note [Finiteness from the pass that writes].
 #pragma once
 #include "elementwise.h"
 
