@@ -161,3 +161,45 @@ def ddp_hook_job(rank, world, port):
     rows = [torch.empty_like(flat) for _ in range(world)]
     dist.all_gather(rows, flat)
     assert all(torch.equal(r, rows[0]) for r in rows)
+
+
+def trainer_job(rank, world, port, overlap):
+    """TowerTrainer(master="cpu") over processes: the engine hands the master step the finiteness its
+    reduction noted (True on clean steps; False when one rank's gradient turns NaN), and a poisoned step
+    is skipped on every rank with the master weights and state unchanged."""
+    from _dist_util import init_rank
+
+    init_rank(rank, world, port)
+    from ncclavg import TowerTrainer
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(12, 32), torch.nn.ReLU(), torch.nn.Linear(32, 5))
+    tr = TowerTrainer(net, devices=["cpu"], optimizer="adamw", lr=1e-2, master="cpu", timeout=60,
+                      bucket_cap_mb=0.002, first_bucket_mb=0.001, overlap=overlap)
+    seen = []
+    step = tr.engine.master.step
+
+    def recording_step(*args, **kw):
+        seen.append(kw.get("grads_finite"))
+        return step(*args, **kw)
+
+    tr.engine.master.step = recording_step
+    armed = []
+    first = next(iter(tr.towers[0].parameters()))
+    first.register_hook(lambda g: torch.full_like(g, float("nan")) if armed and rank == world - 1 else None)
+    g = torch.Generator().manual_seed(rank)
+    for k in range(4):
+        if k == 2:
+            armed.append(True)
+            before = tr.engine.master_state()
+        rec = tr.train_step((torch.randn(8, 12, generator=g), torch.randint(0, 5, (8,), generator=g)))
+        if k == 2:
+            armed.clear()
+            assert rec["skipped"], rec
+            after = tr.engine.master_state()
+            assert torch.equal(torch.cat([p.reshape(-1) for p in before["params"]]),
+                               torch.cat([p.reshape(-1) for p in after["params"]]))
+        else:
+            assert not rec["skipped"], (k, rec)
+    assert seen == [True, True, False, True], seen
+    tr.close()

@@ -29,3 +29,8 @@ def test_averaged_half_gradients_flag_a_value_on_any_rank(dtype):
 
 def test_ddp_hook_flag_skips_on_every_rank():
     run_ranks(W.ddp_hook_job, 2, timeout_s=240)
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_trainer_hands_the_reduction_s_answer_to_the_master_step(overlap):
+    run_ranks(W.trainer_job, 2, args=(overlap,), timeout_s=240)
