@@ -16,6 +16,14 @@ GPUs the pinned H2D/D2H bandwidth. Writes bench/results/trainer_<cpu|gpu>.json.
     python bench/trainer.py            # GPUs when visible (~100 M parameters), else 2 CPU towers (~8 M)
     python bench/trainer.py --quick    # smaller, fewer repetitions
     python bench/trainer.py --budget-s 30   # fewer rounds when the machine is slower than planned
+    python bench/trainer.py --check-towers 1,4,8   # + the inf/NaN check's cost per CPU tower count
+
+--check-towers (CPU towers): for each count, TowerTrainer(master="cpu") with the check (on_nonfinite="skip",
+the default) and without ("ignore"), timed in the same interleaved rounds as a host memcpy: the check's
+share of the step and of its optimizer phase, and the checked optimizer phase's bandwidth over memcpy.
+The towers of one process give their fused step gradients that autograd wrote, which no pass of ncclavg
+noted: that step falls back to its read-only scan (Note [Finiteness of the averaged gradients] in
+ncclavg/averager.py); the free check shows in bench/optim.py's fed rows.
 """
 from __future__ import annotations
 
@@ -127,6 +135,46 @@ def pcie_gbps(device: torch.device, nbytes: int, reps: int = 5) -> dict:
     return out
 
 
+def check_cost(tower_counts: list, width: int, layers: int, reps: int) -> list:
+    """The inf/NaN check's cost in TowerTrainer(master="cpu") on CPU towers, per tower count: checked and
+    unchecked trainers and a memcpy, interleaved round by round (medians after two warm-up rounds)."""
+    rows = []
+    for n in tower_counts:
+        torch.manual_seed(0)
+        devices = [torch.device("cpu")] * n
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // n))
+        x, y = torch.randn(32 * n, width), torch.randint(0, 10, (32 * n,))
+        trainers = {policy: TowerTrainer(wide_mlp(width, layers), devices=devices, master="cpu", lr=1e-4,
+                                         on_nonfinite=policy) for policy in ("skip", "ignore")}
+        nparams = sum(p.numel() for p in trainers["skip"].model.parameters())
+        memcpy = Memcpy(min(256 << 20, nparams * 4 * 4))
+        fns = {k: (lambda tr=tr: tr.train_step((x, y))) for k, tr in trainers.items()}
+        fns["memcpy"] = memcpy
+        times: dict = {k: [] for k in fns}
+        opt: dict = {k: [] for k in trainers}
+        for rep in range(reps + 2):
+            for k, fn in fns.items():
+                t0 = time.perf_counter()
+                out = fn()
+                if rep >= 2:
+                    times[k].append(time.perf_counter() - t0)
+                    if k in opt:
+                        opt[k].append(out["t_optimizer"])
+        med = {k: statistics.median(v) for k, v in times.items()}
+        o = {k: statistics.median(v) for k, v in opt.items()}
+        # the fused step reads n towers' fp32 grads (4n), writes tower 0's params (4), param + moments r/w (24)
+        gbps = nparams * (4 * n + 28) / o["skip"] / 1e9
+        rows.append({"towers": n, "params": nparams, "step_checked_s": med["skip"], "step_unchecked_s": med["ignore"],
+                     "opt_checked_s": o["skip"], "opt_unchecked_s": o["ignore"],
+                     "check_share_of_step": 1 - med["ignore"] / med["skip"],
+                     "check_share_of_optimizer": 1 - o["ignore"] / o["skip"],
+                     "optimizer_checked_gbps": gbps, "memcpy_gbps": memcpy.gbps(med["memcpy"]),
+                     "optimizer_checked_over_memcpy": gbps / memcpy.gbps(med["memcpy"])})
+        for tr in trainers.values():
+            tr.close()
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="TowerTrainer step time vs the torch offload loop")
     ap.add_argument("--quick", action="store_true", help="smaller model, fewer repetitions")
@@ -138,6 +186,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layers", type=int, default=None, help="hidden layers of the MLP")
     ap.add_argument("--towers", type=int, default=None, help="CPU towers when there is no GPU (default 2)")
     ap.add_argument("--json", "--out", dest="out", default=None, help="JSON file (default bench/results/trainer_<cpu|gpu>.json)")
+    ap.add_argument("--check-towers", default=None,
+                    help="comma-separated CPU tower counts: also the inf/NaN check's cost at each (see above)")
     args = ap.parse_args(argv)
     started = time.perf_counter()
     if args.reps is not None and args.reps < 1:
@@ -239,6 +289,16 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  fused CPU optimizer {bw['fused_cpu_optimizer']:.1f} GB/s = {bw['fused_cpu_optimizer_over_memcpy']:.2f} "
           f"of host memcpy ({bw['host_memcpy']:.1f} GB/s, same run)"
           + (f"; PCIe h2d {bw['pcie']['h2d']:.1f} / d2h {bw['pcie']['d2h']:.1f} GB/s" if on_gpu else ""))
+    if args.check_towers:
+        counts = [int(c) for c in args.check_towers.split(",") if c.strip()]
+        result["check_cost"] = check_cost(counts, width, layers, reps)
+        result["machine"]["loadavg_1m_end"] = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+        print("  inf/NaN check (master='cpu', CPU towers of one process: the fused step's read-only scan):")
+        for r in result["check_cost"]:
+            print(f"    {r['towers']} tower(s): step {r['step_checked_s'] * 1e3:.1f} ms checked, "
+                  f"{r['step_unchecked_s'] * 1e3:.1f} ms unchecked: check {r['check_share_of_step']:+.1%} of the step, "
+                  f"{r['check_share_of_optimizer']:+.1%} of the optimizer phase; checked optimizer "
+                  f"{r['optimizer_checked_over_memcpy']:.0%} of memcpy ({r['memcpy_gbps']:.1f} GB/s)")
     out = args.out or str(Path(__file__).resolve().parent / "results" / f"trainer_{'gpu' if on_gpu else 'cpu'}.json")
     os.makedirs(os.path.dirname(out), exist_ok=True)
     with open(out, "w") as f:

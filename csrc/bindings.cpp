@@ -52,17 +52,26 @@ bool cuda_built() {
 #endif
 }
 
-void average_(const std::vector<Buffer>& bufs, uintptr_t stream) {
+// check_finite (host buffers): whether every mean written is finite, None when nothing was written (one
+// buffer) or not checked (Note [Finiteness from the pass that writes] in csrc/common/finite_math.h).
+std::optional<bool> average_(const std::vector<Buffer>& bufs, uintptr_t stream, bool check_finite) {
   if (!bufs.empty() && !bufs[0].on_cpu()) {
 #ifdef NCCLAVG_WITH_CUDA
     cuda::average_inplace(bufs, stream);
-    return;
+    return std::nullopt;
 #else
     NCCLAVG_CHECK_ARG(false, "buffers", "buffers[0] is on ", bufs[0].describe(),
                       " but this build of ncclavg has no CUDA support (rebuild with NCCLAVG_CUDA=1)");
 #endif
   }
-  cpu::average_inplace(bufs);
+  const bool nonfinite = cpu::average_inplace(bufs, check_finite);
+  if (!check_finite || bufs.size() < 2) return std::nullopt;
+  return !nonfinite;
+}
+
+// What a checked host pass returns to Python: whether everything it wrote is finite (None: not checked).
+std::optional<bool> finite_answer(bool checked, bool nonfinite) {
+  return checked ? std::optional<bool>(!nonfinite) : std::nullopt;
 }
 
 py::dict nccl_info_dict(const nccl::LoadInfo& i) {
@@ -161,9 +170,10 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("nbytes", &Buffer::nbytes)
       .def("__repr__", &Buffer::describe);
 
-  m.def("average_", &average_, py::arg("buffers"), py::arg("stream") = 0,
+  m.def("average_", &average_, py::arg("buffers"), py::arg("stream") = 0, py::arg("check_finite") = false,
         py::call_guard<py::gil_scoped_release>(),
-        "In-place mean of N equal buffers in one pass (fp32 accumulation).");
+        "In-place mean of N equal buffers in one pass (fp32 accumulation); check_finite (host): returns "
+        "whether every mean written is finite (None when nothing was written).");
 
 #ifdef NCCLAVG_WITH_CUDA
   m.def("divide_", [](const Buffer& b, float divisor, uintptr_t stream) { cuda::divide_inplace(b, divisor, stream); },
@@ -203,40 +213,40 @@ PYBIND11_MODULE(_C, m) {
   // ---- Gradient buckets: fused multi-tensor pack/unpack (one call per bucket, cast + scale fused) ----
   m.def("pack_",
         [](const std::vector<Buffer>& srcs, const Buffer& dst, const std::vector<int64_t>& offsets, float scale,
-           float divisor, uintptr_t stream) {
+           float divisor, uintptr_t stream, bool check_finite) -> std::optional<bool> {
           if (!dst.on_cpu()) {
 #ifdef NCCLAVG_WITH_CUDA
             cuda::pack(srcs, dst, offsets, scale, divisor, stream);
-            return;
+            return std::nullopt;
 #else
             NCCLAVG_CHECK_ARG(false, "dst", "is on ", dst.describe(), " but this build of ncclavg has no CUDA "
                               "support (rebuild with NCCLAVG_CUDA=1)");
 #endif
           }
-          cpu::pack(srcs, dst, offsets, scale, divisor);
+          return finite_answer(check_finite, cpu::pack(srcs, dst, offsets, scale, divisor, check_finite));
         },
         py::arg("srcs"), py::arg("dst"), py::arg("offsets"), py::arg("scale") = 1.0f, py::arg("divisor") = 1.0f,
-        py::arg("stream") = 0, py::call_guard<py::gil_scoped_release>(),
+        py::arg("stream") = 0, py::arg("check_finite") = false, py::call_guard<py::gil_scoped_release>(),
         "dst[offsets[i] : offsets[i] + srcs[i].numel] = srcs[i] * scale / divisor, cast to dst's dtype; "
-        "one call for all tensors.");
+        "one call for all tensors. check_finite (host): returns whether every value written is finite.");
   m.def("unpack_",
         [](const Buffer& src, const std::vector<Buffer>& dsts, const std::vector<int64_t>& offsets, float scale,
-           float divisor, uintptr_t stream) {
+           float divisor, uintptr_t stream, bool check_finite) -> std::optional<bool> {
           if (!src.on_cpu()) {
 #ifdef NCCLAVG_WITH_CUDA
             cuda::unpack(src, dsts, offsets, scale, divisor, stream);
-            return;
+            return std::nullopt;
 #else
             NCCLAVG_CHECK_ARG(false, "src", "is on ", src.describe(), " but this build of ncclavg has no CUDA "
                               "support (rebuild with NCCLAVG_CUDA=1)");
 #endif
           }
-          cpu::unpack(src, dsts, offsets, scale, divisor);
+          return finite_answer(check_finite, cpu::unpack(src, dsts, offsets, scale, divisor, check_finite));
         },
         py::arg("src"), py::arg("dsts"), py::arg("offsets"), py::arg("scale") = 1.0f, py::arg("divisor") = 1.0f,
-        py::arg("stream") = 0, py::call_guard<py::gil_scoped_release>(),
+        py::arg("stream") = 0, py::arg("check_finite") = false, py::call_guard<py::gil_scoped_release>(),
         "dsts[i] = src[offsets[i] : offsets[i] + dsts[i].numel] * scale / divisor, cast to dsts[i]'s dtype; "
-        "one call for all tensors.");
+        "one call for all tensors. check_finite (host): returns whether every value written is finite.");
 
   // ---- Fused CPU optimizers (csrc/cpu/optim.h): AdamW/Adam, SGD, gradient statistics, fp32 copy-out.
   auto step_dict = [](const cpu::StepResult& r) {
@@ -249,10 +259,11 @@ PYBIND11_MODULE(_C, m) {
     return d;
   };
   auto grad_options = [](double grad_scale, bool check_finite, std::optional<double> max_grad_norm,
-                         double clip_coef, std::optional<double> sumsq_start) {
+                         double clip_coef, std::optional<double> sumsq_start, std::optional<bool> grads_finite) {
     cpu::GradOptions go;
     go.grad_scale = grad_scale;
     go.check_finite = check_finite;
+    go.grads_finite = grads_finite;
     go.max_grad_norm = max_grad_norm;
     go.clip_coef = clip_coef;
     go.sumsq_start = sumsq_start;
@@ -265,9 +276,11 @@ PYBIND11_MODULE(_C, m) {
             const std::vector<Buffer>& out, double lr, double beta1, double beta2, double eps,
             double weight_decay, bool decoupled, bool amsgrad, bool maximize, double grad_scale,
             bool check_finite, std::optional<double> max_grad_norm, double clip_coef,
-            const std::vector<Buffer>& step_tensors, std::optional<double> sumsq_start) {
+            const std::vector<Buffer>& step_tensors, std::optional<double> sumsq_start,
+            std::optional<bool> grads_finite) {
           cpu::AdamHyper hp{lr, beta1, beta2, eps, weight_decay, decoupled, amsgrad, maximize};
-          const cpu::GradOptions go = grad_options(grad_scale, check_finite, max_grad_norm, clip_coef, sumsq_start);
+          const cpu::GradOptions go =
+              grad_options(grad_scale, check_finite, max_grad_norm, clip_coef, sumsq_start, grads_finite);
           cpu::StepResult r;
           {
             py::gil_scoped_release nogil;
@@ -282,18 +295,22 @@ PYBIND11_MODULE(_C, m) {
         py::arg("amsgrad") = false, py::arg("maximize") = false, py::arg("grad_scale") = 1.0,
         py::arg("check_finite") = false, py::arg("max_grad_norm") = py::none(), py::arg("clip_coef") = 1.0,
         py::arg("step_tensors") = std::vector<Buffer>{}, py::arg("sumsq_start") = py::none(),
+        py::arg("grads_finite") = py::none(),
         "Fused AdamW (decoupled=True) / Adam step over fp32 segments; grads[tower][segment] averaged on "
         "the fly; steps (step numbers) or step_tensors (float32 counters, incremented unless skipped); "
-        "sumsq_start: also sum the gradients' squares during the update, from this value. "
+        "sumsq_start: also sum the gradients' squares during the update, from this value; grads_finite: "
+        "the finiteness of the grads as the pass that wrote them noted it (None: unknown). "
         "Returns {skipped, stats_computed, grad_norm, sumsq, clip_coef}.");
   m.def("sgd_step",
         [=](const std::vector<Buffer>& params, const std::vector<std::vector<Buffer>>& grads,
             const std::vector<Buffer>& momentum_buffers, const std::vector<bool>& first,
             const std::vector<Buffer>& out, double lr, double momentum, double dampening,
             double weight_decay, bool nesterov, bool maximize, double grad_scale, bool check_finite,
-            std::optional<double> max_grad_norm, double clip_coef, std::optional<double> sumsq_start) {
+            std::optional<double> max_grad_norm, double clip_coef, std::optional<double> sumsq_start,
+            std::optional<bool> grads_finite) {
           cpu::SgdHyper hp{lr, momentum, dampening, weight_decay, nesterov, maximize};
-          const cpu::GradOptions go = grad_options(grad_scale, check_finite, max_grad_norm, clip_coef, sumsq_start);
+          const cpu::GradOptions go =
+              grad_options(grad_scale, check_finite, max_grad_norm, clip_coef, sumsq_start, grads_finite);
           cpu::StepResult r;
           {
             py::gil_scoped_release nogil;
@@ -305,8 +322,8 @@ PYBIND11_MODULE(_C, m) {
         py::arg("lr"), py::arg("momentum") = 0.0, py::arg("dampening") = 0.0, py::arg("weight_decay") = 0.0,
         py::arg("nesterov") = false, py::arg("maximize") = false, py::arg("grad_scale") = 1.0,
         py::arg("check_finite") = false, py::arg("max_grad_norm") = py::none(), py::arg("clip_coef") = 1.0,
-        py::arg("sumsq_start") = py::none(),
-        "Fused SGD (momentum, dampening, Nesterov) step over fp32 segments.");
+        py::arg("sumsq_start") = py::none(), py::arg("grads_finite") = py::none(),
+        "Fused SGD (momentum, dampening, Nesterov) step over fp32 segments (arguments as adam_step's).");
   m.def("grad_stats",
         [](const std::vector<std::vector<Buffer>>& grads, double grad_scale, std::optional<double> max_grad_norm) {
           cpu::GradStats st;
@@ -372,18 +389,26 @@ PYBIND11_MODULE(_C, m) {
         // tag, tag_count: the user's call (Note [Call signatures] in csrc/transport/shm_calls.cpp)
         .def("all_reduce_sum",
              [](ShmChannel& c, uintptr_t data, int64_t count, int type, double timeout_s, double mul, double div,
-                uint64_t tag, int64_t tag_count) {
-               c.all_reduce_sum(data, count, type, timeout_s, mul, div, call_tag(tag, tag_count));
+                uint64_t tag, int64_t tag_count, bool check_finite) {
+               bool nonfinite = false;
+               c.all_reduce_sum(data, count, type, timeout_s, mul, div, call_tag(tag, tag_count),
+                                check_finite ? &nonfinite : nullptr);
+               return finite_answer(check_finite, nonfinite);
              },
              py::arg("data"), py::arg("count"), py::arg("type"), py::arg("timeout_s"), py::arg("mul") = 1.0,
-             py::arg("div") = 1.0, py::arg("tag") = 0, py::arg("tag_count") = 0, Release())
+             py::arg("div") = 1.0, py::arg("tag") = 0, py::arg("tag_count") = 0, py::arg("check_finite") = false,
+             Release(), "check_finite: returns whether every value written is finite (the same on every rank).")
         .def("reduce_scatter_sum",
              [](ShmChannel& c, uintptr_t in, uintptr_t out, int64_t count, int type, double timeout_s, double mul,
-                double div, uint64_t tag, int64_t tag_count) {
-               c.reduce_scatter_sum(in, out, count, type, timeout_s, mul, div, call_tag(tag, tag_count));
+                double div, uint64_t tag, int64_t tag_count, bool check_finite) {
+               bool nonfinite = false;
+               c.reduce_scatter_sum(in, out, count, type, timeout_s, mul, div, call_tag(tag, tag_count),
+                                    check_finite ? &nonfinite : nullptr);
+               return finite_answer(check_finite, nonfinite);
              },
              py::arg("inp"), py::arg("out"), py::arg("count"), py::arg("type"), py::arg("timeout_s"),
-             py::arg("mul") = 1.0, py::arg("div") = 1.0, py::arg("tag") = 0, py::arg("tag_count") = 0, Release())
+             py::arg("mul") = 1.0, py::arg("div") = 1.0, py::arg("tag") = 0, py::arg("tag_count") = 0,
+             py::arg("check_finite") = false, Release())
         .def("all_gather",
              [](ShmChannel& c, uintptr_t in, uintptr_t out, int64_t count, int type, double timeout_s, uint64_t tag,
                 int64_t tag_count) { c.all_gather(in, out, count, type, timeout_s, call_tag(tag, tag_count)); },

@@ -105,6 +105,8 @@ class GradientAverager:
         self.grad_dtype = gdt
         self.check_finite = check_finite
         self._last_amax: list = []
+        # See Note [Finiteness of the averaged gradients]; None until an average() noted it.
+        self.bucket_finite: list = [None] * len(plan.buckets)
         self.stats: dict = {"steps": 0, "bytes_reduced": 0, "bucket_bytes": [b.nbytes for b in plan.buckets],
                             "bucket_time_s": [0.0] * len(plan.buckets), "buckets_overlapped": 0,
                             "fallback_packs": 0, "params_without_grad": 0, "average_time_s": 0.0}
@@ -175,6 +177,7 @@ class GradientAverager:
             raise
         overlapped = self._overlapped
         self._last_amax = self._amax
+        self.bucket_finite = self._step_finite
         self._reset_step()
         st = self.stats
         st["steps"] += 1
@@ -211,6 +214,24 @@ class GradientAverager:
         finite = torch.isfinite(self._amax_to_host([e for _, _, e in flat])).tolist()
         return [(t, b) for (t, b, _), ok in zip(flat, finite) if not ok]
 
+    @property
+    def grads_finite(self) -> Optional[bool]:
+        """Whether every gradient the last average() left in the towers' .grad is finite, as the passes
+        that wrote them noted it: True, False, or None when some bucket's last writer did not note it
+        (CUDA towers, torch.distributed's own sum left as the result, a single tower); per bucket in
+        `bucket_finite`. Reset to None by zero_grad() and by the next backward. Pass it to a step's
+        grads_finite=... while the gradients are exactly as average() left them.
+
+        Note [Finiteness of the averaged gradients]
+        The pass that writes a bucket's final values (the local average, the unpack that divides or casts
+        back, the gloo communicator's finishing scale) notes in the same loop whether it wrote an inf/NaN
+        (Note [Finiteness from the pass that writes] in csrc/common/finite_math.h); the Work brings that
+        back (Work.finite). A mean over towers and processes holds an inf/NaN exactly when a tower's
+        gradient held one or the float32 sum overflowed, and every process receives the same bits: every
+        process gets the same answer, with no exchange. A step given grads_finite=True skips its read-only
+        scan (MasterWeights.step, CPUAdamW / CPUSGD(skip_nonfinite=True)); False or None: the scan decides."""
+        return all_finite(self.bucket_finite)
+
     def _amax_to_host(self, entries: list) -> torch.Tensor:
         """float32 CPU tensor of the (amax, CUDA event or None) entries, in order."""
         out = torch.empty(len(entries), dtype=torch.float32)
@@ -241,6 +262,7 @@ class GradientAverager:
     def zero_grad(self) -> None:
         """Zeroes every tower's bucket storage and points each .grad back at its view (grads that cannot
         be views, see grad_dtype, are set to None)."""
+        self.bucket_finite = [None] * self._nb
         for t in range(self._ntowers):
             for s in self._storage[t]:
                 s.zero_()
@@ -280,6 +302,8 @@ class GradientAverager:
 
     def _grad_ready(self, t: int, i: int) -> None:
         """Called once per parameter and backward (post-accumulate). See Note [Launch order]."""
+        if not self._fired:   # a new backward: the last average()'s finiteness no longer describes .grad
+            self.bucket_finite = [None] * self._nb
         self._fired = True
         if not self._sync_enabled:
             return
@@ -332,6 +356,7 @@ class GradientAverager:
         self._overlapped = 0
         self._fired = False
         self._amax: list = [[None] * self._nb for _ in range(self._ntowers)]
+        self._step_finite: list = [None] * self._nb   # filled by _finish_bucket
 
     def _launch_through(self, end: int) -> None:
         """Launches buckets [self._next, end) in order. Caller holds self._lock."""
@@ -414,15 +439,20 @@ class GradientAverager:
         self.stats["bucket_time_s"][b] = work.elapsed if work.elapsed is not None else time.perf_counter() - t_launch
         divisor = float(getattr(work, "divisor", 1.0))
         has_views = bool(self._view_slots[b])
+        # what each last writer of the .grad values noted: Note [Finiteness of the averaged gradients]
+        finite = []
         for t, (reseat, unpack_to) in enumerate(fixups):
             storage = self._storage[t][b]
             if divisor != 1.0 and has_views:  # the .grad views ARE the storage: one in-place fused pass
-                ops.unpack_(storage, [storage], [0], divisor=divisor)
+                finite.append(ops.unpack_(storage, [storage], [0], divisor=divisor, check_finite=True))
+            elif has_views:
+                finite.append(getattr(work, "finite", None))
             if unpack_to:  # cast back, with the remaining 1/N fused in when the storage was not scaled
-                ops.unpack_(storage, [g for _, g in unpack_to], [off for off, _ in unpack_to],
-                            divisor=1.0 if has_views else divisor)
+                finite.append(ops.unpack_(storage, [g for _, g in unpack_to], [off for off, _ in unpack_to],
+                                          divisor=1.0 if has_views else divisor, check_finite=True))
             for i in reseat:
                 self.params[t][i].grad = self._views[t][i]
+        self._step_finite[b] = all_finite(finite)
 
     def _note_unused(self, t: int, i: int) -> None:
         self.stats["params_without_grad"] += 1
@@ -440,6 +470,14 @@ class GradientAverager:
                     if p.grad is not None:  # keep gradients accumulated before the averager existed
                         v.copy_(p.grad)
                     p.grad = v
+
+
+def all_finite(flags: Sequence[Optional[bool]]) -> Optional[bool]:
+    """The finiteness of several parts from each part's: False when one is known not finite, True when
+    every one is known finite (and there is one at least), None otherwise."""
+    if any(f is False for f in flags):
+        return False
+    return True if flags and all(f is True for f in flags) else None
 
 
 def _bucket_fingerprint(plan: BucketPlan, b: int) -> int:

@@ -278,7 +278,7 @@ class MasterWeights:
 
     @torch.no_grad()
     def step(self, tower_grads: Any, bucket: Optional[int] = None, grad_scale=None, max_grad_norm=None, *,
-             out: Any = None, grad_norm: Optional[float] = None) -> dict:
+             out: Any = None, grad_norm: Optional[float] = None, grads_finite: Optional[bool] = None) -> dict:
         """Averages the towers' gradients and updates params and state of every bucket (or of `bucket`),
         in one pass per bucket element.
 
@@ -287,6 +287,10 @@ class MasterWeights:
         grad_scale: loss scale to divide out. max_grad_norm: clip the global norm of the stepped
           buckets' gradients; when stepping one bucket at a time pass the global `grad_norm` too.
         out: staging buffer(s) (one per stepped bucket) receiving the new params in their dtype.
+        grads_finite: whether tower_grads hold only finite values, as the pass that wrote them noted it
+          (GradientAverager.grads_finite, Work.finite). True spares skip_nonfinite its read-only scan of
+          the gradients (Note [Finiteness of the averaged gradients] in averager.py); None (the default)
+          or False: the scan decides. Pass it only for gradients exactly as that pass left them.
         Returns {"skipped", "grad_norm" (None when no first pass ran), "clip_coef", "steps"}.
         """
         bks = self._buckets_arg(bucket)
@@ -297,6 +301,8 @@ class MasterWeights:
         elif mgn is not None and bucket is not None and self.num_buckets > 1:
             raise ValueError("max_grad_norm: clipping one bucket needs the global norm of all buckets; pass "
                              "grad_norm=... (see grad_norm()) or step all buckets at once")
+        if grads_finite is not None and not isinstance(grads_finite, bool):
+            raise TypeError(f"grads_finite: expected a bool or None, got {type(grads_finite).__name__}")
         hp = _check_hp(self.kind, self.hp)
         grads = self._tower_grads(tower_grads, bks, bucket is not None)
         outs = self._outs(out, bks)
@@ -315,7 +321,8 @@ class MasterWeights:
                 return info
             clip = clip_coef_f32(grad_norm, mgn) if mgn is not None else 1.0
             pass_mgn = None
-        common = dict(grad_scale=gs, check_finite=check, max_grad_norm=pass_mgn, clip_coef=clip)
+        common = dict(grad_scale=gs, check_finite=check, max_grad_norm=pass_mgn, clip_coef=clip,
+                      grads_finite=grads_finite)
         if self.kind == "sgd":
             started = [self._momentum_started[b] for b in bks]
             momentum = float(hp["momentum"])

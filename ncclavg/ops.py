@@ -1,7 +1,7 @@
 """Element-wise ops of the core on user tensors."""
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 from ._ext import _C, cuda_built
 from .buffers import as_buffer, as_buffers
@@ -23,13 +23,17 @@ def _stream_for(x: Any) -> int:
     return 0
 
 
-def average_(buffers: Sequence[Any]) -> None:
+def average_(buffers: Sequence[Any], *, check_finite: bool = False) -> Optional[bool]:
     """In place: every buffer becomes the element-wise mean of all of them.
 
     One pass over memory (each buffer read once and written once), fp32 accumulation, one rounding to
     the storage type. All buffers must have the same size, dtype and device, be contiguous, writable and
     distinct. CPU buffers use the OpenMP+SIMD host kernel; CUDA buffers of one device one kernel launch
     on the current stream (asynchronous, like any CUDA op).
+
+    check_finite=True (CPU buffers): returns whether every mean written is finite, noted by the same pass
+    (Note [Finiteness from the pass that writes] in csrc/common/finite_math.h); None when nothing was
+    written (a single buffer) or not checked (CUDA, or check_finite=False).
     """
     bufs = as_buffers(buffers, "buffers")
     device = bufs[0].device
@@ -37,7 +41,7 @@ def average_(buffers: Sequence[Any]) -> None:
         raise ValueError(f"buffers[0]: is on cuda:{device} but this build of ncclavg has no CUDA "
                          "support (rebuild with NCCLAVG_CUDA=1)")
     stream = _stream_for(buffers[0]) if device >= 0 else 0
-    _C.average_(bufs, stream)
+    return _C.average_(bufs, stream, bool(check_finite))
 
 
 def _check_factor(value: Any, argname: str) -> float:
@@ -65,29 +69,31 @@ def _check_offsets(offsets: Sequence[int], n: int, seq_name: str) -> list:
 
 
 def pack_(tensors: Sequence[Any], bucket: Any, offsets: Sequence[int], scale: float = 1.0,
-          divisor: float = 1.0) -> None:
+          divisor: float = 1.0, *, check_finite: bool = False) -> Optional[bool]:
     """ONE fused call: `bucket[offsets[i] : offsets[i] + tensors[i].numel] = tensors[i] * scale / divisor`,
     cast to the bucket's dtype (e.g. float32 grads into a bfloat16 bucket).
 
     Offsets count elements of the bucket. CPU: OpenMP + SIMD; CUDA: one kernel launch on the bucket's
-    current stream. Tensors may be empty; writes may not overlap (see Note [Pack aliasing rule])."""
+    current stream. Tensors may be empty; writes may not overlap (see Note [Pack aliasing rule]).
+    check_finite=True (CPU): returns whether every value written is finite (an overflow of the cast
+    included), noted by the same pass; None when not checked (CUDA)."""
     bufs = as_buffers(tensors, "srcs") if len(tensors) else []
     dst = as_buffer(bucket, "dst")
     offs = _check_offsets(offsets, len(bufs), "srcs")
     mul, div = _check_factor(scale, "scale"), _check_factor(divisor, "divisor")
     stream = _stream_for(bucket) if dst.device >= 0 else 0
-    _C.pack_(bufs, dst, offs, mul, div, stream)
+    return _C.pack_(bufs, dst, offs, mul, div, stream, bool(check_finite))
 
 
 def unpack_(bucket: Any, tensors: Sequence[Any], offsets: Sequence[int], scale: float = 1.0,
-            divisor: float = 1.0) -> None:
+            divisor: float = 1.0, *, check_finite: bool = False) -> Optional[bool]:
     """ONE fused call: `tensors[i] = bucket[offsets[i] : offsets[i] + tensors[i].numel] * scale / divisor`,
     cast to each tensor's dtype (e.g. a bfloat16 bucket into float32 grads with divisor=N).
 
-    A tensor that IS its bucket region (same dtype) is scaled in place."""
+    A tensor that IS its bucket region (same dtype) is scaled in place. check_finite: as pack_'s."""
     src = as_buffer(bucket, "src")
     bufs = as_buffers(tensors, "dsts") if len(tensors) else []
     offs = _check_offsets(offsets, len(bufs), "dsts")
     mul, div = _check_factor(scale, "scale"), _check_factor(divisor, "divisor")
     stream = _stream_for(bucket) if src.device >= 0 else 0
-    _C.unpack_(src, bufs, offs, mul, div, stream)
+    return _C.unpack_(src, bufs, offs, mul, div, stream, bool(check_finite))

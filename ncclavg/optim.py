@@ -11,8 +11,10 @@ reading every tensor once. `step()` also takes `grad_scale` (a loss scale to div
 `max_grad_norm` (global L2 clipping, as `torch.nn.utils.clip_grad_norm_` over all params with grads);
 with `skip_nonfinite=True` a step whose gradients hold an inf or NaN changes nothing (params, state,
 step counts) and reports ``{"skipped": True}``. It is off by default, as in torch.optim: the check is
-an extra read-only pass over the gradients (about 15-20% of a step). MasterWeights, the trainer's CPU
-master, turns it on by default.
+an extra read-only pass over the gradients (about 15-20% of a step), unless the pass that wrote the
+gradients already noted their finiteness: `step(grads_finite=avg.grads_finite)` after a
+GradientAverager's average() makes the check free. MasterWeights, the trainer's CPU master, turns it on
+by default.
 
 Parameters must be contiguous float32 CPU tensors (the fp32 master weights); gradients may be float32,
 bfloat16 or float16.
@@ -207,16 +209,25 @@ class _FusedOptimizer(torch.optim.Optimizer):
         raise NotImplementedError
 
     @torch.no_grad()
-    def step(self, closure: Optional[Callable[[], Any]] = None, *, grad_scale=None, max_grad_norm=None):
+    def step(self, closure: Optional[Callable[[], Any]] = None, *, grad_scale=None, max_grad_norm=None,
+             grads_finite: Optional[bool] = None):
         """One optimizer step. Returns the closure's loss when a closure is given, else an info dict
         {"skipped": bool, "grad_norm": float | None, "clip_coef": float} (also kept in
         `last_step_info`). grad_scale: loss scale to divide out of the gradients first;
-        max_grad_norm: clip the global L2 norm of the (unscaled) gradients of all params."""
+        max_grad_norm: clip the global L2 norm of the (unscaled) gradients of all params.
+        grads_finite: whether the gradients hold only finite values, as the pass that wrote them noted it
+        (GradientAverager.grads_finite after average()); True spares skip_nonfinite its read-only scan
+        when grad_scale >= 1 (Note [Finiteness of the averaged gradients] in averager.py). None (the
+        default) or False: the scan decides. Pass it only for gradients exactly as that pass left them."""
+        if grads_finite is not None and not isinstance(grads_finite, bool):
+            raise TypeError(f"grads_finite: expected a bool or None, got {type(grads_finite).__name__}")
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        info = self._fused_step(check_grad_scale(grad_scale), check_max_grad_norm(max_grad_norm))
+            grads_finite = None   # the closure ran a backward: these are new gradients
+        info = self._fused_step(check_grad_scale(grad_scale), check_max_grad_norm(max_grad_norm),
+                                grads_finite)
         self.last_step_info = info
         return loss if closure is not None else info
 
@@ -237,7 +248,7 @@ class _FusedOptimizer(torch.optim.Optimizer):
             work.append((group, ps, pbufs, gbufs))
         return work, keep
 
-    def _fused_step(self, grad_scale: float, max_grad_norm: Optional[float]) -> dict:
+    def _fused_step(self, grad_scale: float, max_grad_norm: Optional[float], grads_finite: Optional[bool]) -> dict:
         work, keep = self._collect()
         info = {"skipped": False, "grad_norm": None, "clip_coef": 1.0}
         all_grads = [b for w in work for b in w[3]]
@@ -254,7 +265,10 @@ class _FusedOptimizer(torch.optim.Optimizer):
         elif self.skip_nonfinite:
             # A scan of the raw bits decides, and the groups' updates sum the norm's squares one after
             # another: the same norm as grad_stats (Note [The inf/NaN check as a scan] in csrc/cpu/optim.cpp).
-            if not _C.grads_finite([all_grads], grad_scale):
+            # The scan is spared when the pass that wrote the gradients said they are finite and the unscale
+            # cannot overflow (|1/grad_scale| <= 1): the scan's own condition.
+            known = grads_finite is True and grad_scale >= 1.0
+            if not known and not _C.grads_finite([all_grads], grad_scale):
                 info["grad_norm"] = _C.grad_stats([all_grads], grad_scale, None)["grad_norm"]
                 info["skipped"] = True
                 return info

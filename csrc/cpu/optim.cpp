@@ -268,6 +268,9 @@ float inv_scale_of(const GradOptions& go, bool maximize) {
 // accumulated by the update pass itself (GradOptions::sumsq_start: the same accumulators in the same
 // order, hence the same bits), and a step the scan rejects runs grad_sumsq to report the inf/NaN norm
 // it reported before. Loss scales below 1 (an unscale that can overflow) keep the full first pass.
+// When the pass that wrote the gradients noted that they are all finite (GradOptions::grads_finite, Note
+// [Finiteness from the pass that writes] in common/finite_math.h), that answer stands for the scan and
+// the gradients are read once, by the update.
 bool scan_finite(const GradTable& g) {
   const OptimKernelTable& kt = optim_kernels();
   int64_t total = 0;
@@ -279,8 +282,12 @@ bool scan_finite(const GradTable& g) {
   return std::all_of(ok.begin(), ok.end(), [](char c) { return c != 0; });
 }
 
+// The scan's answer, or the answer of the pass that wrote the gradients when it said "finite": the same
+// argument (|1/grad_scale| <= 1: finite tower values give a finite unscaled mean) with the bits already
+// tested. A "not finite" from that pass runs the scan, which then decides on the gradients given here.
 bool finite_by_scan(const GradTable& g, const GradOptions& go, bool* answered) {
   *answered = std::fabs(inv_scale_of(go, false)) <= 1.0f;
+  if (*answered && go.grads_finite.value_or(false)) return true;
   return *answered && scan_finite(g);
 }
 

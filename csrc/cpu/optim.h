@@ -7,8 +7,9 @@
 // Whether a step is skipped (a non-finite gradient) and the clip factor both depend on every gradient
 // of the step, so they are decided by a first, read-only pass over all segments before any parameter
 // or state is written: grad_sumsq for the clip factor, or only a scan of the raw bits for inf/NaN (see
-// Note [The inf/NaN check as a scan] in optim.cpp). When neither is asked for, the step is a single
-// pass. A skipped step writes nothing: params, moments, momentum buffers and step counts stay as they
+// Note [The inf/NaN check as a scan] in optim.cpp), or no pass at all when the pass that wrote the
+// gradients already said they are finite (GradOptions::grads_finite). When neither is asked for, the
+// step is a single pass. A skipped step writes nothing: params, moments, momentum buffers and step counts stay as they
 // were (the copy-out, when given, still receives the current params so that it always mirrors them).
 #pragma once
 #include <cstdint>
@@ -50,6 +51,10 @@ struct GradOptions {
   // the sums of calls made one after another in grad_stats' segment order equal grad_stats' sumsq bit
   // for bit. Not with max_grad_norm (that norm is known before the update).
   std::optional<double> sumsq_start;
+  // What the pass that wrote the gradients noted about them (Note [Finiteness from the pass that writes]
+  // in common/finite_math.h): true lets check_finite skip its scan, as a scan that passed would (the
+  // grads must be exactly what that pass wrote); false or none: the first pass runs as without it.
+  std::optional<bool> grads_finite;
 };
 
 struct GradStats {

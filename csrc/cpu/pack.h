@@ -13,10 +13,12 @@ namespace cpu {
 
 // Kernel family of the pack: one entry converting a contiguous run of n elements (src dtype -> dst
 // dtype, y = x * mul / div). Compiled once per ISA in pack_{scalar,avx2,avx512}.cpp; the OpenMP split
-// lives in pack.cpp (see Note [OpenMP outside the ISA kernels]).
+// lives in pack.cpp (see Note [OpenMP outside the ISA kernels]). nonfinite != nullptr: *nonfinite = whether
+// a written value is an inf/NaN, noted in the same loop (Note [Finiteness from the pass that writes]).
 struct PackKernelTable {
   SimdLevel level;
-  void (*convert)(const void* src, DType src_dtype, void* dst, DType dst_dtype, int64_t n, float mul, float div);
+  void (*convert)(const void* src, DType src_dtype, void* dst, DType dst_dtype, int64_t n, float mul, float div,
+                  bool* nonfinite);
 };
 
 extern const PackKernelTable kScalarPackKernels;
@@ -27,13 +29,15 @@ extern const PackKernelTable kAvx512PackKernels;
 const PackKernelTable& pack_kernels();
 
 // Runs the segments with the OpenMP + SIMD kernels, splitting the concatenated element range evenly
-// over threads (one thread may cover the tail of one segment and the head of the next).
-void run_segments(const std::vector<CopySegment>& segs, float mul, float div);
+// over threads (one thread may cover the tail of one segment and the head of the next). check_finite:
+// returns whether any value written is an inf or a NaN (false without the check).
+bool run_segments(const std::vector<CopySegment>& segs, float mul, float div, bool check_finite = false);
 
-void pack(const std::vector<Buffer>& srcs, const Buffer& dst, const std::vector<int64_t>& offsets, float mul,
-          float div);
-void unpack(const Buffer& src, const std::vector<Buffer>& dsts, const std::vector<int64_t>& offsets, float mul,
-            float div);
+// Both return run_segments' answer: with check_finite, whether a value they wrote is an inf/NaN.
+bool pack(const std::vector<Buffer>& srcs, const Buffer& dst, const std::vector<int64_t>& offsets, float mul,
+          float div, bool check_finite = false);
+bool unpack(const Buffer& src, const std::vector<Buffer>& dsts, const std::vector<int64_t>& offsets, float mul,
+            float div, bool check_finite = false);
 
 }  // namespace cpu
 }  // namespace ncclavg

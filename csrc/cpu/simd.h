@@ -27,12 +27,15 @@ bool simd_level_supported(SimdLevel l);
 // See Note [OpenMP outside the ISA kernels].
 struct KernelTable {
   SimdLevel level;
+  // Both: nonfinite != nullptr sets *nonfinite to whether any value written over [begin, end) is an inf
+  // or a NaN, noted in registers in the same loop (Note [Finiteness from the pass that writes] in
+  // common/finite_math.h); nullptr runs the loop without the check.
   // Average n buffers of `dtype` in place over [begin, end): reads each once, writes the mean to each.
-  void (*average)(void* const* bufs, int n, DType dtype, int64_t begin, int64_t end);
+  void (*average)(void* const* bufs, int n, DType dtype, int64_t begin, int64_t end, bool* nonfinite);
   // out[i] (and out2[i] unless null) = (srcs[0][i] + ... + srcs[n-1][i]) * mul / div over [begin, end):
   // sources in order, fp32 accumulation, rounded to `dtype` before the scale (the shared-memory channel).
   void (*sum)(void* out, void* out2, const void* const* srcs, int n, DType dtype, float mul, float div,
-              int64_t begin, int64_t end);
+              int64_t begin, int64_t end, bool* nonfinite);
 };
 
 extern const KernelTable kScalarKernels;

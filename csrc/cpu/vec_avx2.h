@@ -38,6 +38,14 @@ struct Avx2Lane {
   static void store_f16(uint16_t* p, V v) {
     _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
   }
+  // See ScalarLane::M: all-ones lanes where !(|v| < limit) (an unordered compare: NaN is marked).
+  using M = __m256;
+  static M no_flags() { return _mm256_setzero_ps(); }
+  static M nonfinite(V v, float limit) {
+    return _mm256_cmp_ps(_mm256_andnot_ps(_mm256_set1_ps(-0.0f), v), _mm256_set1_ps(limit), _CMP_NLT_UQ);
+  }
+  static M either(M a, M b) { return _mm256_or_ps(a, b); }
+  static bool any(M m) { return _mm256_movemask_ps(m) != 0; }
 };
 
 }  // namespace

@@ -36,6 +36,14 @@ struct Avx512Lane {
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
                         _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
   }
+  // See ScalarLane::M: a mask bit per lane where !(|v| < limit) (an unordered compare: NaN is marked).
+  using M = __mmask16;
+  static M no_flags() { return 0; }
+  static M nonfinite(V v, float limit) {
+    return _mm512_cmp_ps_mask(_mm512_abs_ps(v), _mm512_set1_ps(limit), _CMP_NLT_UQ);
+  }
+  static M either(M a, M b) { return static_cast<M>(a | b); }
+  static bool any(M m) { return m != 0; }
 };
 
 }  // namespace

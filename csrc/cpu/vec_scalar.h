@@ -4,6 +4,7 @@
 #include <cstdint>
 
 #include "../common/elementwise.h"
+#include "../common/finite_math.h"
 
 namespace ncclavg {
 namespace cpu {
@@ -21,6 +22,19 @@ struct ScalarLane {
   // _Float16 conversions are correctly rounded (F16C when the TU's target has it, libgcc otherwise).
   static V load_f16(const uint16_t* p) { return static_cast<float>(*reinterpret_cast<const _Float16*>(p)); }
   static void store_f16(uint16_t* p, V v) { *reinterpret_cast<_Float16*>(p) = static_cast<_Float16>(v); }
+  // "Some lane was not finite", accumulated in registers (Note [Finiteness from the pass that writes]):
+  // nonfinite(v, limit) marks the lanes whose value rounds to an inf/NaN in a type with that overflow limit.
+  // On the bits, as ew::written_nonfinite on the values (|x| < limit orders like the sign-cleared
+  // patterns, NaN patterns above inf's): the top bit of (|x| bits) + (2^31 - limit bits) is set exactly
+  // when |x| >= limit or x is NaN. Integer and/add/or, which GCC vectorises in the scalar level's loops
+  // (SSE2). See Note [The scalar level's check] in pack_impl.h.
+  using M = uint32_t;
+  static M no_flags() { return 0; }
+  static M nonfinite(V v, float limit) {
+    return (__builtin_bit_cast(uint32_t, v) & 0x7fffffffu) + (0x80000000u - __builtin_bit_cast(uint32_t, limit));
+  }
+  static M either(M a, M b) { return a | b; }
+  static bool any(M m) { return (m & 0x80000000u) != 0; }
 };
 
 }  // namespace

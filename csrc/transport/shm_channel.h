@@ -128,11 +128,15 @@ class ShmChannel {
   // order, accumulated in fp32 (fp64 for float64), rounded to `type`, then scaled by mul / div. `tag`:
   // the user's call this channel call serves (Note [Call signatures] in shm_calls.cpp); ranks whose
   // calls differ fail with ShmMismatchError naming both.
+  // The sums: nonfinite != nullptr sets *nonfinite to whether any value this rank wrote into its output
+  // is an inf or a NaN, noted while writing it (the slices it sums and those it copies from their owners:
+  // Note [Finiteness from the pass that writes] in csrc/common/finite_math.h). Every rank of an all-reduce
+  // writes the same bits, so every rank gets the same answer.
   void all_reduce_sum(uintptr_t data, int64_t count, int type, double timeout_s, double mul = 1.0, double div = 1.0,
-                      ShmCallTag tag = {});
+                      ShmCallTag tag = {}, bool* nonfinite = nullptr);
   // in: nranks * count elements; out (count): the sum of every rank's slice `rank`.
   void reduce_scatter_sum(uintptr_t in, uintptr_t out, int64_t count, int type, double timeout_s, double mul = 1.0,
-                          double div = 1.0, ShmCallTag tag = {});
+                          double div = 1.0, ShmCallTag tag = {}, bool* nonfinite = nullptr);
   // in: count elements; out: nranks * count, rank r's input at r * count.
   void all_gather(uintptr_t in, uintptr_t out, int64_t count, int type, double timeout_s, ShmCallTag tag = {});
   void broadcast(uintptr_t data, int64_t count, int type, int root, double timeout_s, ShmCallTag tag = {});

@@ -7,6 +7,7 @@
 
 #include "../common/check.h"
 #include "shm_internal.h"
+#include "../cpu/pack.h"
 #include "../cpu/simd.h"
 
 namespace ncclavg {
@@ -16,13 +17,16 @@ using namespace shm_detail;
 namespace {
 constexpr int64_t kDirectBytes = 32 << 10;   // below: every rank sums the whole chunk
 
-// out (and out2 unless null) = (srcs[0] + ... + srcs[nsrc-1]) * mul / div over n elements.
+// out (and out2 unless null) = (srcs[0] + ... + srcs[nsrc-1]) * mul / div over n elements. bad != nullptr:
+// *bad |= whether a written value is an inf/NaN (Note [Finiteness from the pass that writes] in
+// csrc/common/finite_math.h), noted in the same pass.
 void sum_into(ShmType t, unsigned char* out, unsigned char* out2, const unsigned char* const* srcs, int nsrc,
-              int64_t n, double mul, double div) {
+              int64_t n, double mul, double div, bool* bad) {
   if (n <= 0) return;
   if (t == ShmType::kFloat64) {
     auto* o = reinterpret_cast<double*>(out);
     auto* o2 = reinterpret_cast<double*>(out2);
+    bool seen = false;
     for (int64_t i = 0; i < n; ++i) {
       double acc = reinterpret_cast<const double*>(srcs[0])[i];
       for (int r = 1; r < nsrc; ++r) acc += reinterpret_cast<const double*>(srcs[r])[i];
@@ -30,11 +34,35 @@ void sum_into(ShmType t, unsigned char* out, unsigned char* out2, const unsigned
       if (div != 1.0) acc /= div;
       o[i] = acc;
       if (o2 != nullptr) o2[i] = acc;
+      seen |= !std::isfinite(acc);
     }
+    if (bad != nullptr) *bad |= seen;
     return;
   }
+  bool seen = false;
   kernels().sum(out, out2, reinterpret_cast<const void* const*>(srcs), nsrc, static_cast<DType>(t),
-                static_cast<float>(mul), static_cast<float>(div), 0, n);
+                static_cast<float>(mul), static_cast<float>(div), 0, n, bad != nullptr ? &seen : nullptr);
+  if (bad != nullptr) *bad |= seen;
+}
+
+// copy_bytes of n elements; bad != nullptr: through the core's checked copy (the same bits, and *bad |=
+// whether one of them is an inf/NaN), so that everything a rank writes into its output is checked.
+void copy_elems(ShmType t, unsigned char* dst, const unsigned char* src, int64_t n, bool* bad) {
+  const int64_t es = static_cast<int64_t>(type_size(t));
+  if (bad == nullptr || n <= 0) {
+    copy_bytes(dst, src, n * es);
+    return;
+  }
+  bool seen = false;
+  if (t == ShmType::kFloat64) {
+    copy_bytes(dst, src, n * es);
+    const auto* d = reinterpret_cast<const double*>(dst);
+    for (int64_t i = 0; i < n; ++i) seen |= !std::isfinite(d[i]);
+  } else {
+    const DType dt = static_cast<DType>(t);
+    pack_kernels().convert(src, dt, dst, dt, n, 1.0f, 1.0f, &seen);
+  }
+  *bad |= seen;
 }
 
 // A call's description: its name, validated element type and timeout, and its signature (Note [Call
@@ -61,7 +89,7 @@ int64_t slice_of(int64_t n, int nranks) { return ((n + nranks - 1) / nranks + 31
 }  // namespace
 
 void ShmChannel::all_reduce_sum(uintptr_t data, int64_t count, int type, double timeout_s, double mul, double div,
-                                ShmCallTag tag) {
+                                ShmCallTag tag, bool* nonfinite) {
   Call call = make_call<Call>("all_reduce_sum", kAllReduce, type, -1, count, mul, div, timeout_s, tag);
   check_span(data, count, "data");
   begin(call);
@@ -69,6 +97,7 @@ void ShmChannel::all_reduce_sum(uintptr_t data, int64_t count, int type, double 
   const int64_t chunk = slot_bytes_ / es;
   auto* base = reinterpret_cast<unsigned char*>(data);
   ShmSources srcs(nranks_);
+  if (nonfinite != nullptr) *nonfinite = false;
   int64_t off = 0;
   do {
     const int64_t n = std::min(chunk, count - off);
@@ -77,7 +106,7 @@ void ShmChannel::all_reduce_sum(uintptr_t data, int64_t count, int type, double 
     if (n * es <= kDirectBytes || nranks_ == 1) {
       seq = post_round(call, [&](unsigned char* s) { copy_bytes(s, mine, n * es); });
       for (int r = 0; r < nranks_; ++r) srcs[r] = r == rank_ ? mine : slot(seq, r);
-      sum_into(call.type, mine, nullptr, srcs.data(), nranks_, n, mul, div);
+      sum_into(call.type, mine, nullptr, srcs.data(), nranks_, n, mul, div, nonfinite);
     } else {
       const int64_t per = slice_of(n, nranks_);
       const int64_t lo = std::min(n, rank_ * per), hi = std::min(n, lo + per);
@@ -86,14 +115,15 @@ void ShmChannel::all_reduce_sum(uintptr_t data, int64_t count, int type, double 
         copy_bytes(s + hi * es, mine + hi * es, (n - hi) * es);
       });
       for (int r = 0; r < nranks_; ++r) srcs[r] = (r == rank_ ? mine : slot(seq, r)) + lo * es;
-      sum_into(call.type, mine + lo * es, slot(seq, rank_) + lo * es, srcs.data(), nranks_, hi - lo, mul, div);
+      sum_into(call.type, mine + lo * es, slot(seq, rank_) + lo * es, srcs.data(), nranks_, hi - lo, mul, div,
+               nonfinite);
       publish(kReduced, seq);
       for (int i = 1; i < nranks_; ++i) {   // each slice as soon as its owner has summed it
         const int r = (rank_ + i) % nranks_;
         const int64_t rlo = std::min(n, r * per), rhi = std::min(n, rlo + per);
         if (rhi <= rlo) continue;
         wait_for(kReduced, seq, r, call, seq);
-        copy_bytes(mine + rlo * es, slot(seq, r) + rlo * es, (rhi - rlo) * es);
+        copy_elems(call.type, mine + rlo * es, slot(seq, r) + rlo * es, rhi - rlo, nonfinite);
       }
     }
     publish(kConsumed, seq);
@@ -102,7 +132,7 @@ void ShmChannel::all_reduce_sum(uintptr_t data, int64_t count, int type, double 
 }
 
 void ShmChannel::reduce_scatter_sum(uintptr_t in, uintptr_t out, int64_t count, int type, double timeout_s,
-                                    double mul, double div, ShmCallTag tag) {
+                                    double mul, double div, ShmCallTag tag, bool* nonfinite) {
   Call call = make_call<Call>("reduce_scatter_sum", kReduceScatter, type, -1, count, mul, div, timeout_s, tag);
   check_span(in, count, "in");
   check_span(out, count, "out");
@@ -114,6 +144,7 @@ void ShmChannel::reduce_scatter_sum(uintptr_t in, uintptr_t out, int64_t count, 
   const auto* src = reinterpret_cast<const unsigned char*>(in);
   auto* dst = reinterpret_cast<unsigned char*>(out);
   ShmSources srcs(nranks_);
+  if (nonfinite != nullptr) *nonfinite = false;
   int64_t off = 0;
   do {
     const int64_t m = std::min(piece, count - off);
@@ -125,7 +156,7 @@ void ShmChannel::reduce_scatter_sum(uintptr_t in, uintptr_t out, int64_t count, 
     for (int r = 0; r < nranks_; ++r) {
       srcs[r] = r == rank_ ? src + (rank_ * count + off) * es : slot(seq, r) + rank_ * piece * es;
     }
-    sum_into(call.type, dst + off * es, nullptr, srcs.data(), nranks_, m, mul, div);
+    sum_into(call.type, dst + off * es, nullptr, srcs.data(), nranks_, m, mul, div, nonfinite);
     publish(kConsumed, seq);
     off += m;
   } while (off < count);

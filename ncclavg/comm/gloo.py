@@ -122,11 +122,14 @@ class GlooCommunicator(Communicator):
         """A synchronous collective: `body` as a job, waited for (bounded by `limit`)."""
         self._submit(what, body, call, limit, True, like).wait(limit)
 
-    def _scale(self, buf: Any, scale: float, divisor: float, dsts: Optional[list] = None) -> None:
-        """dsts (default [buf]) = buf * scale / divisor in one fused pass (the core's unpack)."""
+    def _scale(self, buf: Any, scale: float, divisor: float, dsts: Optional[list] = None) -> Optional[bool]:
+        """dsts (default [buf]) = buf * scale / divisor in one fused pass (the core's unpack). Returns
+        whether every value it wrote is finite, None when it wrote nothing (Note [Finiteness from the pass
+        that writes] in csrc/common/finite_math.h)."""
         if scale != 1.0 or divisor != 1.0 or dsts is not None:
             targets = [buf] if dsts is None else dsts
-            _C.unpack_(buf, targets, [0] * len(targets), float(scale), float(divisor), 0)
+            return _C.unpack_(buf, targets, [0] * len(targets), float(scale), float(divisor), 0, True)
+        return None
 
     def _fast_plan(self, t: torch.Tensor) -> Optional[tuple]:
         """What the fast path needs of a tensor it has not seen (Note [Small-message fast path]): its
@@ -190,13 +193,17 @@ class GlooCommunicator(Communicator):
             if self.local_size > 1:
                 _C.average_(bufs, 0)
             self._scale(bufs[0], scale, pre_div)
+            job.noting = True   # Work.finite: the channel's sum notes what it writes, and so do the scales
             self._paths.sum(job, flat, post_div if fused else 1.0)
             if defer:
                 return
             left = 1.0 if fused else post_div
-            if len(bufs) > 1:   # the other towers first: tower 0's buffer is their source
-                self._scale(bufs[0], 1.0, left, dsts=bufs[1:])
-            self._scale(bufs[0], 1.0, left)
+            # every tower ends with the same values, so either pass's answer is the bucket's
+            copied = self._scale(bufs[0], 1.0, left, dsts=bufs[1:]) if len(bufs) > 1 else None
+            scaled = self._scale(bufs[0], 1.0, left)   # the other towers first: tower 0's buffer is their source
+            noted = scaled if scaled is not None else copied
+            if noted is not None:
+                job.finite = noted
 
         work = self._submit(what, body, average_call(tensors[0]), timeout, sync, tensors[:1],
                             inline_bytes=flat.numel() * flat.element_size() if shm_supports(flat) else -1)

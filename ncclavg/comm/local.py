@@ -156,12 +156,15 @@ class LocalCommunicator(Communicator):
             return _CudaEventWork(self, event, self._what("all_reduce_avg", tensors, tag), list(tensors))
         keep_alive = list(tensors)   # the Buffers hold raw pointers only: the tensors live until the job ran
 
-        def average() -> None:
-            _C.average_(bufs, 0)
+        def average(job: Job) -> None:
+            # the host average notes whether a mean it wrote is inf/NaN (Work.finite): a compare per vector
+            # in the same pass (Note [Finiteness from the pass that writes] in csrc/common/finite_math.h)
+            job.finite = _C.average_(bufs, 0, True)
             del keep_alive[:]
 
         small = tensors[0].numel() * tensors[0].element_size() <= INLINE_BYTES   # Note [Small averages run inline]
-        return self._submit(average, self._what("all_reduce_avg", tensors, tag), inline=small)
+        return self._runner.submit(Job(average, self._what("all_reduce_avg", tensors, tag), self.timeout),
+                                   inline=small)
 
     @profiling.ranged("reduce_scatter_avg")
     def reduce_scatter_avg(self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], *,

@@ -50,6 +50,7 @@ class CpuCollectives:
             acc = flat.to(torch.float32)
             self.paths.sum(job, acc)
             flat.copy_(acc.div_(self.size))
+            job.finite = None   # the rounding to 16 bits may overflow what the sum noted as finite
             return
         left = self.paths.sum(job, flat, float(self.size) if average else 1.0)
         if left != 1.0:

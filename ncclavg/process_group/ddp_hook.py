@@ -30,6 +30,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from ..averager import all_finite
 from ..transport import calls
 from ..transport.reductions import R
 from ..transport.runner import Job
@@ -65,31 +66,57 @@ class HookState:
             kw = {} if timeout is None else {"timeout": datetime.timedelta(seconds=timeout)}
             self.engine = dist.new_group(ranks=dist.get_process_group_ranks(self.group), backend=NAME,
                                          use_local_synchronization=True, **kw)
+        self._finite: dict = {}    # bucket index -> what the pass that wrote it noted (None: nothing)
+        self._last_seen = False    # the last bucket of a backward was launched
 
     def __getstate__(self) -> dict:   # DDP pickles hook states when it is pickled: keep the settings only
         return {"wire": self.wire, "predivide": self.predivide, "size": self.size}
+
+    @property
+    def grads_finite(self) -> Optional[bool]:
+        """After a backward: whether every averaged bucket is finite, as the pass that wrote it noted it
+        (one host's channel, float32/float64 buckets, no low-precision wire: the channel's sum checks
+        what it writes), for the optimizer's step(grads_finite=...) (Note [Finiteness of the averaged
+        gradients] in ncclavg/averager.py); None when some bucket was not noted. Every rank receives the
+        same bits, so every rank gets the same answer."""
+        if not getattr(self, "_last_seen", False):
+            return None
+        return all_finite(list(self._finite.values()))
+
+    def _launched(self, index: int, last: bool) -> None:
+        """Bucket `index` starts; the first bucket after a backward's last forgets that backward's flags."""
+        if self._last_seen:
+            self._finite, self._last_seen = {}, False
+        self._finite[index] = None
+        self._last_seen = last
 
 
 def allreduce_hook(state, bucket):  # no annotations: DDP checks them, and this module's are strings
     """A DDP comm hook: the bucket averaged over DDP's ranks (DDP itself does not divide)."""
     buf = bucket.buffer()
+    if getattr(state, "_finite", None) is not None:
+        state._launched(bucket.index(), bucket.is_last())
     if buf.device.type == "cuda":
         return _cuda_average(state, buf)
     call = calls.make("all_reduce", buf.dtype, dist.ReduceOp.AVG, count=buf.numel())   # DDP's bucket, averaged
+    index = bucket.index()
     return state.engine.submit_custom("ddp hook average", [buf], buf,
-                                      lambda cpu, job: _cpu_average(state, cpu, job, buf), call).get_future()
+                                      lambda cpu, job: _cpu_average(state, cpu, job, buf, index), call).get_future()
 
 
-def _cpu_average(state: HookState, cpu: CpuCollectives, job: Job, buf: torch.Tensor) -> None:
+def _cpu_average(state: HookState, cpu: CpuCollectives, job: Job, buf: torch.Tensor, index: int = 0) -> None:
     world = state.size
     flat = buf.view(-1)
     wire = state.wire
     if wire is None or wire == buf.dtype or not buf.is_floating_point():
+        job.noting = True   # the channel's check of the sum it writes: HookState.grads_finite
         if state.predivide:
             flat.div_(world)
             cpu.allreduce(job, flat, dist.ReduceOp(R.SUM))
         else:
             cpu.allreduce(job, flat, dist.ReduceOp(R.AVG))
+        if getattr(state, "_finite", None) is not None:
+            state._finite[index] = job.finite
         return
     low = (flat / world if state.predivide else flat).to(wire)
     if cpu.transport is not None and cpu.transport.kind == "shm":

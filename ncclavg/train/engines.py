@@ -26,6 +26,7 @@ from typing import Any, Sequence
 
 import torch
 
+from ..averager import all_finite
 from ..bucketing import BucketPlan
 from .metrics import StepTimes
 
@@ -167,6 +168,9 @@ class DeviceMasterEngine:
             info = {"skipped": False, "grad_norm": None}
             if self.averager.check_finite:  # See Note [Non-finite gradients] in trainer.py
                 bad = self.averager.nonfinite()
+                if not bad and self.averager.grads_finite is False:
+                    # finite towers whose float32 sum overflowed: an inf mean, from no one tower
+                    bad = [(None, b) for b, f in enumerate(self.averager.bucket_finite) if f is False]
                 if bad:
                     info.update(skipped=True, nonfinite=bad)
                     return info
@@ -302,7 +306,9 @@ class CpuMasterEngine:
             self.grad_flats = [[self.averager.bucket_storage(t, b) for b in range(len(self.plan.buckets))]
                                for t in range(len(self.tower_params))]
         # skip_nonfinite: a step with an inf/NaN gradient on any tower changes nothing (Note [Non-finite
-        # gradients] in trainer.py, Note [Dynamic loss scale]); the price is a read-only first pass.
+        # gradients] in trainer.py, Note [Dynamic loss scale]); the price is a read-only first pass, except
+        # where the averaging passes noted the gradients' finiteness (several processes: Note [Finiteness
+        # of the averaged gradients] in averager.py).
         self.master = MasterWeights(self.tower_params[0], plan=self.plan, pin=False,
                                     skip_nonfinite=skip_nonfinite, **opt.master_kwargs())
 
@@ -384,8 +390,9 @@ class CpuMasterEngine:
                 self.averager.average()
         self._reduced = False
         with times.phase("optimizer"):
+            # the averaging passes noted the gradients' finiteness: Note [Finiteness of the averaged gradients]
             return self.master.step([self.grad_flats[0]], grad_scale=loss_scale, max_grad_norm=max_grad_norm,
-                                    out=self.param_flats[0])
+                                    out=self.param_flats[0], grads_finite=self.averager.grads_finite)
 
     def _reduce_then_step(self, loss_scale: float | None, max_grad_norm: float | None, times: StepTimes) -> dict:
         """overlap=False: every bucket's reduction starts after backward, all in flight at once, then the
@@ -402,7 +409,8 @@ class CpuMasterEngine:
         scale = (1.0 if loss_scale is None else loss_scale) * divisors.pop()
         with times.phase("optimizer"):
             return self.master.step([self.grad_flats[0]], grad_scale=None if scale == 1.0 else scale,
-                                    max_grad_norm=max_grad_norm, out=self.param_flats[0])
+                                    max_grad_norm=max_grad_norm, out=self.param_flats[0],
+                                    grads_finite=all_finite([w.finite for w in works]))
 
     def _copy_out(self, first: int = 0) -> None:
         for pf in self.param_flats[first:]:

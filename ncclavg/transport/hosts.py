@@ -171,7 +171,9 @@ class HostsTransport:
 
     # ------------------------------------------------------------------ all-reduce: Note [Several hosts]
     def all_reduce_sum(self, t: torch.Tensor, limit: float, call: Optional[Call] = None,
-                       divisor: float = 1.0) -> None:
+                       divisor: float = 1.0, check_finite: bool = False) -> None:
+        """The sum over every rank of every host (Note [Several hosts]); `check_finite` is not answered
+        between hosts (None: the step's reader scans)."""
         if divisor != 1.0:
             raise ValueError("divisor: between hosts the channel does not divide")
         flat = t.view(-1)

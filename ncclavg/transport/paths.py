@@ -93,7 +93,10 @@ class ChannelPaths:
         channel can; returns the division still to do (1.0 or `divisor`)."""
         fused = divisor != 1.0 and self.transport.divides()
         with profiling.step(job, self.kind, "all_reduce_sum"):
-            self.transport.all_reduce_sum(flat, job.channel_limit(), job.call, divisor if fused else 1.0)
+            noted = self.transport.all_reduce_sum(flat, job.channel_limit(), job.call, divisor if fused else 1.0,
+                                                  job.noting)
+        # a division after it (by a count of ranks or towers, >= 1) keeps every value finite or not as it was
+        job.finite = noted
         _checked(job)
         return 1.0 if fused else divisor
 
@@ -228,6 +231,7 @@ class GlooPaths:
     # ------------------------------------------------------------------ reductions
     def sum(self, job: Job, t: torch.Tensor, divisor: float = 1.0) -> float:
         flat = t.view(-1)
+        job.finite = None   # gloo's sum is not checked: the step's reader scans
         done = self._fold_sum(job, flat)
         if flat.numel() > done:
             self._allreduce(job, flat[done:], R.SUM)

@@ -66,10 +66,13 @@ class Job:
     """One collective: `body(job)` does it; `what` names it in errors; `timeout` (seconds) is its one
     deadline's length (`own_timeout`: the caller's own, not its group's); `call` (calls.Call) the user's
     call every rank compares; `result` what a torch future of it holds; `future`: make one (torch's Works
-    hand it to DDP). Built by a face, run by a Runner."""
+    hand it to DDP); `noting`: the step that writes the result notes whether it is all finite, in `finite`
+    (Note [Finiteness from the pass that writes] in csrc/common/finite_math.h; None: not noted). Built by
+    a face, run by a Runner."""
 
     __slots__ = ("body", "result", "what", "timeout", "own_timeout", "call", "deadline", "ended", "expired",
-                 "error", "event", "future", "rec", "prof", "runner", "ran_inline", "started", "__weakref__")
+                 "error", "event", "future", "rec", "prof", "runner", "ran_inline", "started", "noting", "finite",
+                 "__weakref__")
 
     def __init__(self, body: Optional[Callable[["Job"], None]], what: Any, timeout: float, call: Any = None,
                  result: Any = None, own_timeout: bool = False, future: bool = False):
@@ -86,6 +89,8 @@ class Job:
         self.prof: Any = None                   # its open profiler range (profiling.py)
         self.runner: Optional["Runner"] = None
         self.ran_inline = False                 # it ran on the thread that submitted it
+        self.noting = False
+        self.finite: Optional[bool] = None
 
     # ------------------------------------------------------------------ the deadline, for its steps
     def remaining(self) -> float:

@@ -116,10 +116,13 @@ class ShmTransport:
         self.rank, self.world_size = rank, world_size
 
     def all_reduce_sum(self, t: torch.Tensor, limit: float, call: Optional[Call] = None,
-                       divisor: float = 1.0) -> None:
-        """t = the sum over the ranks (divided by `divisor` in the same pass)."""
-        self.channel.all_reduce_sum(t.data_ptr(), t.numel(), channel_type_code(t.dtype), limit, 1.0, float(divisor),
-                                    *tag(call))
+                       divisor: float = 1.0, check_finite: bool = False) -> Optional[bool]:
+        """t = the sum over the ranks (divided by `divisor` in the same pass). `check_finite`: returns
+        whether every value written is finite, the same on every rank (Note [Finiteness from the pass that
+        writes] in csrc/common/finite_math.h); else None."""
+        noted = self.channel.all_reduce_sum(t.data_ptr(), t.numel(), channel_type_code(t.dtype), limit, 1.0,
+                                            float(divisor), *tag(call), bool(check_finite))
+        return noted if check_finite else None
 
     def reduce_scatter_sum(self, out: torch.Tensor, inp: torch.Tensor, limit: float, call: Optional[Call] = None,
                            divisor: float = 1.0) -> None:

@@ -53,10 +53,13 @@ class Work(_TorchWork):
     """Handle of an asynchronous collective. `wait(timeout=None)` blocks until it is complete (raising
     CommTimeoutError after `timeout` seconds, default the call's own timeout); `done()` polls.
     `divisor` is the division still to apply when the op was issued with defer_scale=True (1 otherwise);
-    `elapsed` the seconds from start to completion once known."""
+    `elapsed` the seconds from start to completion once known; `finite`, once wait() returned, whether
+    every value the op left in the tensors is finite, when the pass that wrote them last noted it (Note
+    [Finiteness from the pass that writes] in csrc/common/finite_math.h), else None."""
 
     divisor: float = 1.0
     elapsed: Optional[float] = None
+    finite: Optional[bool] = None
 
     def wait(self, timeout: Any = None) -> Any:
         raise NotImplementedError
@@ -112,6 +115,11 @@ class JobWork(Work):
         if job.error is not None:
             raise job.error
         return True
+
+    @property
+    def finite(self) -> Optional[bool]:   # type: ignore[override]
+        """What the job's writing step noted (Work.finite), once it completed."""
+        return self._job.finite if self._job.event.is_set() else None
 
     @property
     def elapsed(self) -> Optional[float]:   # type: ignore[override]

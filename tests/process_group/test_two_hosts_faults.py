@@ -11,7 +11,7 @@ import re
 
 import pytest
 import torch
-from _hosts_faults import HostsJob, LostMisnamed, check_named_loss, lost_by, raise_bound_s, survivors
+from _hosts_faults import HostsJob, check_named_loss, lost_by, raise_bound_s, survivors
 from _netns import two_hosts_fixture
 from _paths import ROOT
 

@@ -55,7 +55,7 @@ void run_case(const AverageCase& c, uint64_t seed, Tally& t) {
   instantiate(c, seed, ncclavg::kCpuDevice, ref, ref_bufs);
   std::vector<void*> ptrs;
   for (const Buffer& b : ref_bufs) ptrs.push_back(reinterpret_cast<void*>(b.ptr));
-  if (c.n > 1) ncclavg::cpu::kScalarKernels.average(ptrs.data(), c.n, c.dtype, 0, c.numel);
+  if (c.n > 1) ncclavg::cpu::kScalarKernels.average(ptrs.data(), c.n, c.dtype, 0, c.numel, nullptr);
   const int64_t want_launches = c.n > 1 && c.numel > 0 ? 1 : 0;
   const int device = static_cast<int>(seed % ncclavg_emu::kDeviceCount);
   const uintptr_t stream = 0x7000 + 16 * (seed % 4096);

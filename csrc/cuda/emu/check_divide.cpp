@@ -36,7 +36,7 @@ void run_case(DType dt, int64_t numel, size_t misalign, float divisor, uint64_t 
   if (divisor == 1.0f) {
     std::memcpy(want.data(), input.data(), bytes);
   } else {
-    ncclavg::cpu::kScalarPackKernels.convert(input.data(), dt, want.data(), dt, numel, 1.0f, divisor);
+    ncclavg::cpu::kScalarPackKernels.convert(input.data(), dt, want.data(), dt, numel, 1.0f, divisor, nullptr);
   }
   const int64_t want_launches = numel > 0 && divisor != 1.0f ? 1 : 0;
   const int device = static_cast<int>(seed % ncclavg_emu::kDeviceCount);

@@ -85,7 +85,7 @@ size_t run_reference(const PackCase& c, Instance& in) {
                : ncclavg::plan_pack(in.tensors, in.bucket, in.offsets, c.mul, c.div);
   for (const ncclavg::CopySegment& s : segs) {
     ncclavg::cpu::kScalarPackKernels.convert(reinterpret_cast<const void*>(s.src), s.src_dtype,
-                                             reinterpret_cast<void*>(s.dst), s.dst_dtype, s.numel, c.mul, c.div);
+                                             reinterpret_cast<void*>(s.dst), s.dst_dtype, s.numel, c.mul, c.div, nullptr);
   }
   return segs.size();
 }
