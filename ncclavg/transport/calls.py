@@ -97,15 +97,41 @@ FOLD_BYTES = 4096       # the data a record carries beside its call (Note [The c
 _HEADER = 4             # int64 words: tag, count, ok, the payload's bytes
 
 
-def exchange_record(gloo: Any, call: Call, rank: int, size: int, timeout: float, payload: Optional[Any] = None,
-                    labels: Optional[list] = None, where: str = "gloo", ok: bool = True) -> list:
-    """One exchange of a fixed-size record per rank over the torch.distributed process group `gloo` (its
-    c10d `_allgather_base`): this rank's call, whether its own step of the call went well (`ok=False`: a
-    host whose ranks disagree tells the others, which then fail at once) and up to FOLD_BYTES of the call's
-    data (`payload`, a uint8 tensor). Raises CallMismatchError naming this rank's call and the first that
-    differs (or the rank whose step failed); else returns every rank's payload, in rank order. With
-    ok=False it raises nothing itself: its caller raises its own error. Note [The check folded into the
-    data]."""
+class Record:
+    """A record exchange in flight (`start_record`); `finish` waits for it and reads it."""
+
+    def __init__(self, work: Any, rows: Any, call: Call, rank: int, n: int, labels: list, where: str, ok: bool):
+        self.work, self.rows, self.call, self.rank, self.n = work, rows, call, rank, n
+        self.labels, self.where, self.ok = labels, where, ok
+
+    def finish(self, timeout: float) -> list:
+        """Waits (at most `timeout` s); raises CallMismatchError naming this rank's call and the first that
+        differs (or the rank whose step failed); else returns every rank's payload, in rank order (nothing
+        with ok=False: the caller raises its own error)."""
+        self.work.wait(datetime.timedelta(seconds=max(timeout, 1e-3)))
+        if not self.ok:
+            return []
+        call, rows, n = self.call, self.rows, self.n
+        heads = rows[:, :_HEADER * 8].contiguous().view(torch.int64)
+        for r in range(rows.shape[0]):
+            if r == self.rank:
+                continue
+            if not int(heads[r, 2]):
+                raise CallMismatchError(f"{call.describe()} failed on the host of rank {self.labels[r]} "
+                                        f"({self.where}): its processes' errors say why")
+            if int(heads[r, 0]) != call.tag or int(heads[r, 1]) != call.count or int(heads[r, 3]) != n:
+                raise CallMismatchError(mismatch_text(self.labels[self.rank], (call.tag, call.count), self.labels[r],
+                                                      (int(heads[r, 0]), int(heads[r, 1])), self.where))
+        call.checked = True
+        return [rows[r, _HEADER * 8:_HEADER * 8 + n] for r in range(rows.shape[0])]
+
+
+def start_record(gloo: Any, call: Call, rank: int, size: int, payload: Optional[Any] = None,
+                 labels: Optional[list] = None, where: str = "gloo", ok: bool = True) -> Record:
+    """Starts one exchange of a fixed-size record per rank over the torch.distributed process group `gloo`
+    (its c10d `_allgather_base`): this rank's call, whether its own step of the call went well (`ok=False`:
+    a host whose ranks disagree tells the others, which then fail at once) and up to FOLD_BYTES of the
+    call's data (`payload`, a uint8 tensor). Note [The check folded into the data]."""
     from torch._C._distributed_c10d import AllgatherOptions
 
     n = 0 if payload is None else payload.numel()
@@ -116,22 +142,15 @@ def exchange_record(gloo: Any, call: Call, rank: int, size: int, timeout: float,
     if n:
         mine[_HEADER * 8:_HEADER * 8 + n] = payload
     rows = torch.empty(size, mine.numel(), dtype=torch.uint8)
-    gloo._allgather_base(rows.view(-1), mine, AllgatherOptions()).wait(datetime.timedelta(seconds=max(timeout, 1e-3)))
-    if not ok:
-        return []
-    names = labels if labels is not None else list(range(size))
-    heads = rows[:, :_HEADER * 8].contiguous().view(torch.int64)
-    for r in range(size):
-        if r == rank:
-            continue
-        if not int(heads[r, 2]):
-            raise CallMismatchError(f"{call.describe()} failed on the host of rank {names[r]} ({where}): its "
-                                    "processes' errors say why")
-        if int(heads[r, 0]) != call.tag or int(heads[r, 1]) != call.count or int(heads[r, 3]) != n:
-            raise CallMismatchError(mismatch_text(names[rank], (call.tag, call.count), names[r],
-                                                  (int(heads[r, 0]), int(heads[r, 1])), where))
-    call.checked = True
-    return [rows[r, _HEADER * 8:_HEADER * 8 + n] for r in range(size)]
+    work = gloo._allgather_base(rows.view(-1), mine, AllgatherOptions())
+    return Record(work, rows, call, rank, n, labels if labels is not None else list(range(size)), where, ok)
+
+
+def exchange_record(gloo: Any, call: Call, rank: int, size: int, timeout: float, payload: Optional[Any] = None,
+                    labels: Optional[list] = None, where: str = "gloo", ok: bool = True) -> list:
+    """start_record, then its finish: the ranks' payloads in rank order (Note [The check folded into the
+    data])."""
+    return start_record(gloo, call, rank, size, payload, labels, where, ok).finish(timeout)
 
 
 def check_over_gloo(gloo: Any, call: Call, rank: int, size: int, timeout: float, labels: Optional[list] = None,

@@ -7,15 +7,32 @@ torch backend over its group's store.
 from __future__ import annotations
 
 import datetime
+import os
 import secrets
 import warnings
 from typing import Any, Callable, Optional, Union
 
 from .._ext import _C
 from ..errors import CommError
-from .hosts import HostsTransport, make_lanes
+from .hosts import HostsTransport, depth, make_lanes
 from .liveness import _next_index
 from .shm import ShmTransport, setting, slot_bytes
+
+
+def gloo_backend(store: Any, me: int, size: int, timeout: datetime.timedelta, threads: int) -> Any:
+    """A gloo backend (torch's ProcessGroupGloo) of `size` ranks over `store`, this process `me`, with
+    `threads` worker threads: a lane keeps DEPTH operations on the wire at once, and gloo runs as many at
+    once as it has threads (Note [The pipeline's chunk] in hosts.py). Its devices as torch makes them:
+    the interfaces GLOO_SOCKET_IFNAME names (comma-separated), else the hostname's."""
+    import torch.distributed as dist
+
+    opts = dist.ProcessGroupGloo._Options()
+    names = [n for n in os.environ.get("GLOO_SOCKET_IFNAME", "").split(",") if n.strip()]
+    opts._devices = ([dist.ProcessGroupGloo.create_device(interface=n.strip()) for n in names] if names else
+                     [dist.ProcessGroupGloo.create_default_device()])
+    opts._threads = max(2, int(threads))
+    opts._timeout = timeout
+    return dist.ProcessGroupGloo(store, me, size, opts)
 
 
 def dist_group_maker(dist: Any, group: Any, timeout: float) -> Callable[[list], Any]:
@@ -30,9 +47,9 @@ def dist_group_maker(dist: Any, group: Any, timeout: float) -> Callable[[list], 
 
     def make(ranks: list) -> Any:
         ranks = sorted(ranks)
-        me = ranks.index(dist.get_rank(group))
         lane_store = dist.PrefixStore(prefix + ",".join(map(str, ranks)) + "/", store)
-        return dist.ProcessGroupGloo(lane_store, me, len(ranks), datetime.timedelta(seconds=timeout))
+        return gloo_backend(lane_store, ranks.index(dist.get_rank(group)), len(ranks),
+                            datetime.timedelta(seconds=timeout), depth())
     return make
 
 

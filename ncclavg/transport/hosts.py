@@ -22,13 +22,15 @@ rank k % P_h, so on a host with fewer processes a process carries several lanes 
 carries all K); each chunk is cut into K shards. With the same P on every host a local rank owns one lane
 and the chunk is reduce-scattered as it lies; otherwise every rank's lanes are first laid out side by side
 (`_Layout`), padded to the same length in the host's memory, never on the wire.
-The user's call is compared within each host by step 1's round (Note [Call signatures] in
-csrc/transport/shm_calls.cpp) and between the hosts by the lane-0 processes (the hosts' leaders) beside the
-first chunk's data (Note [The check beside the data] in calls.py); a leader that finds a difference
-aborts its host's channel with it, so every process of every host fails naming both calls. A leader whose
-host's step 1 failed says so in that exchange, and the other hosts' leaders fail at once.
+The user's call is compared within each host by the channel's rounds (Note [Call signatures] in
+csrc/transport/shm_calls.cpp) and between the hosts by the lane-0 processes (the hosts' leaders) in a
+record of fixed size that carries the call's first 4 KiB (all of a small all-reduce: one exchange in all),
+before any size that may differ goes to gloo (Note [The check folded into the data] in calls.py); a leader
+that finds a difference aborts its host's channel with it, so every process of every host fails naming
+both calls. A leader whose host's first step failed says so in its record, and the other hosts' leaders
+fail at once.
 reduce_scatter_sum, all_gather and broadcast run through the hosts' leaders (lane 0): (1) within the host,
-(2) between the leaders, beside the check, (3) within the host again, each byte crossing the network
+(2) between the leaders, after their record, (3) within the host again, each byte crossing the network
 once: a reduce-scatter sends every other host only the slices of its ranks (one all_to_all with per-host
 sizes) and sums what it receives in host order (fp32 accumulation, one rounding); an all-gather exchanges
 the hosts' blocks (no padding to the largest host); a broadcast is from rank 0, the leader of the first
@@ -43,25 +45,30 @@ from collections import deque
 from typing import Any, Callable, List, Optional
 
 import torch
-from torch._C._distributed_c10d import AllreduceOptions, AllToAllOptions, BroadcastOptions, ReduceOp
+from torch._C._distributed_c10d import (AllgatherOptions, AllreduceOptions, AllToAllOptions, BroadcastOptions,
+                                        ReduceOp)
 
 from ..buffers import channel_type_code
 from ..errors import is_timeout
-from .calls import FOLD_BYTES, Call, CallMismatchError, exchange_record
+from .calls import FOLD_BYTES, Call, CallMismatchError, Record, start_record
 from .reductions import as_bytes, sum_in_order
 from .runner import BACKSTOP_S
 from .shm import tag
 
 # Note [The pipeline's chunk]
 # CHUNK_BYTES: the bytes of one chunk of an all-reduce between hosts; DEPTH: the chunks on the wire at
-# once. Measured with bench/hosts.py (docs/scaling_out.md has the figures): a chunk has a fixed cost (a
-# channel round each way, a gloo operation, ~100-200 us on 2 cores) that a chunk of 1 MiB amortises to a
-# few percent at 2.5 Gbit/s, and the pipeline's fill and drain cost about one chunk's wire time, which is
-# why a chunk is not larger; two in flight keep each lane's connection busy while the host steps of the
-# next chunk run (a gloo group runs two operations at once: its two worker threads). NCCLAVG_HOSTS_CHUNK_KB
-# and NCCLAVG_HOSTS_DEPTH override them (measuring, tests of chunk boundaries).
-CHUNK_BYTES = 1 << 20
+# once. Measured with bench/hosts.py, 2 hosts x 2 processes, 2500 Mbit/s + 0.1 ms, a quiet 2-core AMD EPYC
+# (medians of 2 launches x 8 calls, ms at 4 MiB / 32 MiB): chunks of 256 KiB 49 / 315, 1 MiB 21.0 / 137.7,
+# 2 MiB 18.5 / 123.4, 4 MiB 20.2 / 120.9, 8 MiB 19.6 / 123.2 (gloo 24-25 / 166). A chunk has a fixed cost
+# (two channel rounds, a gloo operation per lane: about a network round trip and gloo's own ~0.5 ms
+# here), which small chunks pay many times over; the pipeline's fill and drain cost about one chunk's
+# time, which large chunks make long. Two in flight keep each lane's connection busy while the host steps
+# of the next chunk run (a gloo group runs as many operations at once as its worker threads, two); four
+# in flight, or chunks sent beside the calls' record before it compared them, measured no better on 2
+# cores (more threads than cores). NCCLAVG_HOSTS_CHUNK_KB and NCCLAVG_HOSTS_DEPTH override them.
+CHUNK_BYTES = 2 << 20
 DEPTH = 2
+GATHER_BYTES = 256 << 10   # a lane's shard up to which two hosts exchange it whole (Lane sums: _lane_sum)
 
 
 def _env_int(name: str, default: int, lo: int) -> int:
@@ -79,6 +86,14 @@ def _env_int(name: str, default: int, lo: int) -> int:
 
 def chunk_bytes() -> int:
     return _env_int("NCCLAVG_HOSTS_CHUNK_KB", CHUNK_BYTES >> 10, 1) << 10
+
+
+def chunk_plan(nbytes: int, lanes: int) -> List[int]:
+    """The bytes of each chunk of a pipelined sum of `nbytes` over `lanes` lanes: chunk_bytes() each (a
+    multiple of 8 x lanes, so that a chunk's shards hold whole elements of any dtype), the last cut short."""
+    unit = 8 * lanes
+    size = max(unit, chunk_bytes() // unit * unit)
+    return [min(size, nbytes - at) for at in range(0, nbytes, size)]
 
 
 def depth() -> int:
@@ -173,70 +188,36 @@ class HostsTransport:
     def all_reduce_sum(self, t: torch.Tensor, limit: float, call: Optional[Call] = None,
                        divisor: float = 1.0, check_finite: bool = False) -> None:
         """The sum over every rank of every host (Note [Several hosts]); `check_finite` is not answered
-        between hosts (None: the step's reader scans)."""
+        between hosts (None: the step's reader scans). The call's first FOLD_BYTES (all of a small one)
+        go in the record that compares the calls (Note [The check folded into the data] in calls.py): the
+        host's sum of them, the leaders' records, each leader adding them in its group's order, then a
+        round in which the host's other ranks take the leader's sum (or find the channel aborted: the
+        calls differ). The rest is pipelined in chunks, once the record has compared the calls: until then
+        no size that may differ between the ranks goes to gloo."""
         if divisor != 1.0:
             raise ValueError("divisor: between hosts the channel does not divide")
         flat = t.view(-1)
         head = flat[:min(flat.numel(), FOLD_BYTES // flat.element_size())]
-        self._folded_sum(head, limit, call)
-        if flat.numel() > head.numel():
-            self._pipelined_sum(flat[head.numel():], _Deadline(limit), call)
-
-    def _folded_sum(self, head: torch.Tensor, limit: float, call: Optional[Call]) -> None:
-        """The call's first FOLD_BYTES (all of a small one), summed in the call's first exchange between
-        the hosts (Note [The check folded into the data] in calls.py): within the host through the channel,
-        the leaders' records, each leader adding the hosts' sums in host order, then a round in which the
-        host's other ranks take the leader's sum (or find the channel aborted: the calls differ)."""
         code = channel_type_code(head.dtype)
-        self._host_step(call, limit, lambda: self._host_sum(head.data_ptr(), head.numel(), code, limit, call))
-        lead = self._leaders
-        if lead is not None:
-            rows = self._leaders_record(call, limit, as_bytes(head))
-            if rows:
-                head.copy_(sum_in_order([r.view(head.dtype) for r in rows]))
-        self._host_broadcast(head.data_ptr(), head.numel(), code, limit, call)
+        limit_at = _Deadline(limit)
+        self._host_step(call, limit, lambda: self._host_sum(head.data_ptr(), head.numel(), code, limit, call))   # (1)
+        rows = self._leaders_record(call, limit_at(), as_bytes(head))
+        if rows:
+            head.copy_(sum_in_order([r.view(head.dtype) for r in rows]))
+        self._host_broadcast(head.data_ptr(), head.numel(), code, limit_at(), call)
+        if flat.numel() > head.numel():
+            _Pipe(self, flat[head.numel():], limit_at, call).run()
 
-    def _pipelined_sum(self, flat: torch.Tensor, limit_at: "_Deadline", call: Optional[Call]) -> None:
-        """Steps (1)-(3) of Note [Several hosts] on `flat`, chunk after chunk, DEPTH chunks in flight."""
-        n, K, p = flat.numel(), self._K, len(self._mine)
-        per = max(K, chunk_bytes() // flat.element_size() // K * K)   # elements of a chunk: K whole shards
-        pending: deque = deque()
-        stage_in = stage_out = None
-        spare: List[torch.Tensor] = []
-        for lo in range(0, n, per):
-            chunk = flat[lo:min(n, lo + per)]
-            layout = _Layout(self._lanes_of, -(-chunk.numel() // K), chunk.numel())
-            if layout.direct:
-                src = chunk
-            else:
-                stage_in = _room(stage_in, p * layout.region, flat.dtype)
-                src = stage_in[:p * layout.region]
-                layout.scatter_in(chunk, src)
-            mine = _room(spare.pop() if spare else None, layout.region, flat.dtype)[:layout.region]
-            self._host_reduce_scatter(src, mine, limit_at(), call)                                # (1)
-            works = [lane.group.allreduce([mine[i * layout.shard:(i + 1) * layout.shard]], _SUM)      # (2)
-                     for i, lane in enumerate(self._lanes)]
-            pending.append((chunk, layout, mine, works))
-            if len(pending) >= depth():
-                stage_out = self._finish(pending.popleft(), limit_at, call, stage_out, spare)
-        while pending:
-            stage_out = self._finish(pending.popleft(), limit_at, call, stage_out, spare)
-
-    def _finish(self, item: tuple, limit_at: "_Deadline", call: Optional[Call], stage_out: Any, spare: list) -> Any:
-        """Step (2)'s end and step (3) of one chunk."""
-        chunk, layout, mine, works = item
-        for w in works:
-            self._between_hosts("all_reduce", w, limit_at())
-        p = len(self._mine)
-        if layout.direct:
-            self._host_all_gather(mine, chunk, limit_at(), call)                              # (3)
-        else:
-            stage_out = _room(stage_out, p * layout.region, chunk.dtype)
-            out = stage_out[:p * layout.region]
-            self._host_all_gather(mine, out, limit_at(), call)
-            layout.gather_out(out, chunk)
-        spare.append(mine)
-        return stage_out
+    def _lane_sum(self, lane: Lane, piece: torch.Tensor) -> tuple:
+        """Starts step (2) for one shard: (work, piece, rows). A shard of at most GATHER_BYTES between two
+        hosts: an all-gather of the shards (the bytes of an all-reduce, in one message each way instead of
+        a ring's two: half the latency), whose rows the members add in the same order, so both hold the
+        same bits. Otherwise gloo's all-reduce: between two hosts it streams a large shard in pieces (its
+        all-gather sends it whole), and between more it sends 2(H-1)/H of the shard each way, not H-1."""
+        if len(lane.labels) == 2 and piece.numel() * piece.element_size() <= GATHER_BYTES:
+            rows = torch.empty(2, piece.numel(), dtype=piece.dtype)
+            return lane.group._allgather_base(rows.view(-1), piece, _GATHER), piece, rows
+        return lane.group.allreduce([piece], _SUM), piece, None
 
     # ------------------------------------------------------------------ through the leaders
     def reduce_scatter_sum(self, out: torch.Tensor, inp: torch.Tensor, limit: float, call: Optional[Call] = None,
@@ -361,12 +342,12 @@ class HostsTransport:
             self._tell_leaders(call, limit)
             raise
 
-    def _leaders_record(self, call: Optional[Call], limit: float, payload: Optional[torch.Tensor] = None,
-                        ok: bool = True) -> Optional[list]:
-        """A leader's record exchange with the other hosts' leaders (Note [The check folded into the data]
-        in calls.py): the call, this host's verdict and `payload`; the leaders' payloads in their order, or
-        None when this process leads no host or the call was compared already (a later step of the same
-        call: a plain exchange of the payloads then). A mismatch aborts this host's channel with it."""
+    def _start_record(self, call: Optional[Call], payload: Optional[torch.Tensor] = None,
+                      ok: bool = True) -> Optional[Record]:
+        """A leader's record exchange with the other hosts' leaders, started (Note [The check folded into
+        the data] in calls.py): the call, this host's verdict and `payload`. None when this process leads no
+        host, or the call was compared already and there is no payload (a later step of the same call
+        sends only its data, under a call of its own)."""
         lead = self._leaders
         if lead is None:
             return None
@@ -374,14 +355,25 @@ class HostsTransport:
             if payload is None:
                 return None
             call = Call(0, payload.numel(), "payload")   # only the data: the calls were compared
+        return start_record(lead.group, call, lead.me, len(lead.labels), payload, labels=lead.labels,
+                            where="between the hosts' leaders", ok=ok)
+
+    def _finish_record(self, record: Record, limit: float) -> list:
+        """The leaders' payloads in their group's order; a mismatch aborts this host's channel with it."""
         try:
-            return exchange_record(lead.group, call, lead.me, len(lead.labels), max(limit - BACKSTOP_S, 1e-3),
-                                   payload, labels=lead.labels, where="between the hosts' leaders", ok=ok)
+            return record.finish(max(limit - BACKSTOP_S, 1e-3))
         except CallMismatchError as e:
             self.abort(str(e), mismatch=True)
             raise
         except Exception as e:   # noqa: BLE001 (a step (2) failure, after the host is told)
             self._failed_between_hosts("the calls' check", e)
+            raise   # not reached: _failed_between_hosts raises
+
+    def _leaders_record(self, call: Optional[Call], limit: float, payload: Optional[torch.Tensor] = None,
+                        ok: bool = True) -> Optional[list]:
+        """_start_record, then its finish (None: no exchange)."""
+        record = self._start_record(call, payload, ok)
+        return None if record is None else self._finish_record(record, limit)
 
     def _tell_leaders(self, call: Optional[Call], limit: float) -> None:
         """This host's step (1) failed: its leader says so in the calls' exchange (best effort, bounded)."""
@@ -412,8 +404,69 @@ class HostsTransport:
         raise RuntimeError(why) from e
 
 
+class _Pipe:
+    """Steps (1)-(3) of Note [Several hosts] over `flat`, chunk after chunk, DEPTH chunks in flight."""
+
+    def __init__(self, hosts: HostsTransport, flat: torch.Tensor, limit_at: "_Deadline", call: Optional[Call]):
+        self.h, self.flat, self.limit_at, self.call = hosts, flat, limit_at, call
+        esize = flat.element_size()
+        self.chunks: List[tuple] = []   # (first element, elements, the chunk's size is fixed by its place)
+        at = 0
+        for nbytes in chunk_plan(flat.numel() * esize, hosts._K):
+            self.chunks.append((at, nbytes // esize))
+            at += nbytes // esize
+        self.pending: deque = deque()
+        self.stage_in: Optional[torch.Tensor] = None
+        self.stage_out: Optional[torch.Tensor] = None
+        self.spare: List[torch.Tensor] = []
+
+    def run(self) -> None:
+        """Every chunk: started in order, DEPTH at most in flight, the oldest finished first."""
+        for lo, n in self.chunks:
+            if len(self.pending) >= depth():
+                self._finish(self.pending.popleft())
+            self._start(self.flat[lo:lo + n])
+        while self.pending:
+            self._finish(self.pending.popleft())
+
+    def _start(self, chunk: torch.Tensor) -> None:
+        """Step (1) and the start of (2) of one chunk."""
+        h, K, p = self.h, self.h._K, len(self.h._mine)
+        layout = _Layout(h._lanes_of, -(-chunk.numel() // K), chunk.numel())
+        if layout.direct:
+            src = chunk
+        else:
+            self.stage_in = _room(self.stage_in, p * layout.region, chunk.dtype)
+            src = self.stage_in[:p * layout.region]
+            layout.scatter_in(chunk, src)
+        mine = _room(self.spare.pop() if self.spare else None, layout.region, chunk.dtype)[:layout.region]
+        h._host_reduce_scatter(src, mine, self.limit_at(), self.call)                           # (1)
+        works = [h._lane_sum(lane, mine[i * layout.shard:(i + 1) * layout.shard])               # (2)
+                 for i, lane in enumerate(h._lanes)]
+        self.pending.append((chunk, layout, mine, works))
+
+    def _finish(self, item: tuple) -> None:
+        """Step (2)'s end and step (3) of one chunk."""
+        chunk, layout, mine, works = item
+        h = self.h
+        for work, piece, rows in works:
+            h._between_hosts("all_reduce", work, self.limit_at())
+            if rows is not None:   # two hosts: the lane's members add both shards, in group order
+                piece.copy_(sum_in_order(list(rows)))
+        p = len(h._mine)
+        if layout.direct:
+            h._host_all_gather(mine, chunk, self.limit_at(), self.call)                        # (3)
+        else:
+            self.stage_out = _room(self.stage_out, p * layout.region, chunk.dtype)
+            out = self.stage_out[:p * layout.region]
+            h._host_all_gather(mine, out, self.limit_at(), self.call)
+            layout.gather_out(out, chunk)
+        self.spare.append(mine)
+
+
 _SUM = AllreduceOptions()
 _SUM.reduceOp = ReduceOp.SUM
+_GATHER = AllgatherOptions()
 
 
 class _Deadline:
