@@ -32,6 +32,7 @@ SOURCES = {
     "torch_face": ["torch_face-async-inline-cpu-2026-12-05.md"],
     "stock": ["stock_ddp-cpu-2026-12-05-async-inline.md", "stock_ddp-frameworks-cpu-2026-12-05-async-inline-2proc.md"],
     "cpu_master": ["optim-amd-epyc-2c-2026-12-01.md", "cpu-2026-12-01.md"],
+    "hosts": ["hosts-amd-epyc-2c-2026-12-06-sharded.md"],
 }
 MPI_COLUMNS = ("Open MPI 5.0.11 us", "MPICH 4.1.2 us", "MPICH 5.0.2 us", "Intel MPI 2021.19.0 us")
 UNITS = {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
@@ -206,8 +207,43 @@ def cpu_master_table() -> str:
     return md(["step (AVX-512)", "8 M parameters", "64 M parameters"], rows)
 
 
+def hosts_data() -> list[tuple[str, list[dict]]]:
+    """[(shape and link, [{size, bytes, ms: ncclavg's, gloo: gloo's time / ncclavg's, mpi: the faster Open
+    MPI's / ncclavg's, line: T* / ncclavg's time}])], one per section of the hosts results (their own
+    medians; the torch backend's column)."""
+    out, section = [], None
+    text = (RESULTS / SOURCES["hosts"][0]).read_text().splitlines()
+    tables = iter(md_tables(SOURCES["hosts"][0]))
+    for line in text:
+        if line.startswith("### "):
+            section = line[4:].strip()
+        elif line.startswith("| size |") and section is not None:
+            rows = []
+            for r in next(t for t in tables if t and "size" in t[0]):
+                ours = number(r["ncclavg ms"])
+                mpis = [number(v) for k, v in r.items() if k.startswith("Open MPI") and k.endswith(" ms")]
+                mpis = [m for m in mpis if m is not None]
+                rows.append({"size": r["size"], "bytes": size_bytes(r["size"]), "ms": ours,
+                             "gloo": number(r["gloo ms"]) / ours, "mpi": min(mpis) / ours if mpis else None,
+                             "line": number(r["T* ms"]) / ours})
+            out.append((section, rows))
+            section = None
+    return out
+
+
+def hosts_table() -> str:
+    rows = []
+    for section, rs in hosts_data():
+        for r in rs:
+            rows.append([section, r["size"], f"{r['ms']:.2f}", x(r["gloo"]), x(r["mpi"]),
+                         "-" if r["bytes"] < (1 << 20) else f"{r['line']:.2f}"])
+    return md(["hosts x processes, link", "size", "ncclavg ms", "vs gloo", "vs best Open MPI", "of the line rate"],
+              rows, right_from=2)
+
+
 TABLES: dict[str, Callable[[], str]] = {"one_host": one_host_table, "torch_face": torch_face_table,
-                                        "stock": stock_table, "cpu_master": cpu_master_table}
+                                        "stock": stock_table, "cpu_master": cpu_master_table,
+                                        "hosts": hosts_table}
 
 
 # ---------------------------------------------------------------- the figures
@@ -281,8 +317,20 @@ def cpu_master_figure(plt):
     return fig
 
 
+def hosts_figure(plt):
+    fig, ax = plt.subplots(figsize=(8, 4))
+    for section, rs in hosts_data():
+        ax.plot([r["bytes"] for r in rs], [r["gloo"] for r in rs], marker="o", label=section)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("bytes per rank")
+    ax.set_ylabel("times faster than gloo")
+    _axes_ratio(ax, "all_reduce between emulated hosts: backend ncclavg vs gloo")
+    ax.legend(fontsize=7)
+    return fig
+
+
 FIGURE_MAKERS = {"one_host": one_host_figure, "torch_face": torch_face_figure, "stock": stock_figure,
-                 "cpu_master": cpu_master_figure}
+                 "cpu_master": cpu_master_figure, "hosts": hosts_figure}
 
 
 def figure_path(question: str) -> Path:

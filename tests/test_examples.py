@@ -5,6 +5,7 @@ import socket
 import subprocess
 import sys
 
+import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -31,6 +32,7 @@ def test_custom_loop_example():
     assert float(m.group(1)) > 0.85
 
 
+@pytest.mark.slow   # ~5 s: torchrun
 def test_torchrun_gloo_example():
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
            "--master_port", str(_free_port()), os.path.join(ROOT, "examples", "torchrun_gloo.py"), "--epochs", "2"]

@@ -64,7 +64,6 @@ CASES = {
     "peer_skips": ("timeout_when_a_peer_skips_the_collective", {}),
     "async_error": ("async_error_aborts", {"NCCLEMU_ASYNC_ERROR_AFTER_S": "0.1:0", "NCCLEMU_SLOW_COLLECTIVE_S": "1"}),
     # the teardown and threading cases of csrc/cuda/emu/host_faults.cpp
-    "abort_held_by_a_frozen_peer": ("abort_held_by_a_frozen_peer_is_bounded", FROZEN_PEER_HOLDS_ABORT),
     "capture_elsewhere": ("capture_in_another_thread_survives_the_watchdog", {"NCCLEMU_SLOW_COLLECTIVE_S": "0.2"}),
     "no_context_on_gpu0": ("no_context_on_a_device_the_comm_does_not_use", {}),
     "sticky_cuda_error": ("sticky_cuda_error_aborts", {"NCCLEMU_SLOW_COLLECTIVE_S": "0.3"}),
@@ -72,6 +71,7 @@ CASES = {
 }
 # waits kTeardownWaitMaxS (10 s) by design: with the slow tests
 SLOW_CASES = {   # each over ~10 s on 2 cores: the slow step runs them
+    "abort_held_by_a_frozen_peer": ("abort_held_by_a_frozen_peer_is_bounded", FROZEN_PEER_HOLDS_ABORT),
     "abort_ends_a_wait": ("abort_from_another_thread_ends_a_wait", {}),
     "abort": ("abort_then_every_call_says_so", {}),
     "destructor_wait_is_bounded": ("destructor_wait_is_bounded", {"NCCLEMU_HANG": "1:1"}),
@@ -181,7 +181,7 @@ PLANTED = {
                                 {"NCCLEMU_SLOW_COLLECTIVE_S": "0.005"}, "FAIL destroy_refuses_collectives_enqueued_meanwhile"),
 }
 PLANTED_SCENARIOS = [(v[3], v[4]) for v in PLANTED.values()]
-QUICK_PLANTED = ("timeout_without_abort", "sticky_error_without_abort")
+QUICK_PLANTED = ("timeout_without_abort",)   # the others (~4 s each) with the slow tests
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=() if n in QUICK_PLANTED else pytest.mark.slow)
@@ -213,7 +213,7 @@ def test_a_planted_race_fails_the_thread_sanitizer(cache):
     # aborted() read without mu_ while a timeout aborts on another thread: a data race TSan must report
     lockless = {"cuda/comm.cpp": [("bool NcclComm::aborted() const {\n  std::lock_guard<std::mutex> lock(mu_);\n",
                                    "bool NcclComm::aborted() const {\n")]}
-    scenario, env = CASES["abort_held_by_a_frozen_peer"]
+    scenario, env = SLOW_CASES["abort_held_by_a_frozen_peer"]
     r = _run(cache, scenario, env, sanitize="thread", mutations=lockless)
     assert r.returncode != 0 and "ThreadSanitizer: data race" in r.stderr and "NcclComm::aborted" in r.stderr, _report(r)
 

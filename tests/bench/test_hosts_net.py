@@ -193,6 +193,7 @@ def test_three_hosts_meet_through_one_switch_and_counters_name_the_sender(hn, tc
     assert got[1] < 1 << 16 and moved[1] < 1 << 16            # host 1 saw none of it
 
 
+@pytest.mark.slow   # ~3 s
 def test_a_full_switch_port_drops_and_tcp_still_delivers(hn, tcp):
     # hosts 0 and 1 both send to host 2 at the line rate: its port gets twice what it can send and a
     # buffer of two 64 KiB packets, so it drops (the ring wraps and fills) as soon as both windows hold

@@ -19,7 +19,7 @@ def test_gloo_collectives_and_averager_match_ddp(world, shm, monkeypatch):
 # between the hosts' leaders (Note [Several hosts] in ncclavg/transport/shm.py). Interleaved ranks check that
 # gathers come back in rank order; a host of one process has no channel; a 4 KiB slot makes every
 # bucket take several rounds per host.
-@pytest.mark.parametrize("layout,slot_kb", [pytest.param((0, 0, 1, 1), "1024", marks=pytest.mark.slow), ((0, 1, 0, 1), "4"),
+@pytest.mark.parametrize("layout,slot_kb", [pytest.param((0, 0, 1, 1), "1024", marks=pytest.mark.slow), pytest.param((0, 1, 0, 1), "4", marks=pytest.mark.slow),
                                             pytest.param((0, 1, 1, 1), "1024", marks=pytest.mark.slow)])
 def test_gloo_collectives_across_pretend_hosts(layout, slot_kb, monkeypatch):
     monkeypatch.setenv("NCCLAVG_SHM", "auto")

@@ -18,7 +18,7 @@ TIMEOUT = 4.0   # the communicators' timeout in these jobs (seconds)
 # does the one-host kill, which the two-host kill's own host covers in the quick suite.
 @pytest.mark.parametrize("world,victim,how,layout", [pytest.param(4, 2, "kill", None, marks=pytest.mark.slow),
                                                      pytest.param(2, 1, "stop", None, marks=pytest.mark.slow),
-                                                     (4, 2, "kill", (0, 0, 1, 1)),
+                                                     pytest.param(4, 2, "kill", (0, 0, 1, 1), marks=pytest.mark.slow),
                                                      pytest.param(4, 3, "stop", (0, 0, 1, 1), marks=pytest.mark.slow)])
 def test_peer_dies_mid_step_others_raise_within_timeout(tmp_path, world, victim, how, layout):
     codes = spawn_ranks(_fault_workers.peer_dies_mid_step, world, (str(tmp_path), victim, TIMEOUT, how, layout),

@@ -9,7 +9,7 @@ from _dist_util import run_ranks
 from _transport_shm_util import run
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])   # 3: ~7 s, with the slow tests
 def test_channel_sums_flag_what_every_rank_writes(world):
     out = run(W.channel_sums, world, 64 << 10, timeout_s=240)
     assert [m[1] for m in out] == ["ok"] * world, out
@@ -17,7 +17,7 @@ def test_channel_sums_flag_what_every_rank_writes(world):
 
 
 @pytest.mark.parametrize("shm", ["1", "0"])
-@pytest.mark.parametrize("ntowers", [1, 2])
+@pytest.mark.parametrize("ntowers", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_averaged_gradients_flag_a_value_on_any_rank(shm, ntowers):
     run_ranks(W.averager_job, 3 if ntowers == 1 else 2, args=(ntowers, shm, "float32"), timeout_s=300)
 

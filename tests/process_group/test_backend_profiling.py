@@ -16,7 +16,7 @@ def _events(tmp_path, rank):
         return json.load(f)
 
 
-@pytest.mark.parametrize("all_threads", [False, True], ids=["caller-thread", "all-threads"])
+@pytest.mark.parametrize("all_threads", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["caller-thread", "all-threads"])
 def test_ddp_steps_show_one_allreduce_per_bucket(tmp_path, all_threads):
     steps = 5
     run_ranks(FW.ddp_profile_job, 2, args=(str(tmp_path), steps, 0.1, all_threads), timeout_s=180)

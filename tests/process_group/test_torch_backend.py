@@ -20,6 +20,7 @@ def test_collectives_match_gloo_four_processes(shm, monkeypatch):
     run_ranks(W.collectives_job, 4, timeout_s=400)
 
 
+@pytest.mark.slow   # ~4 s; tests/transport/test_hosts_algorithm.py runs a group without a channel in the quick suite
 def test_collectives_without_the_channel(monkeypatch):
     monkeypatch.setenv("NCCLAVG_SHM", "0")
     run_ranks(W.collectives_job, 2, timeout_s=240)

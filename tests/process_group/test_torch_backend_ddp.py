@@ -23,7 +23,7 @@ def test_ddp_hook_matches_stock_ddp(group, world):
     run_ranks(W.ddp_job, world, args=((group, None),), timeout_s=240)
 
 
-@pytest.mark.parametrize("group", [pytest.param("ncclavg", marks=pytest.mark.slow), "gloo"])
+@pytest.mark.parametrize("group", [pytest.param("ncclavg", marks=pytest.mark.slow), pytest.param("gloo", marks=pytest.mark.slow)])
 def test_ddp_hook_bfloat16_wire(group, monkeypatch):
     # over gloo the bfloat16 wire takes the all-to-all path (fp32 adds), over ncclavg the channel's sum
     run_ranks(W.ddp_job, 3, args=((group, "bfloat16"),), timeout_s=240)
@@ -38,5 +38,6 @@ def test_distributed_checkpoint_and_object_collectives(tmp_path):
     run_ranks(W.checkpoint_job, 2, args=(str(tmp_path / "ckpt"),), timeout_s=240)
 
 
+@pytest.mark.slow   # ~3 s
 def test_stock_ddp_with_sparse_gradients_matches_gloo():
     run_ranks(W.sparse_ddp_job, 2, timeout_s=240)

@@ -16,6 +16,7 @@ from ncclavg import TowerTrainer
 from ncclavg.train import checkpoint as ckpt
 
 
+@pytest.mark.slow   # ~4 s
 def test_sigkill_during_save_keeps_the_newest_complete_checkpoint(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, str(TESTS / "_ckpt_kill_worker.py"), str(tmp_path), "7", "20"],

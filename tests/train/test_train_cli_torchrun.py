@@ -45,6 +45,7 @@ def master_of(directory):
     return master["params"]
 
 
+@pytest.mark.slow   # ~6 s: torchrun and two trainers
 def test_two_processes_of_two_towers_print_once_and_learn(tmp_path):
     out = torchrun(2, "--towers", "2", "--checkpoint-dir", "ck", "--metrics", "m.jsonl", cwd=tmp_path)
     sums = SUMMARY.findall(out)

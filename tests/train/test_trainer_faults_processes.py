@@ -15,7 +15,8 @@ TIMEOUT = 4.0   # the communicators' timeout (seconds)
 
 
 # A stopped (frozen) peer is found only when the timeout expires: that case runs in the slow suite.
-@pytest.mark.parametrize("world,victim,how", [(3, 2, "kill"), pytest.param(2, 1, "stop", marks=pytest.mark.slow),
+@pytest.mark.parametrize("world,victim,how", [pytest.param(3, 2, "kill", marks=pytest.mark.slow),
+                                              pytest.param(2, 1, "stop", marks=pytest.mark.slow),
                                               (3, 0, "kill")])
 def test_survivors_raise_naming_the_lost_rank(tmp_path, world, victim, how):
     codes = spawn_ranks(workers.trainer_peer_lost, world, (str(tmp_path), victim, how, TIMEOUT), timeout_s=120)

@@ -23,7 +23,8 @@ def test_async_broadcast_gather_and_reduce_scatter_whose_peers_wait_complete_at_
     run_ranks(W.torch_collectives_inline_job, 2, timeout_s=120)
 
 
-@pytest.mark.parametrize("face,peer_async", [("torch", False), ("torch", True), ("api", True)])
+@pytest.mark.parametrize("face,peer_async", [pytest.param("torch", False, marks=pytest.mark.slow), ("torch", True),
+                                             pytest.param("api", True, marks=pytest.mark.slow)])
 def test_an_async_call_never_waits_for_a_late_peer(face, peer_async):
     run_ranks(W.late_peer_is_not_waited_for_job, 2, args=(face, peer_async), timeout_s=120)
 

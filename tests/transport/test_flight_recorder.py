@@ -171,7 +171,7 @@ def test_sigusr1_dumps_every_group(tmp_path, monkeypatch):
 
 # ---------------------------------------------------------------- Note [What the recorder says]
 @pytest.mark.parametrize("face", ["torch", "api"])
-@pytest.mark.parametrize("trace", [False, True], ids=["no-trace-dir", "trace-dir"])
+@pytest.mark.parametrize("trace", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["no-trace-dir", "trace-dir"])
 def test_a_mismatch_is_said_once_by_the_exception(tmp_path, face, trace):
     from _dist_util import run_ranks
 

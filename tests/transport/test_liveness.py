@@ -34,6 +34,7 @@ def _wait_until(cond, limit=10 * L.PERIOD_S):
         time.sleep(L.PERIOD_S / 10)
 
 
+@pytest.mark.slow   # ~4 s of heartbeats
 def test_one_thread_beats_for_every_group():
     stores = [DictStore() for _ in range(3)]
     beats = [L.Liveness(s, 0, 2, f"ncclavg/alive/g{i}/") for i, s in enumerate(stores)]

@@ -22,6 +22,7 @@ needs_root_unshare = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unsha
                                         reason="needs root and unshare (a new pid namespace)")
 
 
+@pytest.mark.slow   # ~4 s
 def test_a_second_process_cannot_take_a_joined_rank_and_a_forked_child_cannot_use_its_parents():
     out = run(workers.impostor_joins, 4, SLOT, expect=8, gate=True)
     by = dict((m[0], m[1]) for m in out)
@@ -33,6 +34,7 @@ def test_a_second_process_cannot_take_a_joined_rank_and_a_forked_child_cannot_us
     assert by[10].startswith("RuntimeError") and "belongs to pid" in by[10] and "forked child" in by[10], by[10]
 
 
+@pytest.mark.slow   # ~5 s
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a process as another user")
 def test_another_user_is_refused():
     out = run(workers.other_user_joins, 2, SLOT)
@@ -40,7 +42,7 @@ def test_another_user_is_refused():
     assert text.startswith("RuntimeError") and "refused rank 1: it belongs to user 0, not to user 65534" in text, text
 
 
-@pytest.mark.slow   # ~6 s; test_another_user_is_refused covers the refusal in the quick suite
+@pytest.mark.slow   # ~6 s
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a process as another user")
 def test_another_user_is_refused_from_a_private_checkout(tmp_path):
     """The same, with the package and the tests in a directory only root may enter (a checkout in root's
