@@ -450,17 +450,20 @@ class TowerTrainer(FitLoop, TrainerState):
         """A step the engine skipped for an inf/NaN gradient: count it, log where it came from, or raise.
 
         Note [Non-finite gradients]
-        Every engine checks the gradients before it writes anything: the CPU master's fused step on the
-        towers' own buckets (a read-only first pass), master="device" on each tower's buckets before they
-        are averaged (GradientAverager(check_finite=True): after the in-place average every tower holds
-        the same non-finite mean), the GPU offload pipeline on the reduced shards before the update
+        Every engine checks the gradients before it writes anything. The CPU master's fused step takes
+        the answer from the passes that wrote the averaged gradients where they noted it (the channel's
+        sum, the local average of the towers: Note [Finiteness of the averaged gradients] in averager.py)
+        and reads the gradients once more only where no pass noted it (one process: the fused step
+        averages the towers itself, after a read-only first pass; a user's own gradients). master="device" checks each tower's buckets before
+        they are averaged (GradientAverager(check_finite=True): after the in-place average every tower
+        holds the same non-finite mean), the GPU offload pipeline the reduced shards before the update
         starts. A skipped step changes no weight, moment or step count; the trainer's step counter and
         the schedule still advance (as with torch's GradScaler). With amp="fp16" an overflow is part of
         dynamic loss scaling (the scale halves); on_nonfinite="raise" raises only once the scale is at
         its minimum, where an inf/NaN can no longer be an overflow of the scaled loss.
         on_nonfinite="ignore" turns the check off (an inf/NaN then reaches the weights, as with
-        torch.optim): it saves one read pass over the gradients per step (about +20% on the fused CPU
-        optimizer step alone); fp16 keeps its overflow check.
+        torch.optim): where the check still reads the gradients it saves that read pass (about +20% on the
+        fused CPU optimizer step alone); fp16 keeps its overflow check.
         """
         self.nonfinite_steps += 1
         where = info.get("nonfinite") or []
