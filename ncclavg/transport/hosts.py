@@ -29,13 +29,15 @@ before any size that may differ goes to gloo (Note [The check folded into the da
 that finds a difference aborts its host's channel with it, so every process of every host fails naming
 both calls. A leader whose host's first step failed says so in its record, and the other hosts' leaders
 fail at once.
-reduce_scatter_sum, all_gather and broadcast run through the hosts' leaders (lane 0): (1) within the host,
-(2) between the leaders, after their record, (3) within the host again, each byte crossing the network
-once: a reduce-scatter sends every other host only the slices of its ranks (one all_to_all with per-host
-sizes) and sums what it receives in host order (fp32 accumulation, one rounding); an all-gather exchanges
-the hosts' blocks (no padding to the largest host); a broadcast is from rank 0, the leader of the first
-host. A leader whose step (2) fails aborts its host's channel with the reason, so that its host's other
-processes fail at once instead of waiting out the timeout.
+A broadcast takes the same lanes from any root: the channel's broadcast within the root's host, the first
+4 KiB in the leaders' record, then chunk by chunk each lane's carrier on the root's host sends the lane's
+shard to the lane's carriers elsewhere, which all-gather the shards through their host's channel.
+reduce_scatter_sum and all_gather run through the hosts' leaders (lane 0): (1) within the host, (2)
+between the leaders, after their record, (3) within the host again, each byte crossing the network once:
+a reduce-scatter sends every other host only the slices of its ranks (one all_to_all with per-host sizes)
+and sums what it receives in host order (fp32 accumulation, one rounding); an all-gather exchanges the
+hosts' blocks (no padding to the largest host). A leader whose step (2) fails aborts its host's channel
+with the reason, so that its host's other processes fail at once instead of waiting out the timeout.
 """
 from __future__ import annotations
 
@@ -146,6 +148,15 @@ class _Layout:
                 if hi > lo:
                     at = l * self.region + i * s
                     stage[at:at + hi - lo].copy_(chunk[lo:hi])
+
+    def region_of(self, chunk: torch.Tensor, local: int, out: torch.Tensor) -> None:
+        """out (region) = local rank `local`'s lanes' shards of the chunk, side by side (scatter_in's region)."""
+        out.zero_()
+        s, n = self.shard, chunk.numel()
+        for i, k in enumerate(self.lanes_of[local]):
+            lo, hi = min(n, k * s), min(n, (k + 1) * s)
+            if hi > lo:
+                out[i * s:i * s + hi - lo].copy_(chunk[lo:hi])
 
     def gather_out(self, stage: torch.Tensor, chunk: torch.Tensor) -> None:
         """The inverse: the chunk's shards back in order from stage (P x region)."""
@@ -265,15 +276,40 @@ class HostsTransport:
         self._host_broadcast(flat.data_ptr(), flat.numel(), code, limit, call)                  # (3)
 
     def broadcast(self, t: torch.Tensor, root: int, limit: float, call: Optional[Call] = None) -> None:
-        if root != 0:
-            raise ValueError(f"root: between hosts only rank 0 broadcasts, got {root}")
-        if call is not None:   # (1): the host's ranks agree on the call before the hosts move data
+        """`root`'s data to every rank of every host, as the all-reduce moves its sum (Note [Several hosts]):
+        (1) within the root's host, the channel's broadcast from it (every other host: a round that compares
+        its ranks' calls); the leaders' record compares the calls between the hosts and carries the first
+        FOLD_BYTES from the root's host; a round in which the other ranks of each host take them (or find
+        the channel aborted: the calls differ); the rest pipelined in chunks: (2) each lane's carrier on the
+        root's host broadcasts the lane's shard to the lane's carriers on the other hosts, every local rank
+        on the wire at once, (3) each other host all-gathers the shards through its channel."""
+        flat = t.view(-1)
+        code = channel_type_code(flat.dtype)
+        src = next(i for i, h in enumerate(self._hosts) if root in h)
+        at_root = self._mine is self._hosts[src]
+        limit_at = _Deadline(limit)
+        if at_root:
+            self._host_step(call, limit, lambda: self._host_broadcast(flat.data_ptr(), flat.numel(), code, limit,
+                                                                      call, self._mine.index(root)))   # (1)
+        else:
             self._host_step(call, limit, lambda: self._host_barrier(limit, call))
-        if self._leaders is not None:
-            opts = BroadcastOptions()
-            opts.rootRank, opts.rootTensor = self._leaders.labels.index(self._hosts[0][0]), 0
-            self._leaders_exchange(call, limit, "broadcast", lambda g: g.broadcast([t.view(-1)], opts))
-        self._host_broadcast(t.data_ptr(), t.numel(), channel_type_code(t.dtype), limit, call)
+        head = flat[:min(flat.numel(), FOLD_BYTES // flat.element_size())]
+        rows = self._leaders_record(call, limit_at(), as_bytes(head))
+        if at_root:
+            self._host_barrier(limit_at(), call)
+        else:
+            if rows:
+                head.copy_(rows[src].view(head.dtype))
+            self._host_broadcast(head.data_ptr(), head.numel(), code, limit_at(), call)
+        if flat.numel() > head.numel():
+            _Pipe(self, flat[head.numel():], limit_at, call, source=src).run()
+
+    def _lane_send(self, lane: Lane, piece: torch.Tensor, source: int) -> tuple:
+        """Starts step (2) of a broadcast for one shard: from the lane's carrier on host `source` to the
+        lane's carriers on the other hosts. (work, piece, None), as _lane_sum."""
+        opts = BroadcastOptions()
+        opts.rootRank, opts.rootTensor = lane.labels.index(owners(self._hosts, lane.index)[source]), 0
+        return lane.group.broadcast([piece], opts), piece, None
 
     def check(self, call: Call, limit: float) -> None:
         """(1) the host's ranks agree, (2) the leaders agree, (3) a round in which the host's other ranks
@@ -283,7 +319,7 @@ class HostsTransport:
         self._host_barrier(limit, call)
 
     def broadcasts_from(self, root: int) -> bool:
-        return root == 0
+        return 0 <= root < self.world_size
 
     def divides(self) -> bool:
         return False
@@ -320,9 +356,10 @@ class HostsTransport:
         if self._channel is not None:
             self._channel.all_reduce_sum(ptr, n, code, limit, 1.0, 1.0, *tag(call))
 
-    def _host_broadcast(self, ptr: int, n: int, code: int, limit: float, call: Optional[Call]) -> None:
+    def _host_broadcast(self, ptr: int, n: int, code: int, limit: float, call: Optional[Call], root: int = 0) -> None:
+        """From this host's local rank `root` (its leader unless said)."""
         if self._channel is not None:
-            self._channel.broadcast(ptr, n, code, 0, limit, *tag(call))
+            self._channel.broadcast(ptr, n, code, root, limit, *tag(call))
 
     def _host_barrier(self, limit: float, call: Optional[Call]) -> None:
         if self._channel is not None:
@@ -405,10 +442,14 @@ class HostsTransport:
 
 
 class _Pipe:
-    """Steps (1)-(3) of Note [Several hosts] over `flat`, chunk after chunk, DEPTH chunks in flight."""
+    """Steps (1)-(3) of Note [Several hosts] over `flat`, chunk after chunk, DEPTH chunks in flight: the
+    all-reduce's sum, or with `source` a broadcast from the ranks of host `source` (which hold the data)."""
 
-    def __init__(self, hosts: HostsTransport, flat: torch.Tensor, limit_at: "_Deadline", call: Optional[Call]):
+    def __init__(self, hosts: HostsTransport, flat: torch.Tensor, limit_at: "_Deadline", call: Optional[Call],
+                 source: Optional[int] = None):
         self.h, self.flat, self.limit_at, self.call = hosts, flat, limit_at, call
+        self.source = source
+        self.sends = source is not None and hosts._mine is hosts._hosts[source]
         esize = flat.element_size()
         self.chunks: List[tuple] = []   # (first element, elements, the chunk's size is fixed by its place)
         at = 0
@@ -430,38 +471,52 @@ class _Pipe:
             self._finish(self.pending.popleft())
 
     def _start(self, chunk: torch.Tensor) -> None:
-        """Step (1) and the start of (2) of one chunk."""
+        """Step (1) and the start of (2) of one chunk: `mine` holds this rank's lanes' shards side by side."""
         h, K, p = self.h, self.h._K, len(self.h._mine)
         layout = _Layout(h._lanes_of, -(-chunk.numel() // K), chunk.numel())
-        if layout.direct:
-            src = chunk
+        if self.sends and layout.direct:   # the chunk as it lies: this rank's lanes' shards are its region
+            mine = chunk[h._local * layout.region:(h._local + 1) * layout.region]
+        else:
+            mine = _room(self.spare.pop() if self.spare else None, layout.region, chunk.dtype)[:layout.region]
+        if self.sends:
+            if not layout.direct:
+                layout.region_of(chunk, h._local, mine)
+        elif self.source is not None:
+            pass   # a broadcast's receiver: step (2) writes `mine`
+        elif layout.direct:
+            h._host_reduce_scatter(chunk, mine, self.limit_at(), self.call)                     # (1)
         else:
             self.stage_in = _room(self.stage_in, p * layout.region, chunk.dtype)
             src = self.stage_in[:p * layout.region]
             layout.scatter_in(chunk, src)
-        mine = _room(self.spare.pop() if self.spare else None, layout.region, chunk.dtype)[:layout.region]
-        h._host_reduce_scatter(src, mine, self.limit_at(), self.call)                           # (1)
-        works = [h._lane_sum(lane, mine[i * layout.shard:(i + 1) * layout.shard])               # (2)
-                 for i, lane in enumerate(h._lanes)]
+            h._host_reduce_scatter(src, mine, self.limit_at(), self.call)
+        pieces = [(lane, mine[i * layout.shard:(i + 1) * layout.shard]) for i, lane in enumerate(h._lanes)]
+        if self.source is None:                                                                  # (2)
+            works = [h._lane_sum(lane, piece) for lane, piece in pieces]
+        else:
+            works = [h._lane_send(lane, piece, self.source) for lane, piece in pieces]
         self.pending.append((chunk, layout, mine, works))
 
     def _finish(self, item: tuple) -> None:
         """Step (2)'s end and step (3) of one chunk."""
         chunk, layout, mine, works = item
         h = self.h
+        what = "all_reduce" if self.source is None else "broadcast"
         for work, piece, rows in works:
-            h._between_hosts("all_reduce", work, self.limit_at())
+            h._between_hosts(what, work, self.limit_at())
             if rows is not None:   # two hosts: the lane's members add both shards, in group order
                 piece.copy_(sum_in_order(list(rows)))
-        p = len(h._mine)
-        if layout.direct:
-            h._host_all_gather(mine, chunk, self.limit_at(), self.call)                        # (3)
-        else:
-            self.stage_out = _room(self.stage_out, p * layout.region, chunk.dtype)
-            out = self.stage_out[:p * layout.region]
-            h._host_all_gather(mine, out, self.limit_at(), self.call)
-            layout.gather_out(out, chunk)
-        self.spare.append(mine)
+        if not self.sends:   # (the root's host holds the chunk already)
+            p = len(h._mine)
+            if layout.direct:
+                h._host_all_gather(mine, chunk, self.limit_at(), self.call)                    # (3)
+            else:
+                self.stage_out = _room(self.stage_out, p * layout.region, chunk.dtype)
+                out = self.stage_out[:p * layout.region]
+                h._host_all_gather(mine, out, self.limit_at(), self.call)
+                layout.gather_out(out, chunk)
+        if not (self.sends and layout.direct):   # a buffer of this pipe's own, not a view of the data
+            self.spare.append(mine)
 
 
 _SUM = AllreduceOptions()

@@ -1,7 +1,8 @@
-"""Bodies of tests/transport/test_hosts_algorithm.py: the all-reduce between (pretend) hosts of
-ncclavg/transport/hosts.py (Note [Several hosts]) through both faces, around its boundaries (the record's
-4 KiB, the chunks, shards that do not divide), exact against a float64 reference, the same bits on every
-rank, and the exchanges between the hosts counted: the calls' check rides in the first one."""
+"""Bodies of tests/transport/test_hosts_algorithm.py: the all-reduce and the broadcast between (pretend)
+hosts of ncclavg/transport/hosts.py (Note [Several hosts]) through both faces, around their boundaries
+(the record's 4 KiB, the chunks, shards that do not divide), exact against a float64 reference (the
+broadcast: the root's bytes), the same bits on every rank, and the exchanges between the hosts counted:
+the calls' check rides in the first one."""
 import os
 import time
 
@@ -105,9 +106,36 @@ def across_hosts_job(rank, world, port, layout, chunk_kb):
     gathered = torch.empty(shard * world)
     dist.all_gather_into_tensor(gathered, full[rank][:shard].clone())
     assert torch.equal(gathered, torch.cat([f[:shard] for f in full]))
-    b = full[rank].clone()
-    dist.broadcast(b, src=0)
-    assert torch.equal(b, full[0])
+    broadcasts(rank, world, chunk_kb)
+    dist.barrier()
+
+
+def random_bits(numel, dtype, seed):
+    """Random bytes seen as `dtype` (NaNs and infinities among them): a broadcast must copy bits, so the
+    comparison is of the bytes."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (numel * dtype.itemsize,), generator=g, dtype=torch.uint8).view(dtype)
+
+
+def broadcasts(rank, world, chunk_kb):
+    """A broadcast from every rank (the leader of a host or not, any host) through the torch face, sizes
+    around the record's payload and the chunks, a 4-byte and a 1-byte type: every rank gets the root's
+    bytes."""
+    for root in range(world):
+        for dtype in (torch.float32, torch.uint8):
+            for n in sizes_around(dtype, chunk_kb << 10):
+                want = random_bits(n, dtype, 1000 * root + n)
+                b = want.clone() if rank == root else random_bits(n, dtype, 7 + rank)
+                dist.broadcast(b, src=root)
+                assert torch.equal(b.view(torch.uint8), want.view(torch.uint8)), (root, dtype, n)
+
+
+def broadcast_job(rank, world, port, layout, chunk_kb):
+    """broadcasts() alone, between pretend hosts of `layout`."""
+    os.environ["NCCLAVG_HOSTS_CHUNK_KB"] = str(chunk_kb)
+    init_backend(rank, world, port, timeout_s=60, layout=layout)
+    assert dist.group.WORLD.transport == "shm+gloo", dist.group.WORLD.transport
+    broadcasts(rank, world, chunk_kb)
     dist.barrier()
 
 
@@ -128,22 +156,31 @@ def exchanges_job(rank, world, port, layout, outdir):
         dist.all_reduce(t, async_op=True).wait()   # not the one-host fast path: there is none between hosts
         assert torch.equal(t, torch.full((n,), float(world)))
         seen[n] = [list(s.ops) for s in spies]
+        for s in spies:
+            s.ops.clear()
+        b = torch.full((n,), float(rank))
+        dist.broadcast(b, src=world - 1)   # from the last rank: not a host's leader where hosts have two
+        assert torch.equal(b, torch.full((n,), float(world - 1)))
+        seen[f"broadcast {n}"] = [list(s.ops) for s in spies]
     with open(os.path.join(outdir, f"rank{rank}.json"), "w") as f:
         json.dump({"transport": pg.transport, "seen": seen}, f)
     dist.barrier()
 
 
-def host_mismatch_job(rank, world, port, layout, outdir, counts):
-    """The last rank's host calls all_reduce with another count than the others (`counts`: (theirs,
-    the last rank's)): every rank fails naming both calls, within one exchange, no process is ended by
-    gloo's own check of the sizes."""
+def host_mismatch_job(rank, world, port, layout, outdir, counts, collective="all_reduce"):
+    """The last rank's host calls `collective` (all_reduce, or broadcast from the last rank) with another
+    count than the others (`counts`: (theirs, the last rank's)): every rank fails naming both calls, within
+    one exchange, no process is ended by gloo's own check of the sizes."""
     import json
 
     init_backend(rank, world, port, timeout_s=30, layout=layout)
     n = counts[1] if layout[rank] == layout[-1] else counts[0]
     t0 = time.monotonic()
     try:
-        dist.all_reduce(torch.ones(n), async_op=True).wait()
+        if collective == "broadcast":
+            dist.broadcast(torch.ones(n), src=world - 1, async_op=True).wait()
+        else:
+            dist.all_reduce(torch.ones(n), async_op=True).wait()
         res = {"error": None}
     except Exception as e:   # noqa: BLE001 (reported for the test to judge)
         res = {"error": str(e), "type": type(e).__name__}

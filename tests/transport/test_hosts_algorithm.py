@@ -61,11 +61,14 @@ def test_the_calls_check_rides_in_the_first_exchange(tmp_path, layout):
     run_ranks(W.exchanges_job, len(layout), args=(layout, str(tmp_path)), timeout_s=180)
     for rank in range(len(layout)):
         rep = json.loads((tmp_path / f"rank{rank}.json").read_text())
-        seen = {int(n): ops for n, ops in rep["seen"].items()}
+        seen = {int(n) if n.isdigit() else n: ops for n, ops in rep["seen"].items()}
         leads = layout.index(layout[rank]) == rank
         if rep["transport"] == "gloo":   # no channel: the group's own gloo, one record per call
             assert seen[1] == seen[1024] == [["_allgather_base"]], seen   # done in the record itself
             assert seen[1024 + 2 * 4096 + 3] == [["_allgather_base", "allreduce"]], seen
+            # a broadcast the same way: the root's first 4 KiB in the record, gloo's broadcast the rest
+            assert seen["broadcast 1"] == seen["broadcast 1024"] == [["_allgather_base"]], seen
+            assert seen[f"broadcast {1024 + 2 * 4096 + 3}"] == [["_allgather_base", "broadcast"]], seen
             continue
         first = [["_allgather_base"]] if leads else [[]]
         assert seen[1] == seen[1024] == first, seen          # only the leaders cross, once
@@ -74,12 +77,23 @@ def test_the_calls_check_rides_in_the_first_exchange(tmp_path, layout):
         lanes = [ops[1:] if leads and i == 0 else ops for i, ops in enumerate(seen[1024 + 2 * 4096 + 3])]
         # (two hosts: an all-gather of the shards, one message each way)
         assert all(ops == ["_allgather_base"] * 3 for ops in lanes), seen
+        # a broadcast: the record (with the first 4 KiB), then each lane's shard of each chunk sent once
+        assert seen["broadcast 1"] == seen["broadcast 1024"] == first, seen
+        lanes = [ops[1:] if leads and i == 0 else ops for i, ops in enumerate(seen[f"broadcast {1024 + 2 * 4096 + 3}"])]
+        assert all(ops == ["broadcast"] * 3 for ops in lanes), seen
 
 
-@pytest.mark.parametrize("layout, counts", [((0, 0, 1, 1), (3, 4)), ((0, 0, 1, 1), (5000, 5001)),
-                                            ((0, 1), (5000, 5001))])
-def test_a_different_count_on_another_host_fails_every_rank_naming_both(tmp_path, layout, counts):
-    run_ranks(W.host_mismatch_job, len(layout), args=(layout, str(tmp_path), counts), timeout_s=120)
+# 3 processes on one host and 1 on the other (the lone one carries all 3 lanes); the root everywhere
+@pytest.mark.parametrize("layout", [(0, 0, 0, 1)])
+def test_a_broadcast_from_any_rank_reaches_every_host_bit_for_bit(layout):
+    run_ranks(W.broadcast_job, len(layout), args=(layout, 1), timeout_s=300)
+
+
+@pytest.mark.parametrize("layout, counts, collective", [
+    ((0, 0, 1, 1), (3, 4), "all_reduce"), ((0, 0, 1, 1), (5000, 5001), "all_reduce"),
+    ((0, 1), (5000, 5001), "all_reduce"), ((0, 0, 1, 1), (5000, 5001), "broadcast")])
+def test_a_different_count_on_another_host_fails_every_rank_naming_both(tmp_path, layout, counts, collective):
+    run_ranks(W.host_mismatch_job, len(layout), args=(layout, str(tmp_path), counts, collective), timeout_s=120)
     for rank in range(len(layout)):
         res = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert res["type"] == "BackendMismatchError", res
