@@ -35,6 +35,11 @@ def channel_types() -> tuple:
     return tuple(_torch_channel_codes())
 
 
+def is_channel_type(dtype: Any) -> bool:
+    """Whether the channel adds `dtype` (channel_types(), without building the tuple: per call)."""
+    return dtype in _torch_channel_codes()
+
+
 def channel_type_code(dtype: Any) -> int:
     """The core's code of a torch dtype the channel takes (KeyError for another)."""
     return _torch_channel_codes()[dtype]

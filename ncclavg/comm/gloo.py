@@ -109,18 +109,23 @@ class GlooCommunicator(Communicator):
         it already (Note [One runner] in transport/runner.py). `like`: the tensors its flight record
         describes (Note [What a job records] in process_group/lane.py)."""
         limit = self.timeout if timeout is None else timeout
-        job = Job(body, what, limit, call, own_timeout=limit != self.timeout)
-        if self._runner.recorder is not None and call is not None:
-            job.rec = self._runner.recorder.issue(call, like)
+        job = self._job(what, body, call, limit, like)
         ready = None
         if not sync and 0 <= inline_bytes <= ASYNC_INLINE_BYTES and self._channel is not None:
             ready = self._runner.transport.peers_ready
         return self._runner.submit(job, inline=sync, ready=ready)
 
+    def _job(self, what: Any, body: Callable[[Job], None], call: Any, limit: float,
+             like: Sequence[torch.Tensor]) -> Job:
+        job = Job(body, what, limit, call, own_timeout=limit != self.timeout)
+        if self._runner.recorder is not None and call is not None:
+            job.rec = self._runner.recorder.issue(call, like)
+        return job
+
     def _run(self, what: Any, body: Callable[[Job], None], call: Any, limit: float,
              like: Sequence[torch.Tensor]) -> None:
         """A synchronous collective: `body` as a job, waited for (bounded by `limit`)."""
-        self._submit(what, body, call, limit, True, like).wait(limit)
+        self._runner.call(self._job(what, body, call, limit, like), limit)
 
     def _scale(self, buf: Any, scale: float, divisor: float, dsts: Optional[list] = None) -> Optional[bool]:
         """dsts (default [buf]) = buf * scale / divisor in one fused pass (the core's unpack). Returns

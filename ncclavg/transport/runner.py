@@ -71,8 +71,8 @@ class Job:
     a face, run by a Runner."""
 
     __slots__ = ("body", "result", "what", "timeout", "own_timeout", "call", "deadline", "ended", "expired",
-                 "error", "event", "future", "rec", "prof", "runner", "ran_inline", "started", "noting", "finite",
-                 "__weakref__")
+                 "error", "done", "_gate", "future", "rec", "prof", "runner", "ran_inline", "started", "noting",
+                 "finite", "__weakref__")
 
     def __init__(self, body: Optional[Callable[["Job"], None]], what: Any, timeout: float, call: Any = None,
                  result: Any = None, own_timeout: bool = False, future: bool = False):
@@ -83,7 +83,12 @@ class Job:
         self.ended: Optional[float] = None      # monotonic, once complete
         self.expired: Optional[str] = None      # the watchdog's text, once past the deadline
         self.error: Optional[BaseException] = None
-        self.event = threading.Event()
+        # complete: `done`, and `_gate` (held from here until then) released for the waiters. A lock, not a
+        # threading.Event: an Event is a Python Condition, several microseconds per small call, and most
+        # jobs run inline and complete before anyone waits
+        self.done = False
+        self._gate = threading.Lock()
+        self._gate.acquire()
         self.future = torch.futures.Future() if future else None
         self.rec: Optional[list] = None         # its flight record (flight.py)
         self.prof: Any = None                   # its open profiler range (profiling.py)
@@ -115,6 +120,15 @@ class Job:
         return F.timed_out(self.what, self.timeout, whose)
 
     # ------------------------------------------------------------------ completion
+    def wait_done(self, seconds: float) -> bool:
+        """Waits at most `seconds` for the job to complete; whether it has."""
+        if self.done:
+            return True
+        if self._gate.acquire(timeout=max(seconds, 0.0)):
+            self._gate.release()   # for the next waiter
+            return True
+        return self.done
+
     def complete(self, error: Optional[BaseException]) -> None:
         if error is not None and not isinstance(error, Exception):   # a KeyboardInterrupt on the worker
             error = self._face_error(F.Kind.FAILED, f"{self.what} was interrupted: {type(error).__name__}")
@@ -126,7 +140,8 @@ class Job:
             from . import profiling
 
             profiling.end(self.prof)
-        self.event.set()
+        self.done = True
+        self._gate.release()
         if self.future is not None:
             if error is None:
                 self.future.set_result(self.result)
@@ -155,6 +170,7 @@ class Runner:
         self.recorder: Optional[flight.Recorder] = None
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
+        self._draining = 0   # drain()s waiting on _idle
         self._queue: "queue.SimpleQueue[Optional[Job]]" = queue.SimpleQueue()
         self._worker: Optional[threading.Thread] = None
         self._watchdog: Optional[threading.Thread] = None
@@ -170,18 +186,31 @@ class Runner:
         """Runs `job` now on this thread when `inline` and nothing is pending, or when `ready` (an
         asynchronous call's look for its peers, e.g. the channel's peers_ready) says its peers are in it;
         else queues it. A refused job (the runner failed or closed) completes with the refusal."""
+        self.start(job, inline, ready)
+        return JobWork(job)
+
+    def call(self, job: Job, limit: float) -> None:
+        """A synchronous call: `job` run (inline when nothing is pending) and waited for, at most `limit`
+        s as JobWork.wait waits; raises its error. No Work object when it ran inline."""
+        self.start(job, True)
+        if not job.done:
+            JobWork(job).wait(limit)
+        elif job.error is not None:
+            raise job.error
+
+    def start(self, job: Job, inline: bool = False, ready: Optional[Callable[[float], bool]] = None) -> None:
+        """submit() without its Work."""
         job.runner = self
-        work = JobWork(job)
         if ready is not None and self.acquire_idle(ready):
             self.order.add_outstanding(1)
             job.ran_inline = True
             self._execute(job, locked=True)
-            return work
+            return
         with self._lock:
             why = self._refusal(job)
             if why is not None:
                 job.complete(self.face.error(why))
-                return work
+                return
             here = inline and self.order.outstanding == 0
             self.order.add_outstanding(1)
             if not here:
@@ -192,7 +221,6 @@ class Runner:
         if here:
             job.ran_inline = True
             self._execute(job)
-        return work
 
     def acquire_idle(self, ready: Optional[Callable[[float], bool]] = None) -> bool:
         """Takes the order lock when it is free, nothing is outstanding and the runner takes calls; with
@@ -234,9 +262,10 @@ class Runner:
         try:
             job.complete(error)   # after it left the count (Note [One runner])
         finally:
-            with self._lock:
-                if self.order.outstanding == 0:
-                    self._idle.notify_all()
+            if self._draining:   # (read unlocked: drain() looks again every 0.1 s anyway)
+                with self._lock:
+                    if self.order.outstanding == 0:
+                        self._idle.notify_all()
 
     def _run(self, job: Job) -> Optional[BaseException]:
         job.started = time.monotonic()
@@ -248,12 +277,14 @@ class Runner:
         if self.transport is not None and self._watchdog is None:
             self._start_watchdog()
         self._current = job
+        grad = torch.is_grad_enabled()   # off for the in-place steps on the user's tensors (an nn.Parameter
+        torch._C._set_grad_enabled(False)  # too); by hand: torch.no_grad() costs microseconds a call
         try:
-            with torch.no_grad():   # the in-place steps on the user's tensors (an nn.Parameter too)
-                job.body(job)
+            job.body(job)
         except BaseException as e:   # noqa: BLE001 (handed to the waiter)
             return self.failed(job, e)
         finally:
+            torch._C._set_grad_enabled(grad)
             self._current = None
         return None
 
@@ -309,7 +340,7 @@ class Runner:
     def fail_waiter(self, job: Job, timeout: float) -> BaseException:
         """A public API waiter gave up on `job` after `timeout` s (+ SLACK_S): the runner fails with a
         timeout naming the job, and that is the error the waiter raises (Note [One deadline per call])."""
-        if job.event.is_set():
+        if job.done:
             return job.error   # type: ignore[return-value]  (it completed meanwhile)
         msg = F.timed_out(job.what, timeout, "the wait's") + self._who()
         self.fail(msg, F.Kind.TIMEOUT, job)
@@ -352,11 +383,15 @@ class Runner:
         """Waits until every submitted job completed (at most `timeout` s); True when they have."""
         deadline = time.monotonic() + timeout
         with self._lock:
-            while self.order.outstanding:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
-                self._idle.wait(min(left, 0.1))
+            self._draining += 1
+            try:
+                while self.order.outstanding:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        return False
+                    self._idle.wait(min(left, 0.1))
+            finally:
+                self._draining -= 1
         return True
 
     @property

@@ -35,7 +35,7 @@ from typing import Any, Optional
 
 import torch
 
-from ..buffers import channel_type_code, channel_types
+from ..buffers import channel_type_code, is_channel_type
 from . import failure as F
 from .calls import Call
 
@@ -89,7 +89,7 @@ def host_identity() -> str:
 
 def supports(t: torch.Tensor) -> bool:
     """A tensor the channel's sums take: contiguous, on the CPU, of a channel type."""
-    return t.dtype in channel_types() and t.device.type == "cpu" and t.is_contiguous()
+    return is_channel_type(t.dtype) and t.device.type == "cpu" and t.is_contiguous()
 
 
 def stalled_text(channel: Any) -> str:

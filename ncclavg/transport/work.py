@@ -102,14 +102,14 @@ class JobWork(Work):
             limit = job.timeout if seconds is None else seconds
             # a job that started has a deadline of its own, and its error names the rank that stopped: let
             # it come first, by SLACK_S at most
-            if not job.event.wait(limit) and not job.event.wait(SLACK_S):
+            if not job.wait_done(limit) and not job.wait_done(SLACK_S):
                 raise runner.fail_waiter(job, limit)
         elif seconds is not None:   # torch's: the caller's patience, the job goes on
-            if not job.event.wait(seconds):
+            if not job.wait_done(seconds):
                 raise runner.face.timeout_error(f"{job.what}: wait() gave up after {seconds:g} s (the collective "
                                                 f"goes on until its own timeout of {job.timeout:g} s)")
         else:   # each queued job is bounded by its own deadline
-            while not job.event.wait(1.0):
+            while not job.wait_done(1.0):
                 if runner is not None and not runner.alive():
                     raise runner.face.error(f"{job.what}: the {runner.face.noun}'s worker thread is gone")
         if job.error is not None:
@@ -119,7 +119,7 @@ class JobWork(Work):
     @property
     def finite(self) -> Optional[bool]:   # type: ignore[override]
         """What the job's writing step noted (Work.finite), once it completed."""
-        return self._job.finite if self._job.event.is_set() else None
+        return self._job.finite if self._job.done else None
 
     @property
     def elapsed(self) -> Optional[float]:   # type: ignore[override]
@@ -128,10 +128,10 @@ class JobWork(Work):
         return None if job.started is None or job.ended is None else job.ended - job.started
 
     def done(self) -> bool:
-        return self._job.event.is_set()
+        return self._job.done
 
     def is_success(self) -> bool:
-        return self._job.event.is_set() and self._job.error is None
+        return self._job.done and self._job.error is None
 
     def exception(self) -> Optional[BaseException]:
         return self._job.error
