@@ -25,6 +25,7 @@ calls with their syncs, less the counters over as many syncs alone, divided by t
     python bench/hosts.py --shapes 2x1 --links 2500:0.1 --sizes 4K --calls 4 --launches 1 --contenders gloo,ncclavg
     python bench/hosts.py --shapes 3x1 --links 1000:0.5 --load 2 --tag loaded
     python bench/hosts.py --shapes 2x2 --nics 2 --nic-use per-rank      # two NICs per host, each R/2
+    python bench/hosts.py --shapes 2x2 --collective broadcast --tag broadcast   # broadcasts from rank 0
     python bench/hosts.py --clean                           # remove what a killed run left, and exit
 Needs root, `ip` and `tc` (iproute2), gcc, /dev/net/tun; `unshare` (util-linux) for Open MPI.
 Writes bench/results/hosts-<cpu>-<date>[-tag].{md,json} (--out-dir), the command line in both.
@@ -98,6 +99,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--links", help="RATE_MBIT:DELAY_MS (one-way), comma-separated (default 2500:0.1)")
     ap.add_argument("--sizes", default=DEFAULT_SIZES,
                     help=f"bytes per rank, comma-separated, K/M suffixes (default {DEFAULT_SIZES})")
+    ap.add_argument("--collective", choices=("all_reduce", "broadcast"), default="all_reduce",
+                    help="what is timed (default all_reduce; broadcast: from rank 0, T* = S / R)")
     ap.add_argument("--calls", type=int, default=12, help="timed calls per size and launch (default 12)")
     ap.add_argument("--warmup", type=int, default=2, help="untimed calls per size and launch (default 2)")
     ap.add_argument("--launches", type=int, default=2, help="launches per contender, alternated (default 2)")
@@ -170,7 +173,7 @@ def run_shape(args, shape: tuple[int, int], link, mpi_venv: Path | None) -> dict
     hosts, procs = shape
     args.procs = procs
     net = net_mod.Network(hosts, link, nics=args.nics, mtu=args.mtu, rt=not args.no_rt)
-    out = {"hosts": hosts, "procs": procs, "nics": args.nics, "nic_use": args.nic_use, "mtu": args.mtu,
+    out = {"hosts": hosts, "procs": procs, "collective": args.collective, "nics": args.nics, "nic_use": args.nic_use, "mtu": args.mtu,
            "link": {"rate_mbit": link.rate_mbit, "delay_ms": link.delay_ms}, "sizes": args.sizes,
            "contenders": args.contenders, "launches": []}
     print(f"== {report.shape_title(out)}", file=sys.stderr, flush=True)
@@ -253,7 +256,9 @@ def result_paths(args, m: dict) -> tuple[Path, Path]:
 
 def markdown(payload: dict) -> str:
     m = payload["machine"]
-    lines = [f"# All-reduce between emulated hosts ({m['date']})", "",
+    what = {"broadcast": "Broadcast"}.get(payload["shapes"][0].get("collective") if payload["shapes"] else None,
+                                          "All-reduce")
+    lines = [f"# {what} between emulated hosts ({m['date']})", "",
              f"{m['cpu']}, {m['cores']} cores, kernel {m['kernel']}; torch {m['torch']}; "
              + (f"MPI: {payload['mpi']}." if payload.get("mpi") else "no MPI contender."),
              f"Command: `{payload['command']}`",

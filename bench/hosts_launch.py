@@ -66,7 +66,7 @@ class Echo:
 
 
 def worker_args(contender: str, args, net, result: Path) -> list[str]:
-    return ["--contender", contender, "--sizes", ",".join(map(str, args.sizes)), "--calls", str(args.calls),
+    return ["--contender", contender, "--collective", args.collective, "--sizes", ",".join(map(str, args.sizes)), "--calls", str(args.calls),
             "--warmup", str(args.warmup), "--ifnames", ",".join(net.ifnames), "--nic-use", args.nic_use,
             "--hostnames", ",".join(h.hostname for h in net.hosts), "--timeout", str(args.timeout),
             "--result", str(result)]

@@ -17,10 +17,13 @@ def human(n: int) -> str:
     return f"{n} B"
 
 
-def t_star_s(size: int, hosts: int, rate_mbit: float) -> float:
-    """The line-rate bound of an all-reduce of `size` bytes over `hosts` hosts, each with one link of
-    rate_mbit: every host must send (and receive) 2(H-1)/H x S (a reduce-scatter and an all-gather of
-    the host's data), T* = 2(H-1)/H x S / R."""
+def t_star_s(size: int, hosts: int, rate_mbit: float, collective: str = "all_reduce") -> float:
+    """The line-rate bound of a collective of `size` bytes over `hosts` hosts, each with one link of
+    rate_mbit. An all-reduce: every host must send (and receive) 2(H-1)/H x S (a reduce-scatter and an
+    all-gather of the host's data), T* = 2(H-1)/H x S / R. A broadcast: every other host must receive S
+    over its one link, T* = S / R."""
+    if collective == "broadcast":
+        return size / (rate_mbit * 1e6 / 8)
     return 2 * (hosts - 1) / hosts * size / (rate_mbit * 1e6 / 8)
 
 
@@ -49,6 +52,7 @@ def merge(shape: dict, calls: int) -> list[dict]:
     slowest-rank time, T*/t, the wire bytes per op and direction (median over launches) and /S, the
     elements that came out wrong (sum), how many calls and launches."""
     hosts, rate = shape["hosts"], shape["link"]["rate_mbit"]
+    collective = shape.get("collective", "all_reduce")
     rows = []
     for size in shape["sizes"]:
         for c in shape["contenders"]:
@@ -62,7 +66,7 @@ def merge(shape: dict, calls: int) -> list[dict]:
             wire = statistics.median(wires) if wires else None
             wrong = sum(r["sizes"][str(size)]["wrong"] for ln in ok for r in ln["result"]["ranks"])
             rows.append({"size": size, "contender": c, "median_s": med, "calls": len(samples),
-                         "launches": len(ok), "t_star_over_t": t_star_s(size, hosts, rate) / med,
+                         "launches": len(ok), "t_star_over_t": t_star_s(size, hosts, rate, collective) / med,
                          "wire_bytes_per_op": wire, "wire_over_size": wire / size if wire is not None else None,
                          "wrong": wrong})
     return rows
@@ -99,7 +103,8 @@ def table(shape: dict, rows: list[dict]) -> list[str]:
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for size in shape["sizes"]:
         by = {r["contender"]: r for r in rows if r["size"] == size}
-        cells = [human(size), _ms(t_star_s(size, shape["hosts"], shape["link"]["rate_mbit"]))]
+        cells = [human(size), _ms(t_star_s(size, shape["hosts"], shape["link"]["rate_mbit"],
+                                           shape.get("collective", "all_reduce")))]
         cells += [_ms(by[c]["median_s"]) + (" (!)" if by[c].get("wrong") else "") for c in cs]
         cells += [_x(ratio(rows, size, "ncclavg", o)) for o in others]
         cells.append(" / ".join(_x(by[c].get("t_star_over_t")) for c in cs))
@@ -113,7 +118,8 @@ def shape_title(shape: dict) -> str:
     extra = f", {nics} NICs per host (each {shape['link']['rate_mbit'] / nics:g} Mbit/s, gloo: {shape['nic_use']})" \
         if nics > 1 else ""
     procs = f"{shape['procs']} process" + ("es" if shape["procs"] > 1 else "")
-    return (f"{shape['hosts']} hosts x {procs}, {shape['link']['rate_mbit']:g} Mbit/s + "
+    what = "" if shape.get("collective", "all_reduce") == "all_reduce" else f"{shape['collective']}, "
+    return (f"{what}{shape['hosts']} hosts x {procs}, {shape['link']['rate_mbit']:g} Mbit/s + "
             f"{shape['link']['delay_ms']:g} ms{extra}")
 
 

@@ -1,4 +1,4 @@
-"""One rank of bench/hosts.py: times all-reduces of each size, one contender per launch, and writes what
+"""One rank of bench/hosts.py: times all-reduces (or broadcasts from rank 0: --collective) of each size, one contender per launch, and writes what
 it measured to a JSON file of its own. Started by torchrun inside each emulated host (gloo, ncclavg,
 ncclavg-api) or by Open MPI's mpirun across them (mpi); see bench/hosts.py for the timing rule.
 
@@ -8,7 +8,8 @@ Contenders (float32, in place, every rank the same size):
   ncclavg-api   comm.all_reduce_avg([x]), comm = ncclavg.Communicator.from_torch_distributed(devices=["cpu"])
   mpi, mpi-tcp  MPI_Allreduce(MPI_IN_PLACE, x, SUM) through mpi4py (numpy buffer); the two differ only
                 in how they are launched (Note [Two Open MPI contenders] in hosts_launch.py)
-Each one's sync is the same call on 2 float32 (8 bytes).
+A broadcast: dist.broadcast(x, 0), comm.broadcast_tensors([x]), MPI_Bcast(x, root 0).
+Each one's sync is its all-reduce on 2 float32 (8 bytes).
 
 Which NIC a rank's gloo binds (GLOO_SOCKET_IFNAME, set here from --ifnames before the group exists):
   one        every rank NIC 0 (what one GLOO_SOCKET_IFNAME for the whole job gives)
@@ -26,6 +27,7 @@ import time
 from pathlib import Path
 
 NIC_USES = ("one", "per-rank", "all")
+COLLECTIVES = ("all_reduce", "broadcast")
 TORCH_CONTENDERS = ("gloo", "ncclavg", "ncclavg-api")
 MPI_CONTENDERS = ("mpi", "mpi-tcp")
 
@@ -78,6 +80,7 @@ class Torch:
 
             self.comm = ncclavg.Communicator.from_torch_distributed(devices=["cpu"], timeout=args.timeout)
         self.tiny = torch.zeros(2)
+        self.broadcast = args.collective == "broadcast"
         self.transport = self._transport(args.contender)
 
     def _transport(self, contender: str) -> str | None:
@@ -98,19 +101,26 @@ class Torch:
         return self.torch.zeros(n)
 
     def op(self, x) -> None:
+        if self.broadcast:
+            self.comm.broadcast_tensors([x]) if self.comm is not None else self.dist.broadcast(x, 0)
+        else:
+            self._all_reduce(x)
+
+    def _all_reduce(self, x) -> None:
         if self.comm is not None:
             self.comm.all_reduce_avg([x])
         else:
             self.dist.all_reduce(x)
 
     def sync(self) -> None:
-        self.op(self.tiny)
+        self._all_reduce(self.tiny)
 
     def check(self, n: int) -> int:
-        """Elements that differ from the exact result when rank r holds r + 1 (SUM; the API: AVG)."""
+        """Elements that differ from the exact result when rank r holds r + 1 (SUM; the API: AVG; a
+        broadcast: rank 0's 1)."""
         x = self.torch.full((n,), float(self.rank + 1))
         self.op(x)
-        want = self.world * (self.world + 1) / 2 / (self.world if self.comm is not None else 1)
+        want = 1.0 if self.broadcast else self.world * (self.world + 1) / 2 / (self.world if self.comm is not None else 1)
         return int((x != want).sum())
 
     def gather(self, obj) -> list | None:
@@ -140,20 +150,24 @@ class Mpi:
         self.tiny = np.zeros(2, dtype=np.float32)
         self.comm = None
         self.transport = None
+        self.broadcast = args.collective == "broadcast"
 
     def buffer(self, n: int):
         return self.np.zeros(n, dtype=self.np.float32)
 
     def op(self, x) -> None:
-        self.world_comm.Allreduce(self.MPI.IN_PLACE, x, op=self.MPI.SUM)
+        if self.broadcast:
+            self.world_comm.Bcast(x, root=0)
+        else:
+            self.world_comm.Allreduce(self.MPI.IN_PLACE, x, op=self.MPI.SUM)
 
     def sync(self) -> None:
-        self.op(self.tiny)
+        self.world_comm.Allreduce(self.MPI.IN_PLACE, self.tiny, op=self.MPI.SUM)
 
     def check(self, n: int) -> int:
         x = self.np.full(n, self.rank + 1, dtype=self.np.float32)
         self.op(x)
-        return int((x != self.world * (self.world + 1) / 2).sum())
+        return int((x != (1 if self.broadcast else self.world * (self.world + 1) / 2)).sum())
 
     def gather(self, obj) -> list:
         return self.world_comm.allgather(obj)
@@ -207,6 +221,7 @@ def measure(side, args: argparse.Namespace) -> dict:
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description="one rank of bench/hosts.py")
     ap.add_argument("--contender", required=True, choices=(*TORCH_CONTENDERS, *MPI_CONTENDERS))
+    ap.add_argument("--collective", choices=COLLECTIVES, default="all_reduce")
     ap.add_argument("--sizes", required=True, type=lambda s: [int(v) for v in s.split(",")])
     ap.add_argument("--calls", type=int, required=True)
     ap.add_argument("--warmup", type=int, default=2)

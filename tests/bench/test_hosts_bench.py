@@ -141,6 +141,8 @@ def test_t_star_is_two_h_minus_one_over_h_of_the_size_at_the_line_rate(bench):
     rep = bench.report
     assert rep.t_star_s(32 << 20, 2, 2500) == pytest.approx((32 << 20) / 312.5e6)
     assert rep.t_star_s(3 << 20, 3, 1000) == pytest.approx(4 / 3 * (3 << 20) / 125e6)
+    # a broadcast: every other host receives the whole size over its one link
+    assert rep.t_star_s(32 << 20, 3, 2500, "broadcast") == pytest.approx((32 << 20) / 312.5e6)
 
 
 def test_the_best_mpi_is_the_faster_of_the_two_at_each_size(bench):
@@ -170,12 +172,13 @@ def test_each_local_rank_can_be_told_its_nic(worker):
 
 
 def test_the_worker_accepts_what_the_launcher_passes(bench, worker, tmp_path):
-    args = bench.parser().parse_args(["--sizes", "4K,8", "--calls", "3", "--nics", "2", "--nic-use", "per-rank"])
+    args = bench.parser().parse_args(["--sizes", "4K,8", "--calls", "3", "--nics", "2", "--nic-use", "per-rank",
+                                      "--collective", "broadcast"])
     bench.check(args)
     net = bench.net_mod.Network(2, bench.net_mod.Link(100, 1), nics=2)
     for c in ("gloo", "mpi-tcp"):
         got = worker.parse(bench.launch.worker_args(c, args, net, tmp_path / "r.json"))
-        assert got.contender == c and got.sizes == [4096, 8] and got.calls == 3
+        assert got.contender == c and got.sizes == [4096, 8] and got.calls == 3 and got.collective == "broadcast"
         assert got.ifnames == ["nvbhn0", "nvbhn1"] and got.nic_use == "per-rank"
         assert got.hostnames == [h.hostname for h in net.hosts]
 
