@@ -163,8 +163,8 @@ def shape_lines(shape: dict, rows: list[dict]) -> list[str]:
     return out + [""]
 
 
-COLUMNS = """Columns: `T* ms` = 2(H-1)/H x S / R, the time each host needs to send its share at the line rate R
-(S = the size each rank hands in); per contender the median over every timed call of all its launches of
+COLUMNS = """Columns: `T* ms` = 2(H-1)/H x S / R (a broadcast: S / R), the time each host needs to send its share at
+the line rate R (S = the size each rank hands in); per contender the median over every timed call of all its launches of
 the slowest rank's time; `ncclavg / gloo`, `ncclavg / best MPI` = the ncclavg torch backend's time over
 gloo's and over the faster Open MPI contender's at that size (below 1: ncclavg is faster); `T*/t` = T*
 over the median time (1 = line rate) for each contender in the order of the time columns; `wire/S` = the
