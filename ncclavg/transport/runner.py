@@ -1,7 +1,8 @@
 """The one runner of ncclavg's collectives: one per channel (per torch process group, per Communicator),
 the same for both faces. A collective is a `Job`; `Runner.submit` runs it at once on the caller's thread
 when nothing is pending, else queues it for the runner's worker thread, and hands back a `JobWork`
-(work.py). The runner owns everything about a job that is not what the job does: its one deadline, the
+(work.py); `Runner.call` does the same for a caller that waits at once, and makes no Work when the job
+ran inline. The runner owns everything about a job that is not what the job does: its one deadline, the
 watchdog that ends it there, the failure state that refuses every call after a failed one (in its face's
 words: failure.py), the fast paths it turns off then, and the flight record.
 
