@@ -405,3 +405,69 @@ def fast_path_job(rank, world, port):
         x.fill_(rank)
         comm.all_reduce_avg([x])
     check(x, 3)
+
+
+def api_fast_calls_job(rank, world, port, outdir):
+    """The public API's synchronous broadcast_tensors, all_gather and reduce_scatter_avg on one host's
+    channel (Note [The public API's other fast calls] in ncclavg/comm/gloo.py): taken at once when the
+    runner is idle (no job), through the general path when it is not (an asynchronous average queued) or
+    when the payload is an odd number of bytes; the two ways meet in the same round (one rank fast, the
+    other general) with exact results; a different call through them fails every rank naming both."""
+    import json
+
+    init_rank(rank, world, port)
+    from ncclavg import Communicator
+    from ncclavg.errors import CommError
+
+    comm = Communicator.from_torch_distributed(device="cpu", timeout=30)
+    assert comm.transport == "shm", comm.transport
+    general = []   # the calls that went down the general path (a job of the runner)
+    run = comm._run
+    comm._run = lambda what, *a, **kw: (general.append(str(what).split(" of ")[0]), run(what, *a, **kw))[1]
+
+    def calls(busy):
+        """Every collective in three dtypes and sizes; `busy`: this rank has an average queued first."""
+        for dtype, n in ((torch.float32, 5), (torch.float16, 3), (torch.bfloat16, 4096), (torch.uint8, 7),
+                         (torch.float64, 2)):
+            big = torch.full((1 << 17,), float(rank))   # 512 KiB: an asynchronous call of it is queued
+            work = comm.all_reduce_avg_async([big]) if busy else None
+            if not busy:
+                if rank != 0:
+                    time.sleep(0.2)   # rank 0's average is still queued when it calls the broadcast
+                comm.all_reduce_avg([big])   # the same round as the other rank's queued average
+            b = torch.full((n,), rank + 1).to(dtype)
+            comm.broadcast_tensors([b])
+            assert torch.equal(b, torch.full((n,), 1).to(dtype)), (dtype, n, b)
+            if work is not None:
+                work.wait()
+            assert torch.equal(big, torch.full((1 << 17,), (world - 1) / 2)), big
+            if dtype in (torch.uint8, torch.float64):
+                continue   # the public API's all_gather / reduce_scatter_avg take float32 / 16-bit floats
+            mine = torch.arange(n, dtype=torch.float32).mul_(rank + 1).to(dtype)
+            out = torch.empty(n * world, dtype=dtype)
+            comm.all_gather([mine], [out])
+            want = torch.cat([torch.arange(n, dtype=torch.float32).mul_(r + 1).to(dtype) for r in range(world)])
+            assert torch.equal(out, want), (dtype, out, want)
+            # small integers (at most 7 x world): every sum and its halving exact in every type here
+            full = (torch.arange(n * world) % 8).mul_(rank + 1).to(dtype)
+            shard = torch.empty(n, dtype=dtype)
+            comm.reduce_scatter_avg([full], [shard])
+            total = sum((torch.arange(n * world) % 8).double() * (r + 1) for r in range(world)) / world
+            assert torch.equal(shard, total[rank * n:(rank + 1) * n].to(dtype)), (dtype, shard)
+
+    calls(busy=False)
+    idle = list(general)
+    general.clear()
+    calls(busy=rank == 0)   # rank 0's calls queue behind its average, rank 1's go straight in
+    busy = list(general)
+    # a different broadcast on each rank, both straight into the channel: both fail naming both calls
+    try:
+        comm.broadcast_tensors([torch.ones(4 + rank)])
+        err = None
+    except CommError as e:
+        err = {"type": type(e).__name__, "msg": str(e)}
+    with open(os.path.join(outdir, f"rank{rank}.json"), "w") as f:
+        json.dump({"idle": idle, "busy": busy, "error": err}, f)
+    from ncclavg.comm import end_process
+
+    end_process(0)   # the communicator failed: no teardown

@@ -36,7 +36,7 @@ from ..transport.failure import CHANNEL_ERRORS
 from ..transport.liveness import Liveness
 from ..transport.paths import Paths
 from ..transport.profiling import enabled as _profiling
-from ..transport.reductions import as_bytes
+from ..transport.reductions import as_bytes, byte_wire
 from ..transport.runner import ASYNC_INLINE_BYTES, Job
 from ..transport.shm import host_identity, supports as shm_supports
 from ..transport.work import JobWork
@@ -126,6 +126,34 @@ class GlooCommunicator(Communicator):
              like: Sequence[torch.Tensor]) -> None:
         """A synchronous collective: `body` as a job, waited for (bounded by `limit`)."""
         self._runner.call(self._job(what, body, call, limit, like), limit)
+
+    # Note [The public API's other fast calls]
+    # A synchronous broadcast_tensors, all_gather or reduce_scatter_avg with one tower per process, on a
+    # communicator whose processes share one channel, is one channel round made on the caller's thread when
+    # the runner is idle: no Job, no Work, no flight record, as the torch face's FastCalls
+    # (process_group/fast_path.py) and the native all_reduce_avg (Note [Small-message fast path] in
+    # shm_fast.py) do. Each round is exactly the one the general path's job would make (the same channel
+    # primitive, wire type, count and call signature), so ranks that take different ways still meet in
+    # it. Measured: a runner job costs a small call 4-8 us more (bench/results/torch_face-one-runner-*.md).
+    def _channel_now(self, what: Any, call: Any, limit: float, channel_round: Callable[[], None]) -> bool:
+        """Note [The public API's other fast calls]: `channel_round()` run at once when this communicator's
+        processes share one channel and its runner is idle (Runner.acquire_idle, the one inline rule), with
+        `limit` as the channel's own; False (nothing done) sends the call down the general path. A failed
+        round fails the communicator as the runner's job would have."""
+        if self._channel is None or _profiling() or not self._runner.acquire_idle():
+            return False
+        error: Optional[BaseException] = None
+        try:
+            channel_round()
+        except CHANNEL_ERRORS as e:
+            error = e
+        finally:
+            self._runner.order.release()
+        if error is not None:
+            job = Job(None, what, limit, call, own_timeout=limit != self.timeout)
+            job.runner = self._runner
+            raise self._runner.failed(job, error) from None
+        return True
 
     def _scale(self, buf: Any, scale: float, divisor: float, dsts: Optional[list] = None) -> Optional[bool]:
         """dsts (default [buf]) = buf * scale / divisor in one fused pass (the core's unpack). Returns
@@ -233,6 +261,13 @@ class GlooCommunicator(Communicator):
         self._debug_check("reduce_scatter_avg", inputs[0], debug_key, limit)
         call = calls.make("Communicator.reduce_scatter_avg", inputs[0].dtype, count=inputs[0].numel())
         shard = outputs[0].numel()
+        if self.local_size == 1 and self._uniform and shm_supports(outputs[0]) and shm_supports(inputs[0]):
+            out, inp = outputs[0], inputs[0]   # the body's first branch, its channel step as ShmTransport's
+            if self._channel_now(what, call, limit, lambda: self._channel.reduce_scatter_sum(
+                    inp.data_ptr(), out.data_ptr(), shard, channel_type_code(out.dtype), limit, 1.0, 1.0,
+                    call.tag, call.count)):
+                self._scale(as_buffer(out, "outputs[0]"), 1.0, float(self.size))
+                return
 
         def body(job: Job) -> None:
             if self.local_size == 1 and self._uniform:   # one tower per process: straight into the output
@@ -265,6 +300,11 @@ class GlooCommunicator(Communicator):
         n = inputs[0].numel()
         call = calls.make("Communicator.all_gather", inputs[0].dtype, count=n)
         widest = max(self.tower_counts)
+        if self.local_size == 1 and self._uniform and shm_supports(outputs[0]) and shm_supports(inputs[0]):
+            out, inp = outputs[0], inputs[0]   # the body's typed all-gather, as ShmTransport's
+            if self._channel_now(what, call, limit, lambda: self._channel.all_gather(
+                    inp.data_ptr(), out.data_ptr(), n, channel_type_code(inp.dtype), limit, call.tag, call.count)):
+                return
 
         def body(job: Job) -> None:
             local = inputs[0].reshape(-1) if self.local_size == 1 else torch.cat([x.reshape(-1) for x in inputs])
@@ -379,8 +419,12 @@ class GlooCommunicator(Communicator):
         for group_tensors in by_dtype.values():
             flat = torch.cat([t.detach().reshape(-1).cpu() for t in group_tensors])
             call = calls.make("Communicator.broadcast_tensors", flat.dtype, count=flat.numel())
-            self._run(what, lambda job, flat=flat: self._paths.broadcast_bytes(job, as_bytes(flat), 0), call, limit,
-                      [flat])
+            data = as_bytes(flat)
+            # the bytes as ChannelPaths.broadcast_bytes puts them on the channel (an odd count: its padding)
+            wire = byte_wire(data, data.numel()) if data.numel() % 2 == 0 else None
+            if wire is None or not self._channel_now(what, call, limit, lambda wire=wire: self._channel.broadcast(
+                    wire.data_ptr(), wire.numel(), channel_type_code(wire.dtype), 0, limit, call.tag, call.count)):
+                self._run(what, lambda job, data=data: self._paths.broadcast_bytes(job, data, 0), call, limit, [flat])
             pos = 0
             with torch.no_grad():
                 for t in group_tensors:

@@ -1,6 +1,7 @@
 """gloo backend with 2 and 4 processes on loopback (spawned, bounded): collectives, and GradientAverager
 against torch DDP(gloo) on the same model and data; through the shared-memory channel (the default on one
 host) and through torch.distributed (NCCLAVG_SHM=0)."""
+import json
 
 import _comm_gloo_workers
 import pytest
@@ -44,6 +45,20 @@ def test_a_calls_own_timeout_bounds_it(op, shm, monkeypatch):
 
 def test_small_message_fast_path_follows_its_tensors():
     run_ranks(_comm_gloo_workers.fast_path_job, 2, timeout_s=120)
+
+
+def test_api_broadcast_gather_and_scatter_take_the_channel_at_once_when_idle(tmp_path):
+    run_ranks(_comm_gloo_workers.api_fast_calls_job, 2, args=(str(tmp_path),), timeout_s=120)
+    reps = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    for r, rep in enumerate(reps):
+        # idle: only the odd payload (7 bytes, padded by the general path) takes a job
+        assert rep["idle"] == ["shm broadcast_tensors"], (r, rep["idle"])
+        # rank 0 had an average queued before each broadcast: those went down the general path
+        want_busy = ["shm broadcast_tensors"] * (5 if r == 0 else 1)
+        assert rep["busy"] == want_busy, (r, rep["busy"])
+        err = rep["error"]
+        assert err is not None and err["type"] == "CollectiveMismatchError", (r, err)
+        assert "4 float32" in err["msg"] and "5 float32" in err["msg"], (r, err)
 
 
 @pytest.mark.parametrize("required", [False, True])
