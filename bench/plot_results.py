@@ -271,16 +271,22 @@ def one_host_figure(plt):
     return fig
 
 
-def torch_face_figure(plt):
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for coll, rs in torch_face_data().items():
-        ax.plot([r["bytes"] for r in rs], [r["gloo"] for r in rs], marker="o", label=coll)
+def _vs_gloo_figure(plt, series, title: str, width: float, legend_size: int):
+    """Lines of 'times faster than gloo' over bytes per rank, one per (label, rows) of `series`."""
+    fig, ax = plt.subplots(figsize=(width, 4))
+    for label, rs in series:
+        ax.plot([r["bytes"] for r in rs], [r["gloo"] for r in rs], marker="o", label=label)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("bytes per rank")
     ax.set_ylabel("times faster than gloo")
-    _axes_ratio(ax, "torch.distributed collectives: backend ncclavg vs gloo, 2 processes")
-    ax.legend(fontsize=8)
+    _axes_ratio(ax, title)
+    ax.legend(fontsize=legend_size)
     return fig
+
+
+def torch_face_figure(plt):
+    return _vs_gloo_figure(plt, torch_face_data().items(),
+                           "torch.distributed collectives: backend ncclavg vs gloo, 2 processes", 7, 8)
 
 
 def stock_figure(plt):
@@ -318,15 +324,7 @@ def cpu_master_figure(plt):
 
 
 def hosts_figure(plt):
-    fig, ax = plt.subplots(figsize=(8, 4))
-    for section, rs in hosts_data():
-        ax.plot([r["bytes"] for r in rs], [r["gloo"] for r in rs], marker="o", label=section)
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("bytes per rank")
-    ax.set_ylabel("times faster than gloo")
-    _axes_ratio(ax, "all_reduce between emulated hosts: backend ncclavg vs gloo")
-    ax.legend(fontsize=7)
-    return fig
+    return _vs_gloo_figure(plt, hosts_data(), "all_reduce between emulated hosts: backend ncclavg vs gloo", 8, 7)
 
 
 FIGURE_MAKERS = {"one_host": one_host_figure, "torch_face": torch_face_figure, "stock": stock_figure,

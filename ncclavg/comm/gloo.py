@@ -150,9 +150,7 @@ class GlooCommunicator(Communicator):
         finally:
             self._runner.order.release()
         if error is not None:
-            job = Job(None, what, limit, call, own_timeout=limit != self.timeout)
-            job.runner = self._runner
-            raise self._runner.failed(job, error) from None
+            raise self._runner.failed_without_job(what, limit, call, limit != self.timeout, error) from None
         return True
 
     def _scale(self, buf: Any, scale: float, divisor: float, dsts: Optional[list] = None) -> Optional[bool]:
@@ -200,10 +198,8 @@ class GlooCommunicator(Communicator):
                 if fast(tensors, limit):
                     return
             except CHANNEL_ERRORS as e:   # the communicator fails as the runner's job would have
-                job = Job(None, self._what("all_reduce_avg", tensors, tag), limit, average_call(tensors[0]),
-                          own_timeout=limit != self.timeout)
-                job.runner = self._runner
-                raise self._runner.failed(job, e) from None
+                raise self._runner.failed_without_job(self._what("all_reduce_avg", tensors, tag), limit,
+                                                      average_call(tensors[0]), limit != self.timeout, e) from None
         self._average(tensors, False, tag, debug_key, sync=True, timeout=limit).wait(limit)
 
     @profiling.ranged("all_reduce_avg_async")

@@ -285,9 +285,8 @@ class ProcessGroupNcclavg(dist.ProcessGroup):
     def _fast_failed(self, op: str, tensors: List[torch.Tensor], call: Call, limit: float,
                      e: BaseException) -> DoneWork:
         """The failed Work of a fast-path call: the group fails as the runner's job would have."""
-        job = Job(None, self._what(op, tensors[:1]), limit, call, own_timeout=limit != self._timeout)
-        job.runner = self._runner
-        return done_work(tensors, error=self._runner.failed(job, e))
+        return done_work(tensors, error=self._runner.failed_without_job(self._what(op, tensors[:1]), limit, call,
+                                                                         limit != self._timeout, e))
 
     def _sparse_allreduce(self, t: torch.Tensor, tensors: List[torch.Tensor], opts: Any) -> Any:
         if self._kind([t], "tensors") != "cpu":   # the device table sent sparse CUDA tensors to NCCL

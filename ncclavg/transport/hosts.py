@@ -140,14 +140,8 @@ class _Layout:
 
     def scatter_in(self, chunk: torch.Tensor, stage: torch.Tensor) -> None:
         """stage (P x region) = the chunk's shards in layout order."""
-        stage.zero_()
-        s, n = self.shard, chunk.numel()
-        for l, lanes in enumerate(self.lanes_of):
-            for i, k in enumerate(lanes):
-                lo, hi = min(n, k * s), min(n, (k + 1) * s)
-                if hi > lo:
-                    at = l * self.region + i * s
-                    stage[at:at + hi - lo].copy_(chunk[lo:hi])
+        for l in range(len(self.lanes_of)):
+            self.region_of(chunk, l, stage[l * self.region:(l + 1) * self.region])
 
     def region_of(self, chunk: torch.Tensor, local: int, out: torch.Tensor) -> None:
         """out (region) = local rank `local`'s lanes' shards of the chunk, side by side (scatter_in's region)."""
@@ -478,18 +472,16 @@ class _Pipe:
             mine = chunk[h._local * layout.region:(h._local + 1) * layout.region]
         else:
             mine = _room(self.spare.pop() if self.spare else None, layout.region, chunk.dtype)[:layout.region]
-        if self.sends:
-            if not layout.direct:
-                layout.region_of(chunk, h._local, mine)
-        elif self.source is not None:
-            pass   # a broadcast's receiver: step (2) writes `mine`
-        elif layout.direct:
-            h._host_reduce_scatter(chunk, mine, self.limit_at(), self.call)                     # (1)
-        else:
-            self.stage_in = _room(self.stage_in, p * layout.region, chunk.dtype)
-            src = self.stage_in[:p * layout.region]
-            layout.scatter_in(chunk, src)
-            h._host_reduce_scatter(src, mine, self.limit_at(), self.call)
+        if self.source is None:                                                                  # (1)
+            if layout.direct:
+                h._host_reduce_scatter(chunk, mine, self.limit_at(), self.call)
+            else:
+                self.stage_in = _room(self.stage_in, p * layout.region, chunk.dtype)
+                src = self.stage_in[:p * layout.region]
+                layout.scatter_in(chunk, src)
+                h._host_reduce_scatter(src, mine, self.limit_at(), self.call)
+        elif self.sends and not layout.direct:   # the root's host lays its lanes' shards out (a receiver's
+            layout.region_of(chunk, h._local, mine)   # `mine` is what step (2) writes)
         pieces = [(lane, mine[i * layout.shard:(i + 1) * layout.shard]) for i, lane in enumerate(h._lanes)]
         if self.source is None:                                                                  # (2)
             works = [h._lane_sum(lane, piece) for lane, piece in pieces]

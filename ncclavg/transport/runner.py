@@ -314,6 +314,13 @@ class Runner:
         err = self.face.error_for(kind, F.unusable(msg, self.face.noun))
         return err
 
+    def failed_without_job(self, what: Any, timeout: float, call: Any, own_timeout: bool,
+                           e: BaseException) -> BaseException:
+        """failed() for a call a fast path ran without a job: the runner fails as that call's job would have."""
+        job = Job(None, what, timeout, call, own_timeout=own_timeout)
+        job.runner = self
+        return self.failed(job, e)
+
     def _who(self) -> str:
         """The heartbeats' words for the lost rank (Note [Naming the lost rank] in liveness.py), or ""."""
         return self.liveness.diagnose() if self.liveness is not None else ""
