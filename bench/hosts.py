@@ -26,6 +26,7 @@ calls with their syncs, less the counters over as many syncs alone, divided by t
     python bench/hosts.py --shapes 3x1 --links 1000:0.5 --load 2 --tag loaded
     python bench/hosts.py --shapes 2x2 --nics 2 --nic-use per-rank      # two NICs per host, each R/2
     python bench/hosts.py --shapes 2x2 --collective broadcast --tag broadcast   # broadcasts from rank 0
+    python bench/hosts.py --shapes 2x2 --collective all_gather --tag all-gather  # (or reduce_scatter)
     python bench/hosts.py --clean                           # remove what a killed run left, and exit
 Needs root, `ip` and `tc` (iproute2), gcc, /dev/net/tun; `unshare` (util-linux) for Open MPI.
 Writes bench/results/hosts-<cpu>-<date>[-tag].{md,json} (--out-dir), the command line in both.
@@ -99,8 +100,10 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--links", help="RATE_MBIT:DELAY_MS (one-way), comma-separated (default 2500:0.1)")
     ap.add_argument("--sizes", default=DEFAULT_SIZES,
                     help=f"bytes per rank, comma-separated, K/M suffixes (default {DEFAULT_SIZES})")
-    ap.add_argument("--collective", choices=("all_reduce", "broadcast"), default="all_reduce",
-                    help="what is timed (default all_reduce; broadcast: from rank 0, T* = S / R)")
+    ap.add_argument("--collective", choices=("all_reduce", "broadcast", "all_gather", "reduce_scatter"),
+                    default="all_reduce",
+                    help="what is timed (default all_reduce; broadcast: from rank 0, T* = S / R; all_gather into, "
+                         "reduce_scatter of, a buffer of each size: T* = (H-1)/H x S / R)")
     ap.add_argument("--calls", type=int, default=12, help="timed calls per size and launch (default 12)")
     ap.add_argument("--warmup", type=int, default=2, help="untimed calls per size and launch (default 2)")
     ap.add_argument("--launches", type=int, default=2, help="launches per contender, alternated (default 2)")
@@ -256,7 +259,7 @@ def result_paths(args, m: dict) -> tuple[Path, Path]:
 
 def markdown(payload: dict) -> str:
     m = payload["machine"]
-    what = {"broadcast": "Broadcast"}.get(payload["shapes"][0].get("collective") if payload["shapes"] else None,
+    what = {"broadcast": "Broadcast", "all_gather": "All-gather", "reduce_scatter": "Reduce-scatter"}.get(payload["shapes"][0].get("collective") if payload["shapes"] else None,
                                           "All-reduce")
     lines = [f"# {what} between emulated hosts ({m['date']})", "",
              f"{m['cpu']}, {m['cores']} cores, kernel {m['kernel']}; torch {m['torch']}; "

@@ -21,9 +21,13 @@ def t_star_s(size: int, hosts: int, rate_mbit: float, collective: str = "all_red
     """The line-rate bound of a collective of `size` bytes over `hosts` hosts, each with one link of
     rate_mbit. An all-reduce: every host must send (and receive) 2(H-1)/H x S (a reduce-scatter and an
     all-gather of the host's data), T* = 2(H-1)/H x S / R. A broadcast: every other host must receive S
-    over its one link, T* = S / R."""
+    over its one link, T* = S / R. An all-gather into S bytes: every host must receive the other hosts'
+    (H-1)/H of them; a reduce-scatter of S bytes: every host must send the other hosts' (H-1)/H of its
+    sums: T* = (H-1)/H x S / R."""
     if collective == "broadcast":
         return size / (rate_mbit * 1e6 / 8)
+    if collective in ("all_gather", "reduce_scatter"):
+        return (hosts - 1) / hosts * size / (rate_mbit * 1e6 / 8)
     return 2 * (hosts - 1) / hosts * size / (rate_mbit * 1e6 / 8)
 
 
@@ -163,11 +167,13 @@ def shape_lines(shape: dict, rows: list[dict]) -> list[str]:
     return out + [""]
 
 
-COLUMNS = """Columns: `T* ms` = 2(H-1)/H x S / R (a broadcast: S / R), the time each host needs to send its share at
+COLUMNS = """Columns: `T* ms` = 2(H-1)/H x S / R (a broadcast: S / R; an all-gather or reduce-scatter of S
+bytes in all: (H-1)/H x S / R), the time each host needs to send its share at
 the line rate R (S = the size each rank hands in); per contender the median over every timed call of all its launches of
 the slowest rank's time; `ncclavg / gloo`, `ncclavg / best MPI` = the ncclavg torch backend's time over
 gloo's and over the faster Open MPI contender's at that size (below 1: ncclavg is faster); `T*/t` = T*
 over the median time (1 = line rate) for each contender in the order of the time columns; `wire/S` = the
 bytes each host sent over its NICs per call (the NICs' byte counters, the 8-byte syncs' bytes taken out,
 TCP/IP headers included) over S, per contender in the same order (2(H-1)/H is the minimum of an
-all-reduce that moves each byte across once each way; a flat ring over all ranks crosses more)."""
+all-reduce that moves each byte across once each way, (H-1)/H of an all-gather or reduce-scatter; a flat
+ring over all ranks crosses more)."""

@@ -1,5 +1,5 @@
-"""One rank of bench/hosts.py: times all-reduces (or broadcasts from rank 0: --collective) of each size, one contender per launch, and writes what
-it measured to a JSON file of its own. Started by torchrun inside each emulated host (gloo, ncclavg,
+"""One rank of bench/hosts.py: times all-reduces (or broadcasts from rank 0, all-gathers, reduce-scatters:
+--collective) of each size, one contender per launch, and writes what it measured to a JSON file of its own. Started by torchrun inside each emulated host (gloo, ncclavg,
 ncclavg-api) or by Open MPI's mpirun across them (mpi); see bench/hosts.py for the timing rule.
 
 Contenders (float32, in place, every rank the same size):
@@ -9,6 +9,9 @@ Contenders (float32, in place, every rank the same size):
   mpi, mpi-tcp  MPI_Allreduce(MPI_IN_PLACE, x, SUM) through mpi4py (numpy buffer); the two differ only
                 in how they are launched (Note [Two Open MPI contenders] in hosts_launch.py)
 A broadcast: dist.broadcast(x, 0), comm.broadcast_tensors([x]), MPI_Bcast(x, root 0).
+An all-gather into x (each rank's slice: 1/world of it): dist.all_gather_into_tensor, comm.all_gather,
+MPI_Allgather; a reduce-scatter of x (SUM; the API: AVG): dist.reduce_scatter_tensor, comm.reduce_scatter_avg,
+MPI_Reduce_scatter_block.
 Each one's sync is its all-reduce on 2 float32 (8 bytes).
 
 Which NIC a rank's gloo binds (GLOO_SOCKET_IFNAME, set here from --ifnames before the group exists):
@@ -27,7 +30,7 @@ import time
 from pathlib import Path
 
 NIC_USES = ("one", "per-rank", "all")
-COLLECTIVES = ("all_reduce", "broadcast")
+COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "reduce_scatter")
 TORCH_CONTENDERS = ("gloo", "ncclavg", "ncclavg-api")
 MPI_CONTENDERS = ("mpi", "mpi-tcp")
 
@@ -80,8 +83,9 @@ class Torch:
 
             self.comm = ncclavg.Communicator.from_torch_distributed(devices=["cpu"], timeout=args.timeout)
         self.tiny = torch.zeros(2)
-        self.broadcast = args.collective == "broadcast"
+        self.collective = args.collective
         self.transport = self._transport(args.contender)
+        self.slices: dict = {}
 
     def _transport(self, contender: str) -> str | None:
         """How ncclavg moves the data between these processes ("shm+gloo": a channel in each host and gloo
@@ -98,11 +102,26 @@ class Torch:
         return getattr(backend, "transport", None) or getattr(pg, "transport", None)
 
     def buffer(self, n: int):
-        return self.torch.zeros(n)
+        return self.torch.zeros(max(n, self.world))
+
+    def slice_of(self, x):
+        """This rank's slice of x for an all-gather or reduce-scatter (one per buffer size), and the part of
+        x that is whole slices."""
+        per = x.numel() // self.world
+        if per not in self.slices:
+            self.slices[per] = self.torch.zeros(per)
+        return self.slices[per], x[:per * self.world]
 
     def op(self, x) -> None:
-        if self.broadcast:
-            self.comm.broadcast_tensors([x]) if self.comm is not None else self.dist.broadcast(x, 0)
+        c, api = self.collective, self.comm
+        if c == "broadcast":
+            api.broadcast_tensors([x]) if api is not None else self.dist.broadcast(x, 0)
+        elif c == "all_gather":
+            mine, whole = self.slice_of(x)
+            api.all_gather([mine], [whole]) if api is not None else self.dist.all_gather_into_tensor(whole, mine)
+        elif c == "reduce_scatter":
+            mine, whole = self.slice_of(x)
+            api.reduce_scatter_avg([whole], [mine]) if api is not None else self.dist.reduce_scatter_tensor(mine, whole)
         else:
             self._all_reduce(x)
 
@@ -116,12 +135,8 @@ class Torch:
         self._all_reduce(self.tiny)
 
     def check(self, n: int) -> int:
-        """Elements that differ from the exact result when rank r holds r + 1 (SUM; the API: AVG; a
-        broadcast: rank 0's 1)."""
-        x = self.torch.full((n,), float(self.rank + 1))
-        self.op(x)
-        want = 1.0 if self.broadcast else self.world * (self.world + 1) / 2 / (self.world if self.comm is not None else 1)
-        return int((x != want).sum())
+        """Elements that differ from the exact result when rank r holds r + 1 (SUM; the API: AVG)."""
+        return wrong_elements(self, self.buffer(n), self.comm is not None)
 
     def gather(self, obj) -> list | None:
         got = [None] * self.world
@@ -150,24 +165,36 @@ class Mpi:
         self.tiny = np.zeros(2, dtype=np.float32)
         self.comm = None
         self.transport = None
-        self.broadcast = args.collective == "broadcast"
+        self.collective = args.collective
+        self.slices: dict = {}
 
     def buffer(self, n: int):
-        return self.np.zeros(n, dtype=self.np.float32)
+        return self.np.zeros(max(n, self.world), dtype=self.np.float32)
+
+    def slice_of(self, x):
+        per = x.size // self.world
+        if per not in self.slices:
+            self.slices[per] = self.np.zeros(per, dtype=self.np.float32)
+        return self.slices[per], x[:per * self.world]
 
     def op(self, x) -> None:
-        if self.broadcast:
-            self.world_comm.Bcast(x, root=0)
+        c, comm = self.collective, self.world_comm
+        if c == "broadcast":
+            comm.Bcast(x, root=0)
+        elif c == "all_gather":
+            mine, whole = self.slice_of(x)
+            comm.Allgather(mine, whole)
+        elif c == "reduce_scatter":
+            mine, whole = self.slice_of(x)
+            comm.Reduce_scatter_block(whole, mine, op=self.MPI.SUM)
         else:
-            self.world_comm.Allreduce(self.MPI.IN_PLACE, x, op=self.MPI.SUM)
+            comm.Allreduce(self.MPI.IN_PLACE, x, op=self.MPI.SUM)
 
     def sync(self) -> None:
         self.world_comm.Allreduce(self.MPI.IN_PLACE, self.tiny, op=self.MPI.SUM)
 
     def check(self, n: int) -> int:
-        x = self.np.full(n, self.rank + 1, dtype=self.np.float32)
-        self.op(x)
-        return int((x != (1 if self.broadcast else self.world * (self.world + 1) / 2)).sum())
+        return wrong_elements(self, self.buffer(n), False)
 
     def gather(self, obj) -> list:
         return self.world_comm.allgather(obj)
@@ -181,6 +208,26 @@ class Mpi:
         self.MPI.Finalize()   # Open MPI's launcher calls a rank that exits without it a failure
         sys.stdout.flush()
         os._exit(0)
+
+
+def wrong_elements(side, x, averages: bool) -> int:
+    """Runs side's collective once with rank r holding r + 1 (in x, or in its slice for an all-gather) and
+    counts the elements that differ from the exact result: a sum (`averages`: the API's mean), rank 0's 1
+    (a broadcast), every rank's r + 1 in rank order (an all-gather)."""
+    c, rank, world = side.collective, side.rank, side.world
+    total = world * (world + 1) / 2 / (world if averages else 1)
+    if c in ("all_gather", "reduce_scatter"):
+        mine, whole = side.slice_of(x)
+        mine[:] = rank + 1
+        whole[:] = rank + 1
+        side.op(x)
+        if c == "reduce_scatter":
+            return int((mine != total).sum())
+        per = mine.shape[0]
+        return sum(int((whole[r * per:(r + 1) * per] != r + 1).sum()) for r in range(world))
+    x[:] = rank + 1
+    side.op(x)
+    return int((x != (1 if c == "broadcast" else total)).sum())
 
 
 def measure(side, args: argparse.Namespace) -> dict:

@@ -35,7 +35,7 @@ from typing import Any, Callable, List, Optional
 
 from torch._C._distributed_c10d import PrefixStore
 
-from ..transport import host_setup, hosts, shm
+from ..transport import host_pipes, host_setup, shm
 from ..transport.liveness import Liveness
 from ..transport.runner import BACKSTOP_S, Runner
 from .lane import FACE, BackendError
@@ -63,7 +63,7 @@ def _gloo_group_maker(store: Any, rank: int, timeout: datetime.timedelta) -> Cal
     def make(ranks: List[int]) -> Any:
         ranks = sorted(ranks)
         store_of = PrefixStore("ncclavg-lane/" + ",".join(map(str, ranks)) + "/", store)
-        return host_setup.gloo_backend(store_of, ranks.index(rank), len(ranks), timeout, hosts.depth())
+        return host_setup.gloo_backend(store_of, ranks.index(rank), len(ranks), timeout, host_pipes.depth())
     return make
 
 

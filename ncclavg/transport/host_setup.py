@@ -14,7 +14,8 @@ from typing import Any, Callable, Optional, Union
 
 from .._ext import _C
 from ..errors import CommError
-from .hosts import HostsTransport, depth, make_lanes
+from .host_pipes import depth
+from .hosts import HostsTransport, make_lanes
 from .liveness import _next_index
 from .shm import ShmTransport, setting, slot_bytes
 
@@ -22,7 +23,7 @@ from .shm import ShmTransport, setting, slot_bytes
 def gloo_backend(store: Any, me: int, size: int, timeout: datetime.timedelta, threads: int) -> Any:
     """A gloo backend (torch's ProcessGroupGloo) of `size` ranks over `store`, this process `me`, with
     `threads` worker threads: a lane keeps DEPTH operations on the wire at once, and gloo runs as many at
-    once as it has threads (Note [The pipeline's chunk] in hosts.py). Its devices as torch makes them:
+    once as it has threads (Note [The pipeline's chunk] in host_pipes.py). Its devices as torch makes them:
     the interfaces GLOO_SOCKET_IFNAME names (comma-separated), else the hostname's."""
     import torch.distributed as dist
 

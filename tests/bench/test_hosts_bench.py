@@ -143,6 +143,9 @@ def test_t_star_is_two_h_minus_one_over_h_of_the_size_at_the_line_rate(bench):
     assert rep.t_star_s(3 << 20, 3, 1000) == pytest.approx(4 / 3 * (3 << 20) / 125e6)
     # a broadcast: every other host receives the whole size over its one link
     assert rep.t_star_s(32 << 20, 3, 2500, "broadcast") == pytest.approx((32 << 20) / 312.5e6)
+    # an all-gather or reduce-scatter of S in all: each host receives (sends) the other hosts' (H-1)/H of it
+    for c in ("all_gather", "reduce_scatter"):
+        assert rep.t_star_s(3 << 20, 3, 1000, c) == pytest.approx(2 / 3 * (3 << 20) / 125e6)
 
 
 def test_the_best_mpi_is_the_faster_of_the_two_at_each_size(bench):
@@ -231,7 +234,10 @@ def test_the_load_is_busy_processes_at_the_lowest_priority_named_by_the_run(benc
 
 # ------------------------------------------------------------------------------------- end to end
 @pytest.mark.slow   # ~40 s: two namespaces, three torchrun launches of two nodes each
-def test_a_tiny_run_writes_its_table_and_json(bench, tmp_path):
+# the all-reduce, and (slow: ~20 s each) the collectives that move slices: each result checked exactly
+@pytest.mark.parametrize("collective", ["all_reduce", pytest.param("all_gather", marks=pytest.mark.slow),
+                                        pytest.param("reduce_scatter", marks=pytest.mark.slow)])
+def test_a_tiny_run_writes_its_table_and_json(bench, tmp_path, collective):
     try:
         bench.net_mod.preflight()
     except bench.net_mod.HostsUnavailable as e:
@@ -239,7 +245,7 @@ def test_a_tiny_run_writes_its_table_and_json(bench, tmp_path):
     argv = ["--shapes", "2x1", "--links", "2500:0.1", "--sizes", "4K,64K", "--calls", "3", "--warmup", "1",
             "--note", "a test's run",
             "--launches", "1", "--contenders", "gloo,ncclavg,ncclavg-api", "--ceiling-s", "0.5", "--timeout", "180",
-            "--out-dir", str(tmp_path), "--tag", "test"]
+            "--out-dir", str(tmp_path), "--tag", "test", "--collective", collective]
     r = subprocess.run([sys.executable, str(ROOT / "bench" / "hosts.py"), *argv], capture_output=True, text=True,
                        timeout=600)
     assert r.returncode == 0, r.stderr[-4000:]
@@ -257,8 +263,10 @@ def test_a_tiny_run_writes_its_table_and_json(bench, tmp_path):
     assert all(ln.get("result") for ln in shape["launches"]), [ln.get("error") for ln in shape["launches"]]
     for row in shape["rows"]:
         assert row["median_s"] > 0 and row["calls"] == 3 and row["wrong"] == 0
-        # each host sent at least its share (S for 2 hosts) over its NIC per call
-        assert row["wire_bytes_per_op"] >= row["size"], row
+        # each host sent at least its share over its NIC per call: S for 2 hosts (an all-reduce), S / 2 (the
+        # other host's half of an all-gather or reduce-scatter)
+        share = row["size"] if collective == "all_reduce" else row["size"] // 2
+        assert row["wire_bytes_per_op"] >= share, row
     assert shape["measured"]["tcp_one_way_mbit"] > 0 and shape["measured"]["rtt_ms"]["min"] >= 0.2
     assert data["load"]["busy"] == 0 and len(data["load"]["start"]) == 3
     assert bench.net_mod.leftovers() == []

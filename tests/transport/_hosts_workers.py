@@ -63,7 +63,8 @@ def spy_between_hosts(pg):
 
 def across_hosts_job(rank, world, port, layout, chunk_kb):
     """Every float dtype x SUM / AVG x sizes around the boundaries, through the torch face and the public
-    API: exact results, and for random float32 the same bits on every rank within the float64 bound."""
+    API: exact results, and for random float32 the same bits on every rank within the float64 bound; then
+    the reduce-scatters, all-gathers and broadcasts between the hosts."""
     os.environ["NCCLAVG_HOSTS_CHUNK_KB"] = str(chunk_kb)
     init_backend(rank, world, port, timeout_s=60, layout=layout)
     pg = dist.group.WORLD
@@ -97,17 +98,53 @@ def across_hosts_job(rank, world, port, layout, chunk_kb):
     u, k = 2.0 ** -24, world - 1
     bound = k * u / (1 - k * u) * sum(x.double().abs() for x in xs)
     assert bool(((t.double() - sum(x.double() for x in xs)).abs() <= bound).all())
-    # the other collectives across the hosts (through the hosts' leaders), exact
-    shard = 5
-    full = [exact(r, shard * world, torch.float32, 9) for r in range(world)]
-    out = torch.empty(shard)
-    dist.reduce_scatter_tensor(out, full[rank].clone())
-    assert torch.equal(out, sum(full)[rank * shard:(rank + 1) * shard])
-    gathered = torch.empty(shard * world)
-    dist.all_gather_into_tensor(gathered, full[rank][:shard].clone())
-    assert torch.equal(gathered, torch.cat([f[:shard] for f in full]))
+    slice_collectives(rank, world, chunk_kb, comm)
     broadcasts(rank, world, chunk_kb)
     dist.barrier()
+
+
+def slice_sizes(dtype, world, chunk_kb):
+    """Slice lengths on both sides of the boundaries of reduce_scatter and all_gather between hosts: the
+    record's payload (the whole input of a reduce-scatter, the largest host's inputs of an all-gather),
+    one chunk of every slice, several, and lengths nothing divides."""
+    from ncclavg.transport.calls import FOLD_BYTES
+
+    per = max(1, (chunk_kb << 10) // (dtype.itemsize * world))
+    edges = {FOLD_BYTES // (dtype.itemsize * world), FOLD_BYTES // (dtype.itemsize * 2), per, 3 * per}
+    return sorted({0, 1, 3} | {e + d for e in edges for d in (-1, 0, 1)} | {3 * per + 7})
+
+
+def slice_collectives(rank, world, chunk_kb, comm):
+    """reduce_scatter (SUM, AVG of every float type; MAX of int32) and all_gather (every float type, uint8
+    of odd lengths) through the torch face, and the public API's reduce_scatter_avg and all_gather, around
+    slice_sizes: exact (the data of `exact`: every sum of `world` terms is exact, and so is its division by
+    a power of two; world is 4 here)."""
+    for seed, dtype in enumerate(FLOATS + [torch.uint8, torch.int32]):
+        for n in slice_sizes(dtype, world, chunk_kb):
+            full = [exact(r, n * world, torch.float32, 10 + seed) for r in range(world)]
+            if not dtype.is_floating_point:
+                full = [(f * 4 + 16).to(dtype) for f in full]   # whole numbers in [0, 32)
+            full = [f.to(dtype) for f in full]
+            gathered = torch.empty(n * world, dtype=dtype)
+            dist.all_gather_into_tensor(gathered, full[rank][:n].clone())
+            assert torch.equal(gathered, torch.cat([f[:n] for f in full])), ("all_gather", dtype, n)
+            if dtype == torch.uint8:
+                continue
+            mine = slice(rank * n, (rank + 1) * n)
+            total = sum(f.double() for f in full)[mine]
+            ops = ((R.SUM, total), (R.AVG, total / world)) if dtype.is_floating_point else \
+                ((R.MAX, torch.stack(full).max(0).values[mine].double()), (R.SUM, total))
+            for op, want in ops:
+                out = torch.empty(n, dtype=dtype)
+                dist.reduce_scatter_tensor(out, full[rank].clone(), op=op)
+                assert torch.equal(out, want.to(dtype)), ("reduce_scatter", dtype, n, op)
+            if dtype in (torch.float32, torch.bfloat16, torch.float16):   # the public API's tower types
+                out = torch.empty(n, dtype=dtype)
+                comm.reduce_scatter_avg([full[rank].clone()], [out])
+                assert torch.equal(out, (total / world).to(dtype)), ("api reduce_scatter_avg", dtype, n)
+                gathered = torch.empty(n * world, dtype=dtype)
+                comm.all_gather([full[rank][:n].clone()], [gathered])
+                assert torch.equal(gathered, torch.cat([f[:n] for f in full])), ("api all_gather", dtype, n)
 
 
 def random_bits(numel, dtype, seed):
@@ -128,6 +165,19 @@ def broadcasts(rank, world, chunk_kb):
                 b = want.clone() if rank == root else random_bits(n, dtype, 7 + rank)
                 dist.broadcast(b, src=root)
                 assert torch.equal(b.view(torch.uint8), want.view(torch.uint8)), (root, dtype, n)
+
+
+def slices_job(rank, world, port, layout, chunk_kb):
+    """slice_collectives() alone, between pretend hosts of `layout`."""
+    os.environ["NCCLAVG_HOSTS_CHUNK_KB"] = str(chunk_kb)
+    init_backend(rank, world, port, timeout_s=60, layout=layout)
+    assert dist.group.WORLD.transport == "shm+gloo", dist.group.WORLD.transport
+    from ncclavg import Communicator
+    import ncclavg.comm.gloo as gloo_backend
+
+    gloo_backend.host_identity = lambda: f"test-host-{layout[rank]}"
+    slice_collectives(rank, world, chunk_kb, Communicator.from_torch_distributed(device="cpu", timeout=60))
+    dist.barrier()
 
 
 def broadcast_job(rank, world, port, layout, chunk_kb):
@@ -162,6 +212,20 @@ def exchanges_job(rank, world, port, layout, outdir):
         dist.broadcast(b, src=world - 1)   # from the last rank: not a host's leader where hosts have two
         assert torch.equal(b, torch.full((n,), float(world - 1)))
         seen[f"broadcast {n}"] = [list(s.ops) for s in spies]
+    if pg.transport == "shm+gloo":   # reduce-scatter and all-gather: within the record, then past it in 3 chunks
+        for n in (1, 2 * 1024 + 5):   # (a chunk: 16 KiB through a host's channel, 1024 elements of each slice)
+            for s in spies:
+                s.ops.clear()
+            out = torch.empty(n * world)
+            dist.all_gather_into_tensor(out, torch.full((n,), float(rank)))
+            assert torch.equal(out, torch.arange(world, dtype=torch.float32).repeat_interleave(n))
+            seen[f"all_gather {n}"] = [list(s.ops) for s in spies]
+            for s in spies:
+                s.ops.clear()
+            out = torch.empty(n)
+            dist.reduce_scatter_tensor(out, torch.ones(n * world))
+            assert torch.equal(out, torch.full((n,), float(world)))
+            seen[f"reduce_scatter {n}"] = [list(s.ops) for s in spies]
     with open(os.path.join(outdir, f"rank{rank}.json"), "w") as f:
         json.dump({"transport": pg.transport, "seen": seen}, f)
     dist.barrier()

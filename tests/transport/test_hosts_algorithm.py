@@ -9,8 +9,9 @@ import pytest
 import torch
 from _dist_util import run_ranks
 
-from ncclavg.transport import hosts
-from ncclavg.transport.hosts import _Layout, owners
+from ncclavg.transport import host_pipes
+from ncclavg.transport.host_pipes import Layout
+from ncclavg.transport.hosts import owners, slices
 
 
 @pytest.mark.parametrize("lanes_of, chunk", [
@@ -21,7 +22,7 @@ from ncclavg.transport.hosts import _Layout, owners
 def test_a_chunk_laid_out_by_lanes_comes_back_whole(lanes_of, chunk):
     k = sum(len(x) for x in lanes_of)
     shard = -(-chunk // k)
-    layout = _Layout(lanes_of, shard, chunk)
+    layout = Layout(lanes_of, shard, chunk)
     assert layout.direct == (all(len(x) == 1 for x in lanes_of) and shard * k == chunk)
     src = torch.arange(1, chunk + 1, dtype=torch.float32)
     stage = torch.full((len(lanes_of) * layout.region,), -1.0)
@@ -41,12 +42,20 @@ def test_every_lane_has_one_carrier_per_host():
     assert [owners([[0, 2], [1, 3]], k) for k in range(2)] == [[0, 1], [2, 3]]
 
 
+def test_each_lane_carries_the_slices_of_one_local_rank_per_host():
+    # lane k: local rank k's slice of each host that has one, in the lane's group order (ranks ascending)
+    assert [slices([[0, 1, 2], [3]], k) for k in range(3)] == [[0, 3], [1, None], [2, None]]
+    # the carrier of lane 1 on the second host (rank 2) has a lower rank than the first host's (rank 3)
+    assert [slices([[0, 3], [1, 2]], k) for k in range(2)] == [[0, 1], [2, 3]]
+    assert slices([[0, 3], [1, 2]], 1) == [2, 3] and sorted(owners([[0, 3], [1, 2]], 1)) == [2, 3]
+
+
 @pytest.mark.parametrize("name, value", [("NCCLAVG_HOSTS_CHUNK_KB", "0"), ("NCCLAVG_HOSTS_CHUNK_KB", "x"),
                                          ("NCCLAVG_HOSTS_DEPTH", "0")])
 def test_bad_settings_name_the_variable(monkeypatch, name, value):
     monkeypatch.setenv(name, value)
     with pytest.raises(ValueError, match=name):
-        hosts.chunk_bytes() if "CHUNK" in name else hosts.depth()
+        host_pipes.chunk_bytes() if "CHUNK" in name else host_pipes.depth()
 
 
 # 2 hosts of 2 (lanes as processes); 3 hosts of 2, 1 and 1 (a host of one carries both lanes, one with no
@@ -54,6 +63,13 @@ def test_bad_settings_name_the_variable(monkeypatch, name, value):
 @pytest.mark.parametrize("layout", [(0, 1, 0, 1), pytest.param((0, 0, 1, 2), marks=pytest.mark.slow)])
 def test_every_float_type_sums_exactly_across_hosts(layout):
     run_ranks(W.across_hosts_job, len(layout), args=(layout, 1), timeout_s=300)
+
+
+# 3 processes on one host and 1 on the other (lanes 1 and 2 carry no slice of the second host's; its one
+# process carries all three); hosts whose ranks interleave so that a lane's group lists the second host first
+@pytest.mark.parametrize("layout", [(0, 0, 0, 1), (0, 1, 1, 0)])
+def test_reduce_scatter_and_all_gather_across_uneven_hosts_are_exact(layout):
+    run_ranks(W.slices_job, len(layout), args=(layout, 1), timeout_s=300)
 
 
 @pytest.mark.parametrize("layout", [(0, 0, 1, 1), (0, 1)])
@@ -81,6 +97,12 @@ def test_the_calls_check_rides_in_the_first_exchange(tmp_path, layout):
         assert seen["broadcast 1"] == seen["broadcast 1024"] == first, seen
         lanes = [ops[1:] if leads and i == 0 else ops for i, ops in enumerate(seen[f"broadcast {1024 + 2 * 4096 + 3}"])]
         assert all(ops == ["broadcast"] * 3 for ops in lanes), seen
+        # reduce-scatter and all-gather: a small one is the record alone; a larger one the record (the calls
+        # compared), then on each lane one exchange per chunk (every slice's chunk at once)
+        for what, op in (("all_gather", "_allgather_base"), ("reduce_scatter", "alltoall_base")):
+            assert seen[f"{what} 1"] == first, (what, seen)
+            lanes = [ops[1:] if leads and i == 0 else ops for i, ops in enumerate(seen[f"{what} {2 * 1024 + 5}"])]
+            assert all(ops == [op] * 3 for ops in lanes), (what, seen)
 
 
 # 3 processes on one host and 1 on the other (the lone one carries all 3 lanes); the root everywhere
