@@ -232,8 +232,8 @@ def exchanges_job(rank, world, port, layout, outdir):
 
 
 def host_mismatch_job(rank, world, port, layout, outdir, counts, collective="all_reduce"):
-    """The last rank's host calls `collective` (all_reduce, or broadcast from the last rank) with another
-    count than the others (`counts`: (theirs, the last rank's)): every rank fails naming both calls, within
+    """The last rank's host calls `collective` (all_reduce, broadcast from the last rank, all_gather or
+    reduce_scatter: `counts` then count each rank's slice) with another count than the others (`counts`: (theirs, the last rank's)): every rank fails naming both calls, within
     one exchange, no process is ended by gloo's own check of the sizes."""
     import json
 
@@ -243,6 +243,10 @@ def host_mismatch_job(rank, world, port, layout, outdir, counts, collective="all
     try:
         if collective == "broadcast":
             dist.broadcast(torch.ones(n), src=world - 1, async_op=True).wait()
+        elif collective == "all_gather":   # n: each rank's slice
+            dist.all_gather_into_tensor(torch.empty(n * world), torch.ones(n), async_op=True).wait()
+        elif collective == "reduce_scatter":
+            dist.reduce_scatter_tensor(torch.empty(n), torch.ones(n * world), async_op=True).wait()
         else:
             dist.all_reduce(torch.ones(n), async_op=True).wait()
         res = {"error": None}

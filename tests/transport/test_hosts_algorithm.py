@@ -113,7 +113,10 @@ def test_a_broadcast_from_any_rank_reaches_every_host_bit_for_bit(layout):
 
 @pytest.mark.parametrize("layout, counts, collective", [
     ((0, 0, 1, 1), (3, 4), "all_reduce"), ((0, 0, 1, 1), (5000, 5001), "all_reduce"),
-    ((0, 1), (5000, 5001), "all_reduce"), ((0, 0, 1, 1), (5000, 5001), "broadcast")])
+    ((0, 1), (5000, 5001), "all_reduce"), ((0, 0, 1, 1), (5000, 5001), "broadcast"),
+    # slices: within the record on both sides, past it on both (the lanes' pipe), one on each side of it
+    ((0, 0, 1, 1), (3, 4), "all_gather"), ((0, 0, 1, 1), (5000, 5001), "all_gather"),
+    ((0, 0, 1, 1), (255, 5000), "reduce_scatter"), ((0, 0, 0, 1), (5000, 5001), "reduce_scatter")])
 def test_a_different_count_on_another_host_fails_every_rank_naming_both(tmp_path, layout, counts, collective):
     run_ranks(W.host_mismatch_job, len(layout), args=(layout, str(tmp_path), counts, collective), timeout_s=120)
     for rank in range(len(layout)):
