@@ -3,22 +3,34 @@
 the root and the element count. Ranks whose calls differ fail with both calls named, on every rank,
 whichever transport moves the data: the channel compares the calls in the round that moves the data
 (or in a round of its own before a gloo step), and between hosts `exchange_record` exchanges them with
-the call's first data.
+the call's data (Note [The check folded into the data]).
 
-Note [The check beside the data]
-Between hosts (and between processes that share no channel) the calls are compared by one all-gather of
-three words per rank over gloo. Run before the data, it would cost a network round trip per collective,
-which for a small all-reduce doubles its time. So it is started just before the call's data is sent, in
-flight beside it (gloo runs a group's operations on several threads), and waited for before any result
-is written where the caller sees it: the data's exchange and the check end together. A mismatch is then
-found within one exchange and raised on every rank, naming both calls; the data that went with it is
-never handed back (the group fails, and nothing waits for it).
+Note [The check folded into the data]
+Between hosts (and between processes that share no channel) the calls are compared over gloo by a record:
+each rank sends every other rank its call (collective, dtype, op, root, count), whether its own step went
+well, and data. A record of its own before the data would cost a network exchange per collective, which
+for a small one doubles its time; so the record carries the call's data: all of it where it fits
+(`fold_limit`: 256 KiB to each peer in a group of two, less in larger groups, never under FOLD_BYTES),
+else its first FOLD_BYTES. A small collective is then one exchange in all, and a large one's record moves
+data too.
+The record must be safe when the calls differ, sizes included. gloo's collectives are not: a message
+longer than the receiver expects ends the receiving process (gloo's tcp pair enforces it on its device
+thread), and the lengths of a collective's messages follow its count. So the record is gloo's
+point-to-point send and recv, one message to each peer, and every rank posts its receives at the largest
+length any record can have (`fold_limit` of the group's size plus the header): a shorter message completes
+the receive (gloo does not check), its header says how many bytes it carried, and no message is ever
+longer. A mismatch is then found within one exchange and raised on every rank, naming both calls; nothing
+of the data that rode with it is written where the caller sees it. Only after the record has compared
+the calls may a size that differs between ranks reach a gloo collective.
+A record sends each peer the same bytes (`payload`) or each its own (`payloads`: a reduce-scatter sends
+peer j only its slice).
 
 The codes come from the core's tables (`_C.shm_call_names()`), so that one place says what they mean.
 """
 from __future__ import annotations
 
 import datetime
+import time
 from typing import Any, Optional
 
 import torch
@@ -93,22 +105,41 @@ class CallMismatchError(_C.ShmMismatchError):
     """Ranks called different collectives, found by an exchange outside the channel (gloo)."""
 
 
-FOLD_BYTES = 4096       # the data a record carries beside its call (Note [The check folded into the data])
+FOLD_BYTES = 4096       # the data every record may carry (Note [The check folded into the data])
+FOLD_WHOLE = 256 << 10  # a record's data to all its peers together, when a call rides in it whole
 _HEADER = 4             # int64 words: tag, count, ok, the payload's bytes
+_TAG = 0x6E636176       # the records' point-to-point tag on a group ("ncav")
+
+
+def fold_limit(size: int) -> int:
+    """The most data bytes a record of a group of `size` ranks sends each peer: a call whose data (to each
+    peer) fits rides in its record whole. FOLD_WHOLE over the peers, so that a record's bytes stay those of
+    one small exchange however many ranks there are; never under FOLD_BYTES."""
+    return max(FOLD_BYTES, FOLD_WHOLE // max(1, size - 1))
+
+
+def folded(flat: torch.Tensor, size: int) -> int:
+    """The leading elements of `flat` its call's record carries in a group of `size`: all where they fit
+    (fold_limit), else the first FOLD_BYTES."""
+    nbytes = flat.numel() * flat.element_size()
+    return flat.numel() if nbytes <= fold_limit(size) else min(flat.numel(), FOLD_BYTES // flat.element_size())
 
 
 class Record:
     """A record exchange in flight (`start_record`); `finish` waits for it and reads it."""
 
-    def __init__(self, work: Any, rows: Any, call: Call, rank: int, n: int, labels: list, where: str, ok: bool):
-        self.work, self.rows, self.call, self.rank, self.n = work, rows, call, rank, n
+    def __init__(self, works: list, rows: Any, call: Call, rank: int, n: int, labels: list, where: str, ok: bool):
+        self.works, self.rows, self.call, self.rank, self.n = works, rows, call, rank, n
         self.labels, self.where, self.ok = labels, where, ok
 
     def finish(self, timeout: float) -> list:
-        """Waits (at most `timeout` s); raises CallMismatchError naming this rank's call and the first that
-        differs (or the rank whose step failed); else returns every rank's payload, in rank order (nothing
-        with ok=False: the caller raises its own error)."""
-        self.work.wait(datetime.timedelta(seconds=max(timeout, 1e-3)))
+        """Waits (at most `timeout` s in all); raises CallMismatchError naming this rank's call and the first
+        that differs (or the rank whose step failed); else returns the payload every rank sent this one, in
+        rank order (this rank's own: what it sent itself; nothing with ok=False: the caller raises its own
+        error)."""
+        end = time.monotonic() + max(timeout, 1e-3)
+        for work in self.works:
+            work.wait(datetime.timedelta(seconds=max(end - time.monotonic(), 1e-3)))
         if not self.ok:
             return []
         call, rows, n = self.call, self.rows, self.n
@@ -127,33 +158,41 @@ class Record:
 
 
 def start_record(gloo: Any, call: Call, rank: int, size: int, payload: Optional[Any] = None,
-                 labels: Optional[list] = None, where: str = "gloo", ok: bool = True) -> Record:
-    """Starts one exchange of a fixed-size record per rank over the torch.distributed process group `gloo`
-    (its c10d `_allgather_base`): this rank's call, whether its own step of the call went well (`ok=False`:
-    a host whose ranks disagree tells the others, which then fail at once) and up to FOLD_BYTES of the
-    call's data (`payload`, a uint8 tensor). Note [The check folded into the data]."""
-    from torch._C._distributed_c10d import AllgatherOptions
+                 labels: Optional[list] = None, where: str = "gloo", ok: bool = True,
+                 payloads: Optional[list] = None) -> Record:
+    """Starts one record exchange over the torch.distributed process group `gloo` (Note [The check folded
+    into the data]): this rank's call, whether its own step of the call went well (`ok=False`: a host whose
+    ranks disagree tells the others, which then fail at once) and data for every peer, up to
+    fold_limit(size) bytes (uint8 tensors): `payload` the same for each, or `payloads[j]` for rank j (all
+    of one length)."""
+    shared = payloads is None
+    if shared:
+        payloads = [payload] * size
+    n = 0 if payloads[0] is None else payloads[0].numel()
+    limit = fold_limit(size)
+    if n > limit or any((0 if p is None else p.numel()) != n for p in payloads):
+        raise ValueError(f"payload: at most {limit} bytes, the same length for every rank, got "
+                         f"{[0 if p is None else p.numel() for p in payloads]}")
+    head = torch.tensor([call.tag, call.count, int(ok), n], dtype=torch.int64).view(torch.uint8)
+    rows = torch.empty(size, _HEADER * 8 + limit, dtype=torch.uint8)   # received: never longer than this
+    works = [gloo.recv([rows[j]], j, _TAG) for j in range(size) if j != rank]   # posted before any send
 
-    n = 0 if payload is None else payload.numel()
-    if n > FOLD_BYTES:
-        raise ValueError(f"payload: at most {FOLD_BYTES} bytes, got {n}")
-    mine = torch.zeros(_HEADER * 8 + FOLD_BYTES, dtype=torch.uint8)
-    mine[:_HEADER * 8].view(torch.int64).copy_(torch.tensor([call.tag, call.count, int(ok), n], dtype=torch.int64))
-    if n:
-        mine[_HEADER * 8:_HEADER * 8 + n] = payload
-    rows = torch.empty(size, mine.numel(), dtype=torch.uint8)
-    work = gloo._allgather_base(rows.view(-1), mine, AllgatherOptions())
-    return Record(work, rows, call, rank, n, labels if labels is not None else list(range(size)), where, ok)
+    def message(data: Any, into: Optional[torch.Tensor] = None) -> torch.Tensor:
+        msg = torch.empty(_HEADER * 8 + n, dtype=torch.uint8) if into is None else into
+        msg[:_HEADER * 8] = head
+        if n:
+            msg[_HEADER * 8:] = data
+        return msg
+
+    message(payloads[rank], rows[rank, :_HEADER * 8 + n])   # this rank's own row, as a peer's reads
+    one = message(payloads[0]) if shared else None          # the same message for every peer
+    works += [gloo.send([one if shared else message(payloads[j])], j, _TAG) for j in range(size) if j != rank]
+    return Record(works, rows, call, rank, n, labels if labels is not None else list(range(size)), where, ok)
 
 
 def exchange_record(gloo: Any, call: Call, rank: int, size: int, timeout: float, payload: Optional[Any] = None,
-                    labels: Optional[list] = None, where: str = "gloo", ok: bool = True) -> list:
-    """start_record, then its finish: the ranks' payloads in rank order (Note [The check folded into the
-    data])."""
-    return start_record(gloo, call, rank, size, payload, labels, where, ok).finish(timeout)
-
-
-def check_over_gloo(gloo: Any, call: Call, rank: int, size: int, timeout: float, labels: Optional[list] = None,
-                    where: str = "gloo", ok: bool = True) -> None:
-    """Compares `call` across the ranks of `gloo`: a record that carries no data."""
-    exchange_record(gloo, call, rank, size, timeout, labels=labels, where=where, ok=ok)
+                    labels: Optional[list] = None, where: str = "gloo", ok: bool = True,
+                    payloads: Optional[list] = None) -> list:
+    """start_record, then its finish: the payloads the ranks sent this one, in rank order (Note [The check
+    folded into the data])."""
+    return start_record(gloo, call, rank, size, payload, labels, where, ok, payloads).finish(timeout)

@@ -13,25 +13,25 @@ pipelined in chunks:
    hosts), so every local rank carries 1/P of the bytes, on its own connection (its own NIC when
    GLOO_SOCKET_IFNAME differs by local rank);
 3. within each host, the channel's all-gather puts the chunk together on every local rank.
-The chunk's steps 1 and 3 run while the chunks before and after it are on the wire (DEPTH chunks in
-flight, host_pipes.py), so the time approaches the larger of the wire's and the hosts' steps, not their
-sum (Note [The pipeline's chunk] there). Every process of every host ends with the same bits: a lane's sum is gloo's, the same
-on every host, and step 3 copies it.
+The chunk's steps 1 and 3 run while the chunks before and after it are on the wire (DEPTH chunks in flight,
+host_pipes.py), so the time approaches the larger of the wire's and the hosts' steps, not their sum (Note [The
+pipeline's chunk] there). Every process of every host ends with the same bits: a lane's sum is gloo's, the
+same on every host, and step 3 copies it.
 Lanes: K, the largest number of processes on one host. Host h with P_h processes gives lane k to its local
 rank k % P_h, so on a host with fewer processes a process carries several lanes (a host of one process
 carries all K); each chunk is cut into K shards. With the same P on every host a local rank owns one lane
 and the chunk is reduce-scattered as it lies; otherwise every rank's lanes are first laid out side by side
 (`Layout` in host_pipes.py), padded to the same length in the host's memory, never on the wire.
 The user's call is compared within each host by the channel's rounds (Note [Call signatures] in
-csrc/transport/shm_calls.cpp) and between the hosts by the lane-0 processes (the hosts' leaders) in a
-record of fixed size that carries the call's first 4 KiB (all of a small all-reduce: one exchange in all),
-before any size that may differ goes to gloo (Note [The check folded into the data] in calls.py); a leader
-that finds a difference aborts its host's channel with it, so every process of every host fails naming
-both calls. A leader whose host's first step failed says so in its record, and the other hosts' leaders
-fail at once.
-A broadcast takes the same lanes from any root: the channel's broadcast within the root's host, the first
-4 KiB in the leaders' record, then chunk by chunk each lane's carrier on the root's host sends the lane's
-shard to the lane's carriers elsewhere, which all-gather the shards through their host's channel.
+csrc/transport/shm_calls.cpp) and between the hosts by the lane-0 processes (the hosts' leaders) in a record
+that carries the call's data (all of it up to 256 KiB between two hosts, else its first 4 KiB: a small
+collective is one exchange in all), before any size that may differ goes to a gloo collective (Note [The check
+folded into the data] in calls.py); a leader that finds a difference aborts its host's channel with it, so
+every process of every host fails naming both calls. A leader whose host's first step failed says so in its
+record, and the other hosts' leaders fail at once.
+A broadcast takes the same lanes from any root: the channel's broadcast within the root's host, the data in
+the leaders' record as for the all-reduce, then chunk by chunk each lane's carrier on the root's host sends
+the lane's shard to the lane's carriers elsewhere, which all-gather the shards through their host's channel.
 A reduce-scatter and an all-gather move slices (every rank's `n` elements): lane k carries the slices of
 local rank k of every host that has one, chunk [lo, lo + c) of every slice at once (`SlicePipe`). An
 all-gather: (2) on each lane, each rank's own slice to every other host (gloo's all-gather, or its
@@ -40,9 +40,9 @@ local rank received. A reduce-scatter: (1) within each host, the channel's reduc
 l the host's sums of the slices its lanes carry, (2) on each lane an all_to_all sends each host the sum of
 its rank's slice and gives rank k every host's sum of its own, which it adds in the lane's group order
 (fp32 accumulation, one rounding): its result lands where it is wanted, with no step (3). Each byte crosses
-the network once, every local rank on the wire. A small one (the record's 4 KiB hold a reduce-scatter's
-input, or the largest host's inputs of an all-gather) goes whole in the leaders' record: (1) the host's sum
-or all-gather through its channel, (2) the record, (3) a round that hands each rank its part.
+the network once, every local rank on the wire. A small one (the largest host's slices fit the record)
+goes whole in the leaders' record: (1) the host's sum or all-gather through its channel, (2) the record,
+(3) a round that hands each rank its part.
 A step (2) that fails aborts its host's channel with the reason, so that the host's other processes fail
 at once instead of waiting out the timeout.
 """
@@ -56,7 +56,7 @@ from torch._C._distributed_c10d import AllgatherOptions, AllreduceOptions, Broad
 
 from ..buffers import channel_type_code
 from ..errors import is_timeout
-from .calls import FOLD_BYTES, Call, CallMismatchError, Record, start_record
+from .calls import Call, CallMismatchError, Record, fold_limit, folded, start_record
 from .host_pipes import Deadline, Pipe, SlicePipe
 from .reductions import as_bytes, sum_in_order
 from .runner import BACKSTOP_S
@@ -131,17 +131,17 @@ class HostsTransport:
     # ------------------------------------------------------------------ all-reduce: Note [Several hosts]
     def all_reduce_sum(self, t: torch.Tensor, limit: float, call: Optional[Call] = None,
                        divisor: float = 1.0, check_finite: bool = False) -> None:
-        """The sum over every rank of every host (Note [Several hosts]); `check_finite` is not answered
-        between hosts (None: the step's reader scans). The call's first FOLD_BYTES (all of a small one)
-        go in the record that compares the calls (Note [The check folded into the data] in calls.py): the
-        host's sum of them, the leaders' records, each leader adding them in its group's order, then a
-        round in which the host's other ranks take the leader's sum (or find the channel aborted: the
-        calls differ). The rest is pipelined in chunks, once the record has compared the calls: until then
+        """The sum over every rank of every host (Note [Several hosts]); `check_finite` is not answered between
+        hosts (None: the step's reader scans). The call's data (all of it where it fits the record, else its
+        first FOLD_BYTES: `folded`) goes in the record that compares the calls (Note [The check folded into the
+        data] in calls.py): the host's sum of them, the leaders' records, each leader adding them in its group's
+        order, then a round in which the host's other ranks take the leader's sum (or find the channel aborted:
+        the calls differ). The rest is pipelined in chunks, once the record has compared the calls: until then
         no size that may differ between the ranks goes to gloo."""
         if divisor != 1.0:
             raise ValueError("divisor: between hosts the channel does not divide")
         flat = t.view(-1)
-        head = flat[:min(flat.numel(), FOLD_BYTES // flat.element_size())]
+        head = flat[:folded(flat, len(self._hosts))]
         code = channel_type_code(head.dtype)
         limit_at = Deadline(limit)
         self._host_step(call, limit, lambda: self._host_sum(head.data_ptr(), head.numel(), code, limit, call))   # (1)
@@ -167,13 +167,14 @@ class HostsTransport:
     def reduce_scatter_sum(self, out: torch.Tensor, inp: torch.Tensor, limit: float, call: Optional[Call] = None,
                            divisor: float = 1.0) -> None:
         """out = the sum over every rank of every host of its slice `rank` of inp (world_size slices of
-        out.numel()). Small (all of inp within the record's FOLD_BYTES): the host's sum of inp, the leaders'
-        records carry it, each leader adds them in its group's order, a round gives each rank of its host
-        its slice: one exchange between hosts. Otherwise the calls compared (`check`), then SlicePipe."""
+        out.numel()). Small (the largest host's slices fit the record, fold_limit): the host's sum of
+        inp through its channel, each leader's record carries to each other host's leader the sums of that
+        host's ranks' slices, each leader adds what it gets in its group's order, a round gives each rank
+        of its host its slice: one exchange between hosts. Otherwise the calls compared (`check`), then SlicePipe."""
         if divisor != 1.0:
             raise ValueError("divisor: between hosts the channel does not divide")
         n, code = out.numel(), channel_type_code(out.dtype)
-        if self.world_size * n * out.element_size() > FOLD_BYTES:
+        if self._K * n * out.element_size() > fold_limit(len(self._hosts)):
             limit_at = Deadline(limit)
             self.check(call, limit)
             SlicePipe(self, False, out.view(-1), inp.reshape(-1), n, limit_at, call).run()
@@ -182,20 +183,25 @@ class HostsTransport:
         limit_at = Deadline(limit)
         self._host_step(call, limit, lambda: self._host_sum(host_sum.data_ptr(), host_sum.numel(), code, limit,
                                                             call))                              # (1)
-        rows = self._leaders_record(call, limit_at(), as_bytes(host_sum))                      # (2)
+        # host j's leader gets this host's sums of host j's ranks' slices (padded to the largest host's)
+        by_rank = host_sum.view(self.world_size, n)
+        blocks = torch.zeros(len(self._hosts), self._K * n, dtype=out.dtype)
+        for j, members in enumerate(self._hosts):
+            blocks[j, :len(members) * n] = by_rank[members].reshape(-1)
+        rows = self._leaders_record(call, limit_at(), payloads=[as_bytes(b) for b in blocks])   # (2)
+        mine = blocks[self._hosts.index(self._mine)]
         if rows:
-            host_sum.copy_(sum_in_order([r.view(out.dtype) for r in rows]))
-        mine = host_sum.view(self.world_size, n)[self._mine].reshape(-1)   # this host's ranks' slices
+            mine.copy_(sum_in_order([r.view(out.dtype) for r in rows]))
         self._host_broadcast(mine.data_ptr(), mine.numel(), code, limit_at(), call)            # (3)
         out.view(-1).copy_(mine[self._local * n:(self._local + 1) * n])
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor, limit: float, call: Optional[Call] = None) -> None:
-        """out = every rank's inp, in rank order. Small (the largest host's inputs within the record's
-        FOLD_BYTES): the host's inputs gathered through its channel, the leaders' records carry them, a
+        """out = every rank's inp, in rank order. Small (the largest host's inputs fit the record,
+        fold_limit): the host's inputs gathered through its channel, the leaders' records carry them, a
         round gives them to the host's other ranks: one exchange between hosts. Otherwise the calls
         compared (`check`), then SlicePipe."""
         n, code = inp.numel(), channel_type_code(inp.dtype)
-        if self._K * n * inp.element_size() > FOLD_BYTES:
+        if self._K * n * inp.element_size() > fold_limit(len(self._hosts)):
             limit_at = Deadline(limit)
             self.check(call, limit)
             SlicePipe(self, True, out.view(-1), inp.reshape(-1), n, limit_at, call).run()
@@ -221,12 +227,13 @@ class HostsTransport:
 
     def broadcast(self, t: torch.Tensor, root: int, limit: float, call: Optional[Call] = None) -> None:
         """`root`'s data to every rank of every host, as the all-reduce moves its sum (Note [Several hosts]):
-        (1) within the root's host, the channel's broadcast from it (every other host: a round that compares
-        its ranks' calls); the leaders' record compares the calls between the hosts and carries the first
-        FOLD_BYTES from the root's host; a round in which the other ranks of each host take them (or find
-        the channel aborted: the calls differ); the rest pipelined in chunks: (2) each lane's carrier on the
-        root's host broadcasts the lane's shard to the lane's carriers on the other hosts, every local rank
-        on the wire at once, (3) each other host all-gathers the shards through its channel."""
+        (1) within the root's host, the channel's broadcast from it (every other host: a round that compares its
+        ranks' calls); the leaders' record compares the calls between the hosts and carries the data from the
+        root's host (all of it where it fits, else its first FOLD_BYTES); a round in which the other ranks of
+        each host take them (or find the channel aborted: the calls differ); the rest pipelined in chunks: (2)
+        each lane's carrier on the root's host broadcasts the lane's shard to the lane's carriers on the other
+        hosts, every local rank on the wire at once, (3) each other host all-gathers the shards through its
+        channel."""
         flat = t.view(-1)
         code = channel_type_code(flat.dtype)
         src = next(i for i, h in enumerate(self._hosts) if root in h)
@@ -237,7 +244,7 @@ class HostsTransport:
                                                                       call, self._mine.index(root)))   # (1)
         else:
             self._host_step(call, limit, lambda: self._host_barrier(limit, call))
-        head = flat[:min(flat.numel(), FOLD_BYTES // flat.element_size())]
+        head = flat[:folded(flat, len(self._hosts))]
         rows = self._leaders_record(call, limit_at(), as_bytes(head))
         if at_root:
             self._host_barrier(limit_at(), call)
@@ -324,7 +331,7 @@ class HostsTransport:
             raise
 
     def _start_record(self, call: Optional[Call], payload: Optional[torch.Tensor] = None,
-                      ok: bool = True) -> Optional[Record]:
+                      ok: bool = True, payloads: Optional[list] = None) -> Optional[Record]:
         """A leader's record exchange with the other hosts' leaders, started (Note [The check folded into
         the data] in calls.py): the call, this host's verdict and `payload`. None when this process leads no
         host, or the call was compared already and there is no payload (a later step of the same call
@@ -333,11 +340,12 @@ class HostsTransport:
         if lead is None:
             return None
         if call is None or call.checked:
-            if payload is None:
+            data = payload if payloads is None else payloads[0]
+            if data is None:
                 return None
-            call = Call(0, payload.numel(), "payload")   # only the data: the calls were compared
+            call = Call(0, data.numel(), "payload")   # only the data: the calls were compared
         return start_record(lead.group, call, lead.me, len(lead.labels), payload, labels=lead.labels,
-                            where="between the hosts' leaders", ok=ok)
+                            where="between the hosts' leaders", ok=ok, payloads=payloads)
 
     def _finish_record(self, record: Record, limit: float) -> list:
         """The leaders' payloads in their group's order; a mismatch aborts this host's channel with it."""
@@ -351,9 +359,9 @@ class HostsTransport:
             raise   # not reached: _failed_between_hosts raises
 
     def _leaders_record(self, call: Optional[Call], limit: float, payload: Optional[torch.Tensor] = None,
-                        ok: bool = True) -> Optional[list]:
+                        ok: bool = True, payloads: Optional[list] = None) -> Optional[list]:
         """_start_record, then its finish (None: no exchange)."""
-        record = self._start_record(call, payload, ok)
+        record = self._start_record(call, payload, ok, payloads)
         return None if record is None else self._finish_record(record, limit)
 
     def _tell_leaders(self, call: Optional[Call], limit: float) -> None:

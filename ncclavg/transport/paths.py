@@ -46,7 +46,7 @@ from torch._C._distributed_c10d import (AllgatherOptions, AllreduceOptions, AllT
                                         GatherOptions, ReduceOp, ScatterOptions)
 
 from . import profiling
-from .calls import FOLD_BYTES, exchange_record
+from .calls import exchange_record, fold_limit, folded
 from .reductions import R, as_bytes, byte_wire, exact_mean, padded, reduce_rows, sum_in_order
 from .runner import Job
 from .shm import supports
@@ -207,9 +207,10 @@ class GlooPaths:
         """The ranks' calls compared (a barrier's whole work, or before a step of gloo's)."""
         self._compared(job)
 
-    def _compared(self, job: Job, payload: Optional[torch.Tensor] = None) -> Optional[list]:
-        """Compares the job's call when it still has to be; the ranks' payloads when a record carried
-        `payload` (None when nothing was exchanged over gloo)."""
+    def _compared(self, job: Job, payload: Optional[torch.Tensor] = None,
+                  payloads: Optional[list] = None) -> Optional[list]:
+        """Compares the job's call when it still has to be; the payloads the ranks sent this one when a
+        record carried `payload` (or `payloads`, one per rank) (None when nothing was exchanged over gloo)."""
         call = job.call
         if call is None or call.checked or not self._compare:
             return None
@@ -220,7 +221,8 @@ class GlooPaths:
             self._channel.check(job)
             return None
         with profiling.step(job, "gloo", "check"):
-            return exchange_record(self.gloo, call, self.rank, self.size, job.remaining(), payload)
+            return exchange_record(self.gloo, call, self.rank, self.size, job.remaining(), payload,
+                                   payloads=payloads)
 
     def _wait(self, job: Job, work: Any) -> None:
         # the wait only: gloo's work was issued by the caller's argument (and gloo records its own range,
@@ -238,10 +240,10 @@ class GlooPaths:
         return divisor
 
     def _fold_sum(self, job: Job, flat: torch.Tensor) -> int:
-        """The call's check, with the first FOLD_BYTES of `flat` summed in it when it goes over gloo: the
-        ranks' payloads added in rank order, accumulated wide and rounded once. Returns the number of
-        leading elements done."""
-        k = min(flat.numel(), FOLD_BYTES // flat.element_size())
+        """The call's check, with `flat` summed in it when it goes over gloo (all of it where it fits the
+        record, else its first FOLD_BYTES: `folded` in calls.py): the ranks' payloads added in rank order, accumulated
+        wide and rounded once. Returns the number of leading elements done."""
+        k = folded(flat, self.size)
         rows = self._compared(job, as_bytes(flat[:k]))
         if not rows or not k:
             return 0
@@ -325,9 +327,18 @@ class GlooPaths:
         """Note [Reduce-scatter as all_to_all]: each rank's slice of every input with one all_to_all (the
         bytes of a reduce-scatter), summed here in rank order, accumulated wide and rounded once (the
         channel's arithmetic). torch's gloo reduce_scatter ignores Work.wait(timeout) (torch 2.13: a peer 5 s
-        late holds a wait with a 1 s limit for the whole 5 s); all_to_all stops at the deadline."""
-        self._compared(job)
-        if out.numel():
+        late holds a wait with a 1 s limit for the whole 5 s); all_to_all stops at the deadline. Slices that
+        fit the call's record ride in it, each peer's its own: one exchange."""
+        n = out.numel()
+        w = n * out.element_size()
+        fits = w <= fold_limit(self.size)
+        whole = as_bytes(inp.reshape(-1))
+        rows = self._compared(job, payloads=[whole[j * w:(j + 1) * w] for j in range(self.size)] if fits else None)
+        if fits and rows is not None:
+            if n:
+                out.view(-1).copy_(sum_in_order([r.view(out.dtype) for r in rows]))
+            return divisor
+        if n:
             pieces = torch.empty(self.size * out.numel(), dtype=out.dtype)
             self._wait(job, self.gloo.alltoall_base(pieces, inp.reshape(-1), [], [], AllToAllOptions()))
             out.view(-1).copy_(sum_in_order(list(pieces.view(self.size, -1))))
@@ -335,7 +346,13 @@ class GlooPaths:
 
     # ------------------------------------------------------------------ data movement (as bytes: gloo lacks some dtypes)
     def all_gather_bytes(self, job: Job, out_bytes: torch.Tensor, in_bytes: torch.Tensor) -> None:
-        self._compared(job)
+        """An input that fits the call's record rides in it: one exchange."""
+        fits = in_bytes.numel() <= fold_limit(self.size)
+        rows = self._compared(job, in_bytes if fits else None)
+        if fits and rows is not None:
+            if in_bytes.numel():
+                out_bytes.view(self.size, -1).copy_(torch.stack(rows))
+            return
         if in_bytes.numel():
             self._wait(job, self.gloo._allgather_base(out_bytes, in_bytes, AllgatherOptions()))
 
@@ -348,9 +365,9 @@ class GlooPaths:
         return rows.view(self.size, -1)
 
     def broadcast_bytes(self, job: Job, data: torch.Tensor, root: int) -> None:
-        """The call's check carries the root's first FOLD_BYTES (all of a small broadcast: one exchange, as
-        the sum's); gloo's broadcast sends the rest."""
-        k = min(data.numel(), FOLD_BYTES)
+        """The call's check carries the root's data (all of it where it fits the record, else the first
+        FOLD_BYTES: one exchange for a small broadcast, as for the sum); gloo's broadcast sends the rest."""
+        k = folded(data, self.size)
         rows = self._compared(job, data[:k])
         done = 0
         if rows and k:

@@ -22,13 +22,22 @@ def exact(rank, numel, dtype, seed):
     return (torch.randint(-16, 16, (numel,), generator=g) * 0.25).to(dtype)
 
 
-def sizes_around(dtype, chunk_bytes):
-    """Element counts on both sides of every boundary: nothing, the record's payload (4 KiB), a chunk of the
-    pipeline past it, and counts no number of lanes divides."""
-    from ncclavg.transport.calls import FOLD_BYTES
+def sizes_around(dtype, chunk_bytes, hosts):
+    """Element counts on both sides of every boundary between `hosts` hosts: nothing, FOLD_BYTES (the
+    record's data when a call does not fit it whole), the most a record carries whole (fold_limit), and
+    past it the chunks of the pipeline (their edges, and counts no number of lanes divides)."""
+    from ncclavg.transport.calls import FOLD_BYTES, fold_limit
 
     fold, chunk = FOLD_BYTES // dtype.itemsize, chunk_bytes // dtype.itemsize
-    return sorted({0, 1, 3, fold - 1, fold, fold + 1, fold + chunk - 1, fold + chunk, fold + 3 * chunk + 7})
+    whole = fold_limit(hosts) // dtype.itemsize
+    k = -(-(whole - fold) // chunk) + 1   # the first whole number of chunks past the record
+    return sorted({0, 1, 3, fold - 1, fold, fold + 1, whole - 1, whole, whole + 1, fold + k * chunk - 1,
+                   fold + k * chunk, fold + (k + 1) * chunk + 7})
+
+
+def layout_hosts(layout):
+    """(hosts, the most processes on one host) of a pretend layout (each rank's host)."""
+    return len(set(layout)), max(layout.count(h) for h in set(layout))
 
 
 class Spy:
@@ -39,7 +48,8 @@ class Spy:
 
     def __getattr__(self, name):
         fn = getattr(self.real, name)
-        if name.startswith("_allgather") or name in ("allreduce", "broadcast", "alltoall_base", "allgather"):
+        if name.startswith("_allgather") or name in ("allreduce", "broadcast", "alltoall_base", "allgather", "send",
+                                                     "recv"):
             def run(*a, **kw):
                 self.ops.append(name)
                 return fn(*a, **kw)
@@ -74,8 +84,9 @@ def across_hosts_job(rank, world, port, layout, chunk_kb):
     gloo_backend.host_identity = lambda: f"test-host-{layout[rank]}"
     comm = Communicator.from_torch_distributed(device="cpu", timeout=60)
     assert comm.transport == pg.transport, (comm.transport, pg.transport)
+    hosts = layout_hosts(layout)[0]
     for seed, dtype in enumerate(FLOATS):
-        for n in sizes_around(dtype, chunk_kb << 10):
+        for n in sizes_around(dtype, chunk_kb << 10, hosts):
             xs = [exact(r, n, dtype, seed) for r in range(world)]
             total = sum(x.double() for x in xs)
             for op, want in ((R.SUM, total), (R.AVG, total / world)):
@@ -88,7 +99,7 @@ def across_hosts_job(rank, world, port, layout, chunk_kb):
                 assert torch.equal(t, (total / world).to(dtype)), ("api", dtype, n)
     # random float32: the same bits on every rank, within gamma_{world-1} * sum|x| of the float64 sum (any
     # order of adding `world` terms is: Higham, ch. 3)
-    n = sizes_around(torch.float32, chunk_kb << 10)[-1]
+    n = sizes_around(torch.float32, chunk_kb << 10, hosts)[-1]
     xs = [torch.randn(n, generator=torch.Generator().manual_seed(r)) for r in range(world)]
     t = xs[rank].clone()
     dist.all_reduce(t)
@@ -98,29 +109,31 @@ def across_hosts_job(rank, world, port, layout, chunk_kb):
     u, k = 2.0 ** -24, world - 1
     bound = k * u / (1 - k * u) * sum(x.double().abs() for x in xs)
     assert bool(((t.double() - sum(x.double() for x in xs)).abs() <= bound).all())
-    slice_collectives(rank, world, chunk_kb, comm)
-    broadcasts(rank, world, chunk_kb)
+    slice_collectives(rank, world, chunk_kb, comm, layout)
+    broadcasts(rank, world, chunk_kb, hosts)
     dist.barrier()
 
 
-def slice_sizes(dtype, world, chunk_kb):
-    """Slice lengths on both sides of the boundaries of reduce_scatter and all_gather between hosts: the
-    record's payload (the whole input of a reduce-scatter, the largest host's inputs of an all-gather),
-    one chunk of every slice, several, and lengths nothing divides."""
-    from ncclavg.transport.calls import FOLD_BYTES
+def slice_sizes(dtype, world, chunk_kb, layout):
+    """Slice lengths on both sides of the boundaries of reduce_scatter and all_gather between the hosts of
+    `layout`: the most a record carries whole (the largest host's slices within fold_limit), one chunk of
+    every slice, several, and lengths nothing divides."""
+    from ncclavg.transport.calls import fold_limit
 
+    hosts, most = layout_hosts(layout)
     per = max(1, (chunk_kb << 10) // (dtype.itemsize * world))
-    edges = {FOLD_BYTES // (dtype.itemsize * world), FOLD_BYTES // (dtype.itemsize * 2), per, 3 * per}
-    return sorted({0, 1, 3} | {e + d for e in edges for d in (-1, 0, 1)} | {3 * per + 7})
+    whole = fold_limit(hosts) // (dtype.itemsize * most)
+    edges = {whole, whole + per, whole + 3 * per}
+    return sorted({0, 1, 3} | {e + d for e in edges for d in (-1, 0, 1)} | {whole + 3 * per + 7})
 
 
-def slice_collectives(rank, world, chunk_kb, comm):
+def slice_collectives(rank, world, chunk_kb, comm, layout):
     """reduce_scatter (SUM, AVG of every float type; MAX of int32) and all_gather (every float type, uint8
     of odd lengths) through the torch face, and the public API's reduce_scatter_avg and all_gather, around
     slice_sizes: exact (the data of `exact`: every sum of `world` terms is exact, and so is its division by
     a power of two; world is 4 here)."""
     for seed, dtype in enumerate(FLOATS + [torch.uint8, torch.int32]):
-        for n in slice_sizes(dtype, world, chunk_kb):
+        for n in slice_sizes(dtype, world, chunk_kb, layout):
             full = [exact(r, n * world, torch.float32, 10 + seed) for r in range(world)]
             if not dtype.is_floating_point:
                 full = [(f * 4 + 16).to(dtype) for f in full]   # whole numbers in [0, 32)
@@ -154,13 +167,13 @@ def random_bits(numel, dtype, seed):
     return torch.randint(0, 256, (numel * dtype.itemsize,), generator=g, dtype=torch.uint8).view(dtype)
 
 
-def broadcasts(rank, world, chunk_kb):
+def broadcasts(rank, world, chunk_kb, hosts):
     """A broadcast from every rank (the leader of a host or not, any host) through the torch face, sizes
     around the record's payload and the chunks, a 4-byte and a 1-byte type: every rank gets the root's
     bytes."""
     for root in range(world):
         for dtype in (torch.float32, torch.uint8):
-            for n in sizes_around(dtype, chunk_kb << 10):
+            for n in sizes_around(dtype, chunk_kb << 10, hosts):
                 want = random_bits(n, dtype, 1000 * root + n)
                 b = want.clone() if rank == root else random_bits(n, dtype, 7 + rank)
                 dist.broadcast(b, src=root)
@@ -171,12 +184,13 @@ def slices_job(rank, world, port, layout, chunk_kb):
     """slice_collectives() alone, between pretend hosts of `layout`."""
     os.environ["NCCLAVG_HOSTS_CHUNK_KB"] = str(chunk_kb)
     init_backend(rank, world, port, timeout_s=60, layout=layout)
-    assert dist.group.WORLD.transport == "shm+gloo", dist.group.WORLD.transport
+    alone = len(set(layout)) == len(layout)   # every process alone on its host: no channel, the group's gloo
+    assert dist.group.WORLD.transport == ("gloo" if alone else "shm+gloo"), dist.group.WORLD.transport
     from ncclavg import Communicator
     import ncclavg.comm.gloo as gloo_backend
 
     gloo_backend.host_identity = lambda: f"test-host-{layout[rank]}"
-    slice_collectives(rank, world, chunk_kb, Communicator.from_torch_distributed(device="cpu", timeout=60))
+    slice_collectives(rank, world, chunk_kb, Communicator.from_torch_distributed(device="cpu", timeout=60), layout)
     dist.barrier()
 
 
@@ -185,8 +199,15 @@ def broadcast_job(rank, world, port, layout, chunk_kb):
     os.environ["NCCLAVG_HOSTS_CHUNK_KB"] = str(chunk_kb)
     init_backend(rank, world, port, timeout_s=60, layout=layout)
     assert dist.group.WORLD.transport == "shm+gloo", dist.group.WORLD.transport
-    broadcasts(rank, world, chunk_kb)
+    broadcasts(rank, world, chunk_kb, layout_hosts(layout)[0])
     dist.barrier()
+
+
+# exchanges_job's sizes, float32 elements: one, the most a record between two hosts carries whole (256 KiB),
+# one more (the record carries its first 4 KiB, the rest goes in chunks of 16 KiB); a reduce-scatter's and
+# an all-gather's slices of 2 x 2 processes the same way (two slices a host: 128 KiB of each at the edge)
+EXCHANGE_SIZES = (1, 65536, 65537)
+SLICE_SIZES = (1, 32768, 32769)
 
 
 def exchanges_job(rank, world, port, layout, outdir):
@@ -199,7 +220,7 @@ def exchanges_job(rank, world, port, layout, outdir):
     pg = dist.group.WORLD
     spies = spy_between_hosts(pg)
     seen = {}
-    for n in (1, 1024, 1024 + 2 * 4096 + 3):   # within the record, its edge, past it in 3 chunks of 16 KiB
+    for n in EXCHANGE_SIZES:   # within the record, its edge (256 KiB), past it (in chunks of 16 KiB)
         for s in spies:
             s.ops.clear()
         t = torch.ones(n)
@@ -212,8 +233,8 @@ def exchanges_job(rank, world, port, layout, outdir):
         dist.broadcast(b, src=world - 1)   # from the last rank: not a host's leader where hosts have two
         assert torch.equal(b, torch.full((n,), float(world - 1)))
         seen[f"broadcast {n}"] = [list(s.ops) for s in spies]
-    if pg.transport == "shm+gloo":   # reduce-scatter and all-gather: within the record, then past it in 3 chunks
-        for n in (1, 2 * 1024 + 5):   # (a chunk: 16 KiB through a host's channel, 1024 elements of each slice)
+    if pg.transport == "shm+gloo":   # reduce-scatter and all-gather: within the record, its edge, past it
+        for n in SLICE_SIZES:   # (a chunk: 16 KiB through a host's channel, 1024 elements of each slice)
             for s in spies:
                 s.ops.clear()
             out = torch.empty(n * world)

@@ -59,17 +59,18 @@ def test_bad_settings_name_the_variable(monkeypatch, name, value):
 
 
 # 2 hosts of 2 (lanes as processes); 3 hosts of 2, 1 and 1 (a host of one carries both lanes, one with no
-# channel at all); chunks of 1 KiB so that every size here crosses several of them
+# channel at all); chunks of 16 KiB, so that a call just past the most a record carries whole crosses many
 @pytest.mark.parametrize("layout", [(0, 1, 0, 1), pytest.param((0, 0, 1, 2), marks=pytest.mark.slow)])
 def test_every_float_type_sums_exactly_across_hosts(layout):
-    run_ranks(W.across_hosts_job, len(layout), args=(layout, 1), timeout_s=300)
+    run_ranks(W.across_hosts_job, len(layout), args=(layout, 16), timeout_s=300)
 
 
 # 3 processes on one host and 1 on the other (lanes 1 and 2 carry no slice of the second host's; its one
-# process carries all three); hosts whose ranks interleave so that a lane's group lists the second host first
-@pytest.mark.parametrize("layout", [(0, 0, 0, 1), (0, 1, 1, 0)])
-def test_reduce_scatter_and_all_gather_across_uneven_hosts_are_exact(layout):
-    run_ranks(W.slices_job, len(layout), args=(layout, 1), timeout_s=300)
+# process carries all three); hosts whose ranks interleave so that a lane's group lists the second host first;
+# two processes alone on their hosts (no channel: the group's gloo, the slices in the record or gloo's own)
+@pytest.mark.parametrize("layout", [(0, 0, 0, 1), (0, 1, 1, 0), (0, 1)])
+def test_reduce_scatter_and_all_gather_between_hosts_are_exact(layout):
+    run_ranks(W.slices_job, len(layout), args=(layout, 16), timeout_s=300)
 
 
 @pytest.mark.parametrize("layout", [(0, 0, 1, 1), (0, 1)])
@@ -79,36 +80,39 @@ def test_the_calls_check_rides_in_the_first_exchange(tmp_path, layout):
         rep = json.loads((tmp_path / f"rank{rank}.json").read_text())
         seen = {int(n) if n.isdigit() else n: ops for n, ops in rep["seen"].items()}
         leads = layout.index(layout[rank]) == rank
+        one, edge, past = W.EXCHANGE_SIZES
+        record = ["recv", "send"]   # a record: one message each way between two ranks
         if rep["transport"] == "gloo":   # no channel: the group's own gloo, one record per call
-            assert seen[1] == seen[1024] == [["_allgather_base"]], seen   # done in the record itself
-            assert seen[1024 + 2 * 4096 + 3] == [["_allgather_base", "allreduce"]], seen
-            # a broadcast the same way: the root's first 4 KiB in the record, gloo's broadcast the rest
-            assert seen["broadcast 1"] == seen["broadcast 1024"] == [["_allgather_base"]], seen
-            assert seen[f"broadcast {1024 + 2 * 4096 + 3}"] == [["_allgather_base", "broadcast"]], seen
+            assert seen[one] == seen[edge] == [record], seen   # done in the record itself
+            assert seen[past] == [record + ["allreduce"]], seen   # its first 4 KiB in the record
+            # a broadcast the same way: the root's data in the record, gloo's broadcast the rest of a larger one
+            assert seen[f"broadcast {one}"] == seen[f"broadcast {edge}"] == [record], seen
+            assert seen[f"broadcast {past}"] == [record + ["broadcast"]], seen
             continue
-        first = [["_allgather_base"]] if leads else [[]]
-        assert seen[1] == seen[1024] == first, seen          # only the leaders cross, once
-        # past the record: 3 chunks of 16 KiB (the last of 3 elements), each lane's own all-reduce per chunk,
-        # no other exchange
-        lanes = [ops[1:] if leads and i == 0 else ops for i, ops in enumerate(seen[1024 + 2 * 4096 + 3])]
+        first = [record] if leads else [[]]
+        assert seen[one] == seen[edge] == first, seen          # only the leaders cross, once
+        # past the record: the rest in chunks of 16 KiB, each lane's own all-reduce per chunk, no other exchange
+        chunks = -(-(past - 1024) * 4 // (16 << 10))
+        lanes = [ops[2:] if leads and i == 0 else ops for i, ops in enumerate(seen[past])]
         # (two hosts: an all-gather of the shards, one message each way)
-        assert all(ops == ["_allgather_base"] * 3 for ops in lanes), seen
+        assert all(ops == ["_allgather_base"] * chunks for ops in lanes), seen
         # a broadcast: the record (with the first 4 KiB), then each lane's shard of each chunk sent once
-        assert seen["broadcast 1"] == seen["broadcast 1024"] == first, seen
-        lanes = [ops[1:] if leads and i == 0 else ops for i, ops in enumerate(seen[f"broadcast {1024 + 2 * 4096 + 3}"])]
-        assert all(ops == ["broadcast"] * 3 for ops in lanes), seen
+        assert seen[f"broadcast {one}"] == seen[f"broadcast {edge}"] == first, seen
+        lanes = [ops[2:] if leads and i == 0 else ops for i, ops in enumerate(seen[f"broadcast {past}"])]
+        assert all(ops == ["broadcast"] * chunks for ops in lanes), seen
         # reduce-scatter and all-gather: a small one is the record alone; a larger one the record (the calls
-        # compared), then on each lane one exchange per chunk (every slice's chunk at once)
+        # compared), then on each lane one exchange per chunk (every slice's chunk at once: 1024 elements)
+        one, edge, past = W.SLICE_SIZES
         for what, op in (("all_gather", "_allgather_base"), ("reduce_scatter", "alltoall_base")):
-            assert seen[f"{what} 1"] == first, (what, seen)
-            lanes = [ops[1:] if leads and i == 0 else ops for i, ops in enumerate(seen[f"{what} {2 * 1024 + 5}"])]
-            assert all(ops == [op] * 3 for ops in lanes), (what, seen)
+            assert seen[f"{what} {one}"] == seen[f"{what} {edge}"] == first, (what, seen)
+            lanes = [ops[2:] if leads and i == 0 else ops for i, ops in enumerate(seen[f"{what} {past}"])]
+            assert all(ops == [op] * -(-past // 1024) for ops in lanes), (what, seen)
 
 
 # 3 processes on one host and 1 on the other (the lone one carries all 3 lanes); the root everywhere
 @pytest.mark.parametrize("layout", [(0, 0, 0, 1)])
 def test_a_broadcast_from_any_rank_reaches_every_host_bit_for_bit(layout):
-    run_ranks(W.broadcast_job, len(layout), args=(layout, 1), timeout_s=300)
+    run_ranks(W.broadcast_job, len(layout), args=(layout, 16), timeout_s=300)
 
 
 @pytest.mark.parametrize("layout, counts, collective", [
