@@ -23,7 +23,7 @@ longer. A mismatch is then found within one exchange and raised on every rank, n
 of the data that rode with it is written where the caller sees it. Only after the record has compared
 the calls may a size that differs between ranks reach a gloo collective.
 A record sends each peer the same bytes (`payload`) or each its own (`payloads`: a reduce-scatter sends
-peer j only its slice).
+peer j only its slice), and a broadcast's data goes from its root alone (the others' records carry none).
 
 The codes come from the core's tables (`_C.shm_call_names()`), so that one place says what they mean.
 """
@@ -128,21 +128,21 @@ def folded(flat: torch.Tensor, size: int) -> int:
 class Record:
     """A record exchange in flight (`start_record`); `finish` waits for it and reads it."""
 
-    def __init__(self, works: list, rows: Any, call: Call, rank: int, n: int, labels: list, where: str, ok: bool):
-        self.works, self.rows, self.call, self.rank, self.n = works, rows, call, rank, n
+    def __init__(self, works: list, rows: Any, call: Call, rank: int, labels: list, where: str, ok: bool):
+        self.works, self.rows, self.call, self.rank = works, rows, call, rank
         self.labels, self.where, self.ok = labels, where, ok
 
     def finish(self, timeout: float) -> list:
         """Waits (at most `timeout` s in all); raises CallMismatchError naming this rank's call and the first
         that differs (or the rank whose step failed); else returns the payload every rank sent this one, in
-        rank order (this rank's own: what it sent itself; nothing with ok=False: the caller raises its own
-        error)."""
+        rank order, each as long as its sender made it (this rank's own: what it sent itself; nothing with
+        ok=False: the caller raises its own error)."""
         end = time.monotonic() + max(timeout, 1e-3)
         for work in self.works:
             work.wait(datetime.timedelta(seconds=max(end - time.monotonic(), 1e-3)))
         if not self.ok:
             return []
-        call, rows, n = self.call, self.rows, self.n
+        call, rows = self.call, self.rows
         heads = rows[:, :_HEADER * 8].contiguous().view(torch.int64)
         for r in range(rows.shape[0]):
             if r == self.rank:
@@ -150,11 +150,11 @@ class Record:
             if not int(heads[r, 2]):
                 raise CallMismatchError(f"{call.describe()} failed on the host of rank {self.labels[r]} "
                                         f"({self.where}): its processes' errors say why")
-            if int(heads[r, 0]) != call.tag or int(heads[r, 1]) != call.count or int(heads[r, 3]) != n:
+            if int(heads[r, 0]) != call.tag or int(heads[r, 1]) != call.count:
                 raise CallMismatchError(mismatch_text(self.labels[self.rank], (call.tag, call.count), self.labels[r],
                                                       (int(heads[r, 0]), int(heads[r, 1])), self.where))
         call.checked = True
-        return [rows[r, _HEADER * 8:_HEADER * 8 + n] for r in range(rows.shape[0])]
+        return [rows[r, _HEADER * 8:_HEADER * 8 + int(heads[r, 3])] for r in range(rows.shape[0])]
 
 
 def start_record(gloo: Any, call: Call, rank: int, size: int, payload: Optional[Any] = None,
@@ -163,31 +163,31 @@ def start_record(gloo: Any, call: Call, rank: int, size: int, payload: Optional[
     """Starts one record exchange over the torch.distributed process group `gloo` (Note [The check folded
     into the data]): this rank's call, whether its own step of the call went well (`ok=False`: a host whose
     ranks disagree tells the others, which then fail at once) and data for every peer, up to
-    fold_limit(size) bytes (uint8 tensors): `payload` the same for each, or `payloads[j]` for rank j (all
-    of one length)."""
+    fold_limit(size) bytes (uint8 tensors): `payload` the same for each, or `payloads[j]` for rank j. The
+    lengths are the caller's to make agree (equal calls give equal lengths; a broadcast's root alone sends
+    data); the header carries each, so that a receiver reads what was sent, never more."""
     shared = payloads is None
     if shared:
         payloads = [payload] * size
-    n = 0 if payloads[0] is None else payloads[0].numel()
+    payloads = [torch.empty(0, dtype=torch.uint8) if p is None else p for p in payloads]
     limit = fold_limit(size)
-    if n > limit or any((0 if p is None else p.numel()) != n for p in payloads):
-        raise ValueError(f"payload: at most {limit} bytes, the same length for every rank, got "
-                         f"{[0 if p is None else p.numel() for p in payloads]}")
-    head = torch.tensor([call.tag, call.count, int(ok), n], dtype=torch.int64).view(torch.uint8)
+    if any(p.numel() > limit for p in payloads):
+        raise ValueError(f"payload: at most {limit} bytes, got {[p.numel() for p in payloads]}")
     rows = torch.empty(size, _HEADER * 8 + limit, dtype=torch.uint8)   # received: never longer than this
     works = [gloo.recv([rows[j]], j, _TAG) for j in range(size) if j != rank]   # posted before any send
 
-    def message(data: Any, into: Optional[torch.Tensor] = None) -> torch.Tensor:
-        msg = torch.empty(_HEADER * 8 + n, dtype=torch.uint8) if into is None else into
-        msg[:_HEADER * 8] = head
+    def message(data: torch.Tensor, into: Optional[torch.Tensor] = None) -> torch.Tensor:
+        n = data.numel()
+        msg = torch.empty(_HEADER * 8 + n, dtype=torch.uint8) if into is None else into[:_HEADER * 8 + n]
+        msg[:_HEADER * 8] = torch.tensor([call.tag, call.count, int(ok), n], dtype=torch.int64).view(torch.uint8)
         if n:
             msg[_HEADER * 8:] = data
         return msg
 
-    message(payloads[rank], rows[rank, :_HEADER * 8 + n])   # this rank's own row, as a peer's reads
-    one = message(payloads[0]) if shared else None          # the same message for every peer
+    message(payloads[rank], rows[rank])   # this rank's own row, as a peer's reads
+    one = message(payloads[0]) if shared else None   # the same message for every peer
     works += [gloo.send([one if shared else message(payloads[j])], j, _TAG) for j in range(size) if j != rank]
-    return Record(works, rows, call, rank, n, labels if labels is not None else list(range(size)), where, ok)
+    return Record(works, rows, call, rank, labels if labels is not None else list(range(size)), where, ok)
 
 
 def exchange_record(gloo: Any, call: Call, rank: int, size: int, timeout: float, payload: Optional[Any] = None,

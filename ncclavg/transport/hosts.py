@@ -245,7 +245,7 @@ class HostsTransport:
         else:
             self._host_step(call, limit, lambda: self._host_barrier(limit, call))
         head = flat[:folded(flat, len(self._hosts))]
-        rows = self._leaders_record(call, limit_at(), as_bytes(head))
+        rows = self._leaders_record(call, limit_at(), as_bytes(head if at_root else head[:0]))   # (the root's alone)
         if at_root:
             self._host_barrier(limit_at(), call)
         else:
@@ -343,7 +343,7 @@ class HostsTransport:
             data = payload if payloads is None else payloads[0]
             if data is None:
                 return None
-            call = Call(0, data.numel(), "payload")   # only the data: the calls were compared
+            call = Call(0, 0, "payload")   # only the data: the calls were compared
         return start_record(lead.group, call, lead.me, len(lead.labels), payload, labels=lead.labels,
                             where="between the hosts' leaders", ok=ok, payloads=payloads)
 

@@ -234,15 +234,39 @@ class GlooPaths:
     def sum(self, job: Job, t: torch.Tensor, divisor: float = 1.0) -> float:
         flat = t.view(-1)
         job.finite = None   # gloo's sum is not checked: the step's reader scans
+        if self._scatter_sum(job, flat):
+            return divisor
         done = self._fold_sum(job, flat)
         if flat.numel() > done:
             self._allreduce(job, flat[done:], R.SUM)
         return divisor
 
+    def _scatter_sum(self, job: Job, flat: torch.Tensor) -> bool:
+        """A sum over three ranks or more too large for one record, whose slices (one per rank) each fit
+        one: the call's record is its reduce-scatter, carrying to each rank its slice of every rank's
+        `flat`, which it adds in rank order; gloo's all-gather of the sums then gives every rank the same
+        bits. Two exchanges, each moving (size-1)/size of the bytes, against the record and gloo's ring
+        all-reduce's 2(size-1) dependent steps. (Between two ranks one record carries a sum twice this large
+        whole.) False where it does not apply or no record is exchanged (the call compared already)."""
+        size, n, esize = self.size, flat.numel(), flat.element_size()
+        per = -(-n // size)
+        limit = fold_limit(size)
+        if size <= 2 or n * esize <= limit or per * esize > limit:
+            return False
+        pieces = torch.zeros(size * per, dtype=flat.dtype)   # the last rank's slice padded: all one length
+        pieces[:n] = flat
+        rows = self._compared(job, payloads=[as_bytes(p) for p in pieces.view(size, per)])
+        if rows is None:
+            return False
+        mine = sum_in_order([r.view(flat.dtype) for r in rows])
+        self._wait(job, self.gloo._allgather_base(as_bytes(pieces), as_bytes(mine), AllgatherOptions()))
+        flat.copy_(pieces[:n])
+        return True
+
     def _fold_sum(self, job: Job, flat: torch.Tensor) -> int:
         """The call's check, with `flat` summed in it when it goes over gloo (all of it where it fits the
-        record, else its first FOLD_BYTES: `folded` in calls.py): the ranks' payloads added in rank order, accumulated
-        wide and rounded once. Returns the number of leading elements done."""
+        record, else its first FOLD_BYTES: `folded` in calls.py): the ranks' payloads added in rank order,
+        accumulated wide and rounded once. Returns the number of leading elements done."""
         k = folded(flat, self.size)
         rows = self._compared(job, as_bytes(flat[:k]))
         if not rows or not k:
@@ -368,7 +392,7 @@ class GlooPaths:
         """The call's check carries the root's data (all of it where it fits the record, else the first
         FOLD_BYTES: one exchange for a small broadcast, as for the sum); gloo's broadcast sends the rest."""
         k = folded(data, self.size)
-        rows = self._compared(job, data[:k])
+        rows = self._compared(job, data[:k] if self.rank == root else data[:0])   # (the root's alone: needed)
         done = 0
         if rows and k:
             data[:k].copy_(rows[root])

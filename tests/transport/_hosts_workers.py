@@ -24,15 +24,18 @@ def exact(rank, numel, dtype, seed):
 
 def sizes_around(dtype, chunk_bytes, hosts):
     """Element counts on both sides of every boundary between `hosts` hosts: nothing, FOLD_BYTES (the
-    record's data when a call does not fit it whole), the most a record carries whole (fold_limit), and
-    past it the chunks of the pipeline (their edges, and counts no number of lanes divides)."""
+    record's data when a call does not fit it whole), the most a record carries whole (fold_limit), past
+    it the chunks of the pipeline (their edges, and counts no number of lanes divides), and the most a
+    record carries as slices."""
     from ncclavg.transport.calls import FOLD_BYTES, fold_limit
 
     fold, chunk = FOLD_BYTES // dtype.itemsize, chunk_bytes // dtype.itemsize
     whole = fold_limit(hosts) // dtype.itemsize
     k = -(-(whole - fold) // chunk) + 1   # the first whole number of chunks past the record
+    # (between 3 hosts or more with no channel, a sum up to `hosts` records' worth is a record that
+    # reduce-scatters, then gloo's all-gather: its edge too)
     return sorted({0, 1, 3, fold - 1, fold, fold + 1, whole - 1, whole, whole + 1, fold + k * chunk - 1,
-                   fold + k * chunk, fold + (k + 1) * chunk + 7})
+                   fold + k * chunk, fold + (k + 1) * chunk + 7, hosts * whole, hosts * whole + 1})
 
 
 def layout_hosts(layout):
