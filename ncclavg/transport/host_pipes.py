@@ -169,7 +169,7 @@ class Pipe(_Chunks):
         for work, piece, rows in works:
             h._between_hosts(what, work, self.limit_at())
             if rows is not None:   # two hosts: the lane's members add both shards, in group order
-                piece.copy_(sum_in_order(list(rows)))
+                sum_in_order(list(rows), out=piece)
         if not self.sends:   # (the root's host holds the chunk already)
             p = len(h._mine)
             if layout.direct:
@@ -254,7 +254,7 @@ class SlicePipe(_Chunks):
         for work, got in works:
             h._between_hosts(what, work, self.limit_at())
             if got is not None:
-                self.out[lo:lo + c].copy_(sum_in_order(list(got.view(-1, c))))
+                sum_in_order(list(got.view(-1, c)), out=self.out[lo:lo + c])
         if self.gather:                                                                          # (3)
             p = len(h._mine)
             every = mine

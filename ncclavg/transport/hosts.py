@@ -147,7 +147,7 @@ class HostsTransport:
         self._host_step(call, limit, lambda: self._host_sum(head.data_ptr(), head.numel(), code, limit, call))   # (1)
         rows = self._leaders_record(call, limit_at(), as_bytes(head))
         if rows:
-            head.copy_(sum_in_order([r.view(head.dtype) for r in rows]))
+            sum_in_order([r.view(head.dtype) for r in rows], out=head)
         self._host_broadcast(head.data_ptr(), head.numel(), code, limit_at(), call)
         if flat.numel() > head.numel():
             Pipe(self, flat[head.numel():], limit_at, call).run()
@@ -191,7 +191,7 @@ class HostsTransport:
         rows = self._leaders_record(call, limit_at(), payloads=[as_bytes(b) for b in blocks])   # (2)
         mine = blocks[self._hosts.index(self._mine)]
         if rows:
-            mine.copy_(sum_in_order([r.view(out.dtype) for r in rows]))
+            sum_in_order([r.view(out.dtype) for r in rows], out=mine)
         self._host_broadcast(mine.data_ptr(), mine.numel(), code, limit_at(), call)            # (3)
         out.view(-1).copy_(mine[self._local * n:(self._local + 1) * n])
 

@@ -271,7 +271,7 @@ class GlooPaths:
         rows = self._compared(job, as_bytes(flat[:k]))
         if not rows or not k:
             return 0
-        flat[:k].copy_(sum_in_order([r.view(flat.dtype) for r in rows]))
+        sum_in_order([r.view(flat.dtype) for r in rows], out=flat[:k])
         return k
 
     def _allreduce(self, job: Job, t: torch.Tensor, kind: Any) -> None:
@@ -360,12 +360,12 @@ class GlooPaths:
         rows = self._compared(job, payloads=[whole[j * w:(j + 1) * w] for j in range(self.size)] if fits else None)
         if fits and rows is not None:
             if n:
-                out.view(-1).copy_(sum_in_order([r.view(out.dtype) for r in rows]))
+                sum_in_order([r.view(out.dtype) for r in rows], out=out.view(-1))
             return divisor
         if n:
             pieces = torch.empty(self.size * out.numel(), dtype=out.dtype)
             self._wait(job, self.gloo.alltoall_base(pieces, inp.reshape(-1), [], [], AllToAllOptions()))
-            out.view(-1).copy_(sum_in_order(list(pieces.view(self.size, -1))))
+            sum_in_order(list(pieces.view(self.size, -1)), out=out.view(-1))
         return divisor
 
     # ------------------------------------------------------------------ data movement (as bytes: gloo lacks some dtypes)

@@ -18,7 +18,7 @@ computes the same bits:
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -155,12 +155,20 @@ def _floor_mean_u64(rows: np.ndarray) -> tuple:
     return sum_q + sum_r // p, sum_r % p
 
 
-def sum_in_order(parts: list) -> torch.Tensor:
+def sum_in_order(parts: list, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """parts[0] + parts[1] + ... in order, accumulated in float64 for float64 and float32 otherwise, rounded
     once to the parts' dtype: the channel's arithmetic, for sums done outside it (a record's payloads, the
-    pieces of an all_to_all)."""
+    pieces of an all_to_all). Written into `out` when given (which may be parts[0] or parts[1], never a
+    later part); float32 and float64 parts are added with no widening copy."""
     wide = torch.float64 if parts[0].dtype == torch.float64 else torch.float32
+    if parts[0].dtype == wide and len(parts) > 1:
+        acc = torch.add(parts[0], parts[1], out=out) if out is not None else parts[0] + parts[1]
+        for p in parts[2:]:
+            acc += p
+        return acc
     acc = parts[0].to(wide, copy=True)
     for p in parts[1:]:
         acc += p
+    if out is not None:
+        return out.copy_(acc)
     return acc.to(parts[0].dtype)
