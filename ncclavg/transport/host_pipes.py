@@ -192,12 +192,13 @@ class SlicePipe(_Chunks):
     every region `units` chunks long."""
 
     def __init__(self, hosts: Any, gather: bool, out: torch.Tensor, inp: torch.Tensor, n: int,
-                 limit_at: "Deadline", call: Optional[Call]):
+                 limit_at: "Deadline", call: Optional[Call], start: int = 0):
         self.h, self.gather, self.out, self.inp, self.n = hosts, gather, out, inp, n
         self.limit_at, self.call = limit_at, call
-        # a chunk of every slice: about chunk_bytes() through each host's channel, as the all-reduce's
+        # a chunk of every slice: about chunk_bytes() through each host's channel, as the all-reduce's; the
+        # slices' elements from `start` (those before it rode in the calls' record)
         per = max(1, chunk_bytes() // (inp.element_size() * hosts.world_size))
-        self.chunks = [(lo, min(per, n - lo)) for lo in range(0, n, per)]
+        self.chunks = [(lo, min(per, n - lo)) for lo in range(start, n, per)]
         self.units = max(len(s) for s in hosts._slots)
         self.stage: Optional[torch.Tensor] = None
         self.spare: List[torch.Tensor] = []

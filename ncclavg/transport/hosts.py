@@ -40,9 +40,9 @@ local rank received. A reduce-scatter: (1) within each host, the channel's reduc
 l the host's sums of the slices its lanes carry, (2) on each lane an all_to_all sends each host the sum of
 its rank's slice and gives rank k every host's sum of its own, which it adds in the lane's group order
 (fp32 accumulation, one rounding): its result lands where it is wanted, with no step (3). Each byte crosses
-the network once, every local rank on the wire. A small one (the largest host's slices fit the record)
-goes whole in the leaders' record: (1) the host's sum or all-gather through its channel, (2) the record,
-(3) a round that hands each rank its part.
+the network once, every local rank on the wire. The first elements of every slice (all of a small call: the
+largest host's slices fit the record) go in the leaders' record: (1) the host's sum or all-gather of them
+through its channel, (2) the record, (3) a round that hands each rank its part; the pipeline takes the rest.
 A step (2) that fails aborts its host's channel with the reason, so that the host's other processes fail
 at once instead of waiting out the timeout.
 """
@@ -56,7 +56,7 @@ from torch._C._distributed_c10d import AllgatherOptions, AllreduceOptions, Broad
 
 from ..buffers import channel_type_code
 from ..errors import is_timeout
-from .calls import Call, CallMismatchError, Record, fold_limit, folded, start_record
+from .calls import FOLD_BYTES, Call, CallMismatchError, Record, fold_limit, folded, start_record
 from .host_pipes import Deadline, Pipe, SlicePipe
 from .reductions import as_bytes, sum_in_order
 from .runner import BACKSTOP_S
@@ -167,63 +167,68 @@ class HostsTransport:
     def reduce_scatter_sum(self, out: torch.Tensor, inp: torch.Tensor, limit: float, call: Optional[Call] = None,
                            divisor: float = 1.0) -> None:
         """out = the sum over every rank of every host of its slice `rank` of inp (world_size slices of
-        out.numel()). Small (the largest host's slices fit the record, fold_limit): the host's sum of
-        inp through its channel, each leader's record carries to each other host's leader the sums of that
-        host's ranks' slices, each leader adds what it gets in its group's order, a round gives each rank
-        of its host its slice: one exchange between hosts. Otherwise the calls compared (`check`), then SlicePipe."""
+        out.numel()). The first `_slice_head` elements of every slice (all of a small call) go in the record
+        that compares the calls: the host's sums of them through its channel, each leader's record carries
+        to each other host's leader the sums for that host's ranks, each leader adds what it gets in its
+        group's order, a round gives each rank of its host its part (one exchange between hosts); the rest
+        in SlicePipe."""
         if divisor != 1.0:
             raise ValueError("divisor: between hosts the channel does not divide")
         n, code = out.numel(), channel_type_code(out.dtype)
-        if self._K * n * out.element_size() > fold_limit(len(self._hosts)):
-            limit_at = Deadline(limit)
-            self.check(call, limit)
-            SlicePipe(self, False, out.view(-1), inp.reshape(-1), n, limit_at, call).run()
-            return
-        host_sum = inp.reshape(-1).clone()
+        h = self._slice_head(n, out.element_size())
         limit_at = Deadline(limit)
+        host_sum = torch.empty(self.world_size, h, dtype=out.dtype)   # every slice's head, summed in place
+        host_sum.copy_(inp.reshape(self.world_size, n)[:, :h])
         self._host_step(call, limit, lambda: self._host_sum(host_sum.data_ptr(), host_sum.numel(), code, limit,
                                                             call))                              # (1)
-        # host j's leader gets this host's sums of host j's ranks' slices (padded to the largest host's)
-        by_rank = host_sum.view(self.world_size, n)
-        blocks = torch.zeros(len(self._hosts), self._K * n, dtype=out.dtype)
+        # host j's leader gets this host's sums of host j's ranks' heads (padded to the largest host's)
+        blocks = torch.zeros(len(self._hosts), self._K * h, dtype=out.dtype)
         for j, members in enumerate(self._hosts):
-            blocks[j, :len(members) * n] = by_rank[members].reshape(-1)
+            blocks[j, :len(members) * h] = host_sum[members].reshape(-1)
         rows = self._leaders_record(call, limit_at(), payloads=[as_bytes(b) for b in blocks])   # (2)
         mine = blocks[self._hosts.index(self._mine)]
         if rows:
             sum_in_order([r.view(out.dtype) for r in rows], out=mine)
         self._host_broadcast(mine.data_ptr(), mine.numel(), code, limit_at(), call)            # (3)
-        out.view(-1).copy_(mine[self._local * n:(self._local + 1) * n])
+        out.view(-1)[:h].copy_(mine[self._local * h:(self._local + 1) * h])
+        if h < n:
+            SlicePipe(self, False, out.view(-1), inp.reshape(-1), n, limit_at, call, start=h).run()
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor, limit: float, call: Optional[Call] = None) -> None:
-        """out = every rank's inp, in rank order. Small (the largest host's inputs fit the record,
-        fold_limit): the host's inputs gathered through its channel, the leaders' records carry them, a
-        round gives them to the host's other ranks: one exchange between hosts. Otherwise the calls
-        compared (`check`), then SlicePipe."""
+        """out = every rank's inp, in rank order. The first `_slice_head` elements of every rank's (all of a
+        small call) go in the record that compares the calls: the host's gathered through its channel, the
+        leaders' records carry them, a round gives them to the host's other ranks (one exchange between
+        hosts); the rest in SlicePipe."""
         n, code = inp.numel(), channel_type_code(inp.dtype)
-        if self._K * n * inp.element_size() > fold_limit(len(self._hosts)):
-            limit_at = Deadline(limit)
-            self.check(call, limit)
-            SlicePipe(self, True, out.view(-1), inp.reshape(-1), n, limit_at, call).run()
-            return
-        block = torch.zeros(self._K * n, dtype=inp.dtype)   # this host's inputs, padded to the largest host's
+        h = self._slice_head(n, inp.element_size())
+        flat, mine = out.view(-1), inp.reshape(-1)[:h]
+        block = torch.zeros(self._K * h, dtype=inp.dtype)   # this host's heads, padded to the largest host's
 
         def gather_host() -> None:                                                               # (1)
             if self._channel is not None:
-                self._channel.all_gather(inp.data_ptr(), block.data_ptr(), n, code, limit, *tag(call))
+                self._channel.all_gather(mine.data_ptr(), block.data_ptr(), h, code, limit, *tag(call))
             else:
-                block[:n].copy_(inp.reshape(-1))
+                block[:h].copy_(mine)
 
         limit_at = Deadline(limit)
         self._host_step(call, limit, gather_host)
         rows = self._leaders_record(call, limit_at(), as_bytes(block))                         # (2)
-        flat = out.view(-1)
+        heads = flat.view(self.world_size, n) if h == n else torch.empty(self.world_size, h, dtype=inp.dtype)
         if rows:
             for members, row in zip(self._hosts, rows):
-                got = row.view(inp.dtype)
-                for i, r in enumerate(members):
-                    flat[r * n:(r + 1) * n] = got[i * n:(i + 1) * n]
-        self._host_broadcast(flat.data_ptr(), flat.numel(), code, limit_at(), call)            # (3)
+                heads[members] = row.view(inp.dtype)[:len(members) * h].view(len(members), h)
+        self._host_broadcast(heads.data_ptr(), heads.numel(), code, limit_at(), call)          # (3)
+        if h < n:
+            flat.view(self.world_size, n)[:, :h] = heads
+            SlicePipe(self, True, flat, inp.reshape(-1), n, limit_at, call, start=h).run()
+
+    def _slice_head(self, n: int, esize: int) -> int:
+        """The leading elements of every slice of a reduce-scatter or all-gather that ride in the record:
+        all of them where the largest host's slices fit it (fold_limit), else as many as the largest
+        host's fill FOLD_BYTES with."""
+        if self._K * n * esize <= fold_limit(len(self._hosts)):
+            return n
+        return min(n, FOLD_BYTES // (self._K * esize))
 
     def broadcast(self, t: torch.Tensor, root: int, limit: float, call: Optional[Call] = None) -> None:
         """`root`'s data to every rank of every host, as the all-reduce moves its sum (Note [Several hosts]):

@@ -119,14 +119,17 @@ def across_hosts_job(rank, world, port, layout, chunk_kb):
 
 def slice_sizes(dtype, world, chunk_kb, layout):
     """Slice lengths on both sides of the boundaries of reduce_scatter and all_gather between the hosts of
-    `layout`: the most a record carries whole (the largest host's slices within fold_limit), one chunk of
-    every slice, several, and lengths nothing divides."""
-    from ncclavg.transport.calls import fold_limit
+    `layout`: the most a record carries whole (the largest host's slices within fold_limit), past it the
+    record's head of every slice and whole chunks after it, one chunk more, several, and lengths nothing
+    divides."""
+    from ncclavg.transport.calls import FOLD_BYTES, fold_limit
 
     hosts, most = layout_hosts(layout)
     per = max(1, (chunk_kb << 10) // (dtype.itemsize * world))
     whole = fold_limit(hosts) // (dtype.itemsize * most)
-    edges = {whole, whole + per, whole + 3 * per}
+    head = FOLD_BYTES // (dtype.itemsize * most)   # past `whole`, the record's part of every slice
+    k = -(-(whole - head) // per) + 1              # the first whole number of chunks past it
+    edges = {whole, whole + per, whole + 3 * per, head + k * per}
     return sorted({0, 1, 3} | {e + d for e in edges for d in (-1, 0, 1)} | {whole + 3 * per + 7})
 
 

@@ -102,13 +102,14 @@ def test_the_calls_check_rides_in_the_first_exchange(tmp_path, layout):
         assert seen[f"broadcast {one}"] == seen[f"broadcast {edge}"] == first, seen
         lanes = [ops[2:] if leads and i == 0 else ops for i, ops in enumerate(seen[f"broadcast {past}"])]
         assert all(ops == ["broadcast"] * chunks for ops in lanes), seen
-        # reduce-scatter and all-gather: a small one is the record alone; a larger one the record (the calls
-        # compared), then on each lane one exchange per chunk (every slice's chunk at once: 1024 elements)
+        # reduce-scatter and all-gather: a small one is the record alone; a larger one the record (with the
+        # first 4 KiB of a host's slices: 512 elements of each of its two), then on each lane one exchange
+        # per chunk of the rest (every slice's chunk at once: 1024 elements)
         one, edge, past = W.SLICE_SIZES
         for what, op in (("all_gather", "_allgather_base"), ("reduce_scatter", "alltoall_base")):
             assert seen[f"{what} {one}"] == seen[f"{what} {edge}"] == first, (what, seen)
             lanes = [ops[2:] if leads and i == 0 else ops for i, ops in enumerate(seen[f"{what} {past}"])]
-            assert all(ops == [op] * -(-past // 1024) for ops in lanes), (what, seen)
+            assert all(ops == [op] * -(-(past - 512) // 1024) for ops in lanes), (what, seen)
 
 
 # 3 processes on one host and 1 on the other (the lone one carries all 3 lanes); the root everywhere
