@@ -104,10 +104,10 @@ def pretend_hosts(rank, layout):
 
 
 def spy_between_hosts(comm):
-    """Between hosts (shm+gloo): records (op, output splits, input splits) of each all_to_all the hosts'
-    leaders run on their lane-0 group, and any other data operation there by name (the records that compare
-    the calls, `_allgather_base`, are not recorded); None on other transports or on a process that leads no
-    host."""
+    """Between hosts (shm+gloo): records what the hosts' leaders send on their lane-0 group: ("send",
+    bytes) of each message of the records that compare the calls and carry a small call's data, and
+    ("all_to_all_single", output splits, input splits) or the name of any other data operation there; None
+    on other transports or on a process that leads no host."""
     if comm.transport != "shm+gloo" or comm._runner.transport._leaders is None:
         return None
     calls, lane = [], comm._runner.transport._leaders
@@ -116,12 +116,17 @@ def spy_between_hosts(comm):
     class Spy:
         def __getattr__(self, name):
             fn = getattr(real, name)
+            if name == "send":
+                def sent(tensors, dst, tag):
+                    calls.append(("send", tensors[0].numel()))
+                    return fn(tensors, dst, tag)
+                return sent
             if name == "alltoall_base":
                 def record(out, inp, out_splits, in_splits, opts):
                     calls.append(("all_to_all_single", list(out_splits), list(in_splits)))
                     return fn(out, inp, out_splits, in_splits, opts)
                 return record
-            if name in ("allreduce", "broadcast"):
+            if name in ("allreduce", "broadcast", "_allgather_base"):
                 def other(*a, **kw):
                     calls.append((name,))
                     return fn(*a, **kw)
@@ -186,12 +191,12 @@ def collectives_and_ddp(rank, world, port, layout=None):
     assert torch.equal(gathered, mean)
     if between is not None and layout[rank] not in layout[:rank]:   # a host's leader: what crossed hosts
         hosts = [[r for r in range(world) if layout[r] == h] for h in sorted(set(layout), key=layout.index)]
-        sizes = [len(h) * shard for h in hosts]
-        # reduce-scatter: one all_to_all of the vector itself (each host's slices to that host), not an
-        # all-reduce of it; all_gather: each host's own block, not padded to the largest host
-        my_host = next(h for h in hosts if rank in h)
-        assert between == [("all_to_all_single", [len(my_host) * shard] * len(hosts), sizes),
-                           ("all_to_all_single", sizes, [len(my_host) * shard] * len(hosts))], between
+        most = max(len(h) for h in hosts)
+        # small: each call is its record alone, one message to each other host's leader (a 32-byte header and
+        # the data): a reduce-scatter sends that host's ranks' slices of this host's sum, not the vector; an
+        # all-gather this host's inputs; both padded to the largest host's count of slices
+        one = [("send", 32 + 4 * most * shard)] * (len(hosts) - 1)
+        assert between == one + one, between
     assert comm.allgather_object({"rank": rank}) == [{"rank": r} for r in range(world)]
     # bad input: one tensor per local tower
     try:

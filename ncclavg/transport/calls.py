@@ -114,8 +114,9 @@ _TAG = 0x6E636176       # the records' point-to-point tag on a group ("ncav")
 def fold_limit(size: int) -> int:
     """The most data bytes a record of a group of `size` ranks sends each peer: a call whose data (to each
     peer) fits rides in its record whole. FOLD_WHOLE over the peers, so that a record's bytes stay those of
-    one small exchange however many ranks there are; never under FOLD_BYTES."""
-    return max(FOLD_BYTES, FOLD_WHOLE // max(1, size - 1))
+    one small exchange however many ranks there are; never under FOLD_BYTES; a multiple of 64, so that
+    every received row's payload starts aligned for any dtype (rows of header + fold_limit bytes)."""
+    return max(FOLD_BYTES, FOLD_WHOLE // max(1, size - 1) // 64 * 64)
 
 
 def folded(flat: torch.Tensor, size: int) -> int:

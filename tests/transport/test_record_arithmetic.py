@@ -1,7 +1,8 @@
-"""reductions.sum_in_order, the arithmetic of every sum done outside the channel (a record's payloads, the
-pieces of an all_to_all, the rows of two hosts' lanes): in order, accumulated in float32 (float64 for
-float64), rounded once; the same bits whether written into `out` (one of the first two parts, or a tensor
-of its own) or returned."""
+"""What a record and the sums outside the channel rest on. reductions.sum_in_order, the arithmetic of every
+sum done outside the channel (a record's payloads, the pieces of an all_to_all, the rows of two hosts'
+lanes): in order, accumulated in float32 (float64 for float64), rounded once; the same bits whether
+written into `out` (one of the first two parts, or a tensor of its own) or returned. And the record's
+received rows, whose payloads every dtype must be able to view."""
 import pytest
 import torch
 
@@ -38,3 +39,14 @@ def test_a_sum_in_order_rounds_as_the_channel_does(dtype, count, into):
         assert got.data_ptr() == out.data_ptr()
     assert got.dtype == dtype
     assert torch.equal(got, want), (got - want).abs().max()
+
+
+def test_a_records_rows_keep_every_payload_aligned():
+    # the received rows are header + fold_limit bytes each: a payload viewed as float64 (or any dtype) must
+    # start on its alignment in every row, for every group size (a group of 4 once got 87381-byte rows)
+    from ncclavg.transport.calls import _HEADER, FOLD_BYTES, FOLD_WHOLE, fold_limit
+
+    for size in range(1, 130):
+        limit = fold_limit(size)
+        assert limit % 64 == 0 and (_HEADER * 8) % 16 == 0, size
+        assert FOLD_BYTES <= limit <= max(FOLD_BYTES, FOLD_WHOLE), size
