@@ -59,12 +59,12 @@ def test_bad_settings_name_the_variable(monkeypatch, name, value):
 
 
 # 2 hosts of 2 (lanes as processes); 3 hosts of 2, 1 and 1 (a host of one carries both lanes, one with no
-# channel at all); chunks of 16 KiB, so that a call just past the most a record carries whole crosses many
+# channel at all); chunks of 64 KiB, so that a call just past the most a record carries whole crosses several
 # 3 processes alone on their hosts (no channel: the group's gloo, a sum too large for one record reduce-scattered
 # in it)
 @pytest.mark.parametrize("layout", [(0, 1, 0, 1), (0, 1, 2), pytest.param((0, 0, 1, 2), marks=pytest.mark.slow)])
 def test_every_float_type_sums_exactly_across_hosts(layout):
-    run_ranks(W.across_hosts_job, len(layout), args=(layout, 16), timeout_s=300)
+    run_ranks(W.across_hosts_job, len(layout), args=(layout, 64), timeout_s=300)
 
 
 # 3 processes on one host and 1 on the other (lanes 1 and 2 carry no slice of the second host's; its one
@@ -72,7 +72,7 @@ def test_every_float_type_sums_exactly_across_hosts(layout):
 # two processes alone on their hosts (no channel: the group's gloo, the slices in the record or gloo's own)
 @pytest.mark.parametrize("layout", [(0, 0, 0, 1), (0, 1, 1, 0), (0, 1)])
 def test_reduce_scatter_and_all_gather_between_hosts_are_exact(layout):
-    run_ranks(W.slices_job, len(layout), args=(layout, 16), timeout_s=300)
+    run_ranks(W.slices_job, len(layout), args=(layout, 64), timeout_s=300)
 
 
 @pytest.mark.parametrize("layout", [(0, 0, 1, 1), (0, 1)])
@@ -115,7 +115,7 @@ def test_the_calls_check_rides_in_the_first_exchange(tmp_path, layout):
 # 3 processes on one host and 1 on the other (the lone one carries all 3 lanes); the root everywhere
 @pytest.mark.parametrize("layout", [(0, 0, 0, 1)])
 def test_a_broadcast_from_any_rank_reaches_every_host_bit_for_bit(layout):
-    run_ranks(W.broadcast_job, len(layout), args=(layout, 16), timeout_s=300)
+    run_ranks(W.broadcast_job, len(layout), args=(layout, 64), timeout_s=300)
 
 
 @pytest.mark.parametrize("layout, counts, collective", [
