@@ -267,17 +267,13 @@ class HostsTransport:
         opts.rootRank, opts.rootTensor = lane.labels.index(owners(self._hosts, lane.index)[source]), 0
         return lane.group.broadcast([piece], opts), piece, None
 
-    def check(self, call: Optional[Call], limit: float) -> None:
+    def check(self, call: Call, limit: float) -> None:
         """(1) the host's ranks agree, (2) the leaders agree, (3) a round in which the host's other ranks
-        learn the leader's verdict (it aborts the channel on a mismatch). Nothing for a call compared
-        already."""
-        if call is None or call.checked:
-            return
+        learn the leader's verdict (it aborts the channel on a mismatch)."""
         limit_at = Deadline(limit)
         self._host_step(call, limit, lambda: self._host_barrier(limit, call))
         self._leaders_record(call, limit_at())
         self._host_barrier(limit_at(), call)
-        call.checked = True
 
     def broadcasts_from(self, root: int) -> bool:
         return 0 <= root < self.world_size
