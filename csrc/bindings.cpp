@@ -12,7 +12,9 @@
 #include "cpu/pack.h"
 #include "cpu/optim.h"
 #include "cpu/reduce.h"
+#include "transport/host_lanes.h"
 #include "transport/shm_channel.h"
+#include "transport/ucx_api.h"
 #include "cpu/simd.h"
 #include "python/group_allreduce.h"
 #include "python/shm_fast_average.h"
@@ -431,6 +433,78 @@ PYBIND11_MODULE(_C, m) {
         .def_property_readonly("waiting_on", &ShmChannel::waiting_on)
         .def_property_readonly("slot_bytes", &ShmChannel::slot_bytes)
         .def_property_readonly("collectives", &ShmChannel::collectives);
+    // The lanes between hosts on UCX (ncclavg/transport/ucx.py; Note [Lanes between hosts]).
+    m.def("ucx_load", [](const std::vector<std::string>& candidates) {
+      const ucx::LoadInfo* found;
+      {
+        py::gil_scoped_release nogil;
+        found = &ucx::load(candidates);
+      }
+      const ucx::LoadInfo& i = *found;
+      py::dict d;
+      d["loaded"] = i.loaded;
+      d["path"] = i.path;
+      d["version"] = i.version;
+      d["error"] = i.error;
+      return d;
+    }, py::arg("candidates"), "Loads libucp from the first loadable candidate, once per process.");
+    py::class_<cpu::LaneLayout>(m, "LaneLayout")
+        .def(py::init<std::vector<std::vector<int>>, int>(), py::arg("hosts"), py::arg("rank"))
+        .def_readonly("lanes", &cpu::LaneLayout::lanes)
+        .def_readonly("host", &cpu::LaneLayout::host)
+        .def_readonly("local", &cpu::LaneLayout::local)
+        .def("lanes_of", &cpu::LaneLayout::lanes_of, py::arg("local"))
+        .def("carrier", &cpu::LaneLayout::carrier, py::arg("host"), py::arg("lane"))
+        .def("peers", &cpu::LaneLayout::peers);
+    py::class_<cpu::HostLanes>(m, "HostLanes")
+        .def(py::init<std::vector<std::vector<int>>, int, ShmChannel*, const std::string&, const std::string&, int64_t,
+                      int>(),
+             py::arg("hosts"), py::arg("rank"), py::arg("channel"), py::arg("tls"), py::arg("devices"),
+             py::arg("chunk_bytes"), py::arg("depth"), py::keep_alive<1, 4>(), Release())
+        .def_property_readonly("address", [](const cpu::HostLanes& h) { return py::bytes(h.address()); })
+        .def("peers", [](const cpu::HostLanes& h) { return h.layout().peers(); })
+        .def("connect",
+             [](cpu::HostLanes& h, const std::vector<py::bytes>& addresses, double timeout_s) {
+               std::vector<std::string> a(addresses.begin(), addresses.end());
+               py::gil_scoped_release nogil;
+               h.connect(a, timeout_s);
+             },
+             py::arg("addresses"), py::arg("timeout_s"))
+        .def("all_reduce_sum",
+             [](cpu::HostLanes& h, uintptr_t data, int64_t count, int type, double timeout_s, uint64_t tag,
+                int64_t tag_count) { h.all_reduce_sum(data, count, type, timeout_s, call_tag(tag, tag_count)); },
+             py::arg("data"), py::arg("count"), py::arg("type"), py::arg("timeout_s"), py::arg("tag") = 0,
+             py::arg("tag_count") = 0, Release())
+        .def("broadcast",
+             [](cpu::HostLanes& h, uintptr_t data, int64_t count, int type, int root, double timeout_s, uint64_t tag,
+                int64_t tag_count) { h.broadcast(data, count, type, root, timeout_s, call_tag(tag, tag_count)); },
+             py::arg("data"), py::arg("count"), py::arg("type"), py::arg("root"), py::arg("timeout_s"),
+             py::arg("tag") = 0, py::arg("tag_count") = 0, Release())
+        .def("all_gather",
+             [](cpu::HostLanes& h, uintptr_t in, uintptr_t out, int64_t count, int type, double timeout_s, uint64_t tag,
+                int64_t tag_count) { h.all_gather(in, out, count, type, timeout_s, call_tag(tag, tag_count)); },
+             py::arg("inp"), py::arg("out"), py::arg("count"), py::arg("type"), py::arg("timeout_s"),
+             py::arg("tag") = 0, py::arg("tag_count") = 0, Release())
+        .def("reduce_scatter_sum",
+             [](cpu::HostLanes& h, uintptr_t in, uintptr_t out, int64_t count, int type, double timeout_s,
+                uint64_t tag, int64_t tag_count) {
+               h.reduce_scatter_sum(in, out, count, type, timeout_s, call_tag(tag, tag_count));
+             },
+             py::arg("inp"), py::arg("out"), py::arg("count"), py::arg("type"), py::arg("timeout_s"),
+             py::arg("tag") = 0, py::arg("tag_count") = 0, Release())
+        .def("check",
+             [](cpu::HostLanes& h, double timeout_s, uint64_t tag, int64_t tag_count) {
+               h.check(timeout_s, call_tag(tag, tag_count));
+             },
+             py::arg("timeout_s"), py::arg("tag") = 0, py::arg("tag_count") = 0, Release())
+        .def("abort", &cpu::HostLanes::abort, py::arg("why"))
+        .def_property_readonly("failed", &cpu::HostLanes::failed)
+        .def_property_readonly("failure", &cpu::HostLanes::failure)
+        .def_property_readonly("waiting_on", &cpu::HostLanes::waiting_on)
+        .def_property_readonly("calls", &cpu::HostLanes::calls)
+        .def_property_readonly("messages_sent", &cpu::HostLanes::messages_sent)
+        .def_property_readonly("chunk_bytes", &cpu::HostLanes::chunk_bytes)
+        .def_property_readonly("depth", &cpu::HostLanes::depth);
     m.def("dtype_codes", [] {
       static_assert(static_cast<int>(cpu::ShmType::kFloat32) == static_cast<int>(DType::kFloat32) &&
                         static_cast<int>(cpu::ShmType::kFloat16) == static_cast<int>(DType::kFloat16) &&

@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from _dist_util import init_rank
+from _dist_util import between_hosts, init_rank
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -89,9 +89,11 @@ def ours_grads(comm, model, rank, steps, **kw):
 def expected_transport(layout, world):
     """Note [When the shared-memory channel is used]: layout[r] = the host of rank r (None: one host)."""
     hosts = set(layout) if layout else {0}
-    if os.environ.get("NCCLAVG_SHM") == "0" or len(hosts) == world:
+    if os.environ.get("NCCLAVG_SHM") == "0" or len(hosts) == 1 == world:
         return "gloo"
-    return "shm" if len(hosts) == 1 else "shm+gloo"
+    if len(hosts) == 1:
+        return "shm"
+    return between_hosts(alone=len(hosts) == world)
 
 
 def pretend_hosts(rank, layout):

@@ -13,6 +13,14 @@ def free_port():
         return s.getsockname()[1]
 
 
+def between_hosts(alone=False):
+    """The transport of a group over several (pretend) hosts: the lanes on UCX ("shm+ucx"; "ucx" when every
+    process is alone on its host) unless NCCLAVG_UCX=0, then gloo's ("shm+gloo"; the group's own "gloo")."""
+    if os.environ.get("NCCLAVG_UCX", "auto").strip().lower() in ("0", "off"):
+        return "gloo" if alone else "shm+gloo"
+    return "ucx" if alone else "shm+ucx"
+
+
 def init_rank(rank, world, port, timeout_s=60):
     import torch
     import torch.distributed as dist

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from _dist_util import init_rank
+from _dist_util import between_hosts, init_rank
 from _fault_util import report
 from _comm_gloo_workers import MLP, pretend_hosts, rank_batch
 
@@ -54,7 +54,7 @@ def peer_dies_mid_step(rank, world, port, outdir, victim, timeout, how, layout=N
 
     comm = Communicator.from_torch_distributed(device="cpu", timeout=timeout)
     if layout is not None:
-        assert comm.transport == "shm+gloo", comm.transport
+        assert comm.transport == between_hosts(), comm.transport
     if how == "stop" and layout is None:
         # a bounded allgather_object first: rank 0 alone on a side group, its peer never joins
         side = dist.new_group([0, 1])

@@ -17,34 +17,6 @@ using namespace shm_detail;
 namespace {
 constexpr int64_t kDirectBytes = 32 << 10;   // below: every rank sums the whole chunk
 
-// out (and out2 unless null) = (srcs[0] + ... + srcs[nsrc-1]) * mul / div over n elements. bad != nullptr:
-// *bad |= whether a written value is an inf/NaN (Note [Finiteness from the pass that writes] in
-// csrc/common/finite_math.h), noted in the same pass.
-void sum_into(ShmType t, unsigned char* out, unsigned char* out2, const unsigned char* const* srcs, int nsrc,
-              int64_t n, double mul, double div, bool* bad) {
-  if (n <= 0) return;
-  if (t == ShmType::kFloat64) {
-    auto* o = reinterpret_cast<double*>(out);
-    auto* o2 = reinterpret_cast<double*>(out2);
-    bool seen = false;
-    for (int64_t i = 0; i < n; ++i) {
-      double acc = reinterpret_cast<const double*>(srcs[0])[i];
-      for (int r = 1; r < nsrc; ++r) acc += reinterpret_cast<const double*>(srcs[r])[i];
-      if (mul != 1.0) acc *= mul;
-      if (div != 1.0) acc /= div;
-      o[i] = acc;
-      if (o2 != nullptr) o2[i] = acc;
-      seen |= !std::isfinite(acc);
-    }
-    if (bad != nullptr) *bad |= seen;
-    return;
-  }
-  bool seen = false;
-  kernels().sum(out, out2, reinterpret_cast<const void* const*>(srcs), nsrc, static_cast<DType>(t),
-                static_cast<float>(mul), static_cast<float>(div), 0, n, bad != nullptr ? &seen : nullptr);
-  if (bad != nullptr) *bad |= seen;
-}
-
 // copy_bytes of n elements; bad != nullptr: through the core's checked copy (the same bits, and *bad |=
 // whether one of them is an inf/NaN), so that everything a rank writes into its output is checked.
 void copy_elems(ShmType t, unsigned char* dst, const unsigned char* src, int64_t n, bool* bad) {
@@ -87,6 +59,35 @@ Call make_call(const char* op, int op_id, int type, int root, int64_t count, dou
 // Elements per rank's slice of an all-reduce chunk of n: a multiple of 32 (64-byte aligned slices).
 int64_t slice_of(int64_t n, int nranks) { return ((n + nranks - 1) / nranks + 31) / 32 * 32; }
 }  // namespace
+
+// out (and out2 unless null) = (srcs[0] + ... + srcs[nsrc-1]) * mul / div over n elements. bad != nullptr:
+// *bad |= whether a written value is an inf/NaN (Note [Finiteness from the pass that writes] in
+// csrc/common/finite_math.h), noted in the same pass.
+void shm_detail::sum_into(ShmType t, unsigned char* out, unsigned char* out2, const unsigned char* const* srcs, int nsrc,
+              int64_t n, double mul, double div, bool* bad) {
+  if (n <= 0) return;
+  if (t == ShmType::kFloat64) {
+    auto* o = reinterpret_cast<double*>(out);
+    auto* o2 = reinterpret_cast<double*>(out2);
+    bool seen = false;
+    for (int64_t i = 0; i < n; ++i) {
+      double acc = reinterpret_cast<const double*>(srcs[0])[i];
+      for (int r = 1; r < nsrc; ++r) acc += reinterpret_cast<const double*>(srcs[r])[i];
+      if (mul != 1.0) acc *= mul;
+      if (div != 1.0) acc /= div;
+      o[i] = acc;
+      if (o2 != nullptr) o2[i] = acc;
+      seen |= !std::isfinite(acc);
+    }
+    if (bad != nullptr) *bad |= seen;
+    return;
+  }
+  bool seen = false;
+  kernels().sum(out, out2, reinterpret_cast<const void* const*>(srcs), nsrc, static_cast<DType>(t),
+                static_cast<float>(mul), static_cast<float>(div), 0, n, bad != nullptr ? &seen : nullptr);
+  if (bad != nullptr) *bad |= seen;
+}
+
 
 void ShmChannel::all_reduce_sum(uintptr_t data, int64_t count, int type, double timeout_s, double mul, double div,
                                 ShmCallTag tag, bool* nonfinite) {

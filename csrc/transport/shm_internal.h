@@ -72,6 +72,12 @@ inline int sig_type(uint64_t w) { return static_cast<int>((w >> 4) & 0xf); }
 inline int sig_root(uint64_t w) { return static_cast<int>((w >> kSigRootShift) & ShmCallTag::kRootMask) - 1; }
 inline uint64_t sig_user_fields(uint64_t w) { return w >> kSigCollectiveShift; }   // collective | dtype | op
 
+// out (and out2 unless null) = (srcs[0] + ... + srcs[nsrc-1]) * mul / div over n elements, in that order,
+// fp32 accumulation (fp64 for float64); out may be one of srcs. bad != nullptr: *bad |= whether a written
+// value is an inf/NaN. The channel's sums and the lanes' between hosts (host_lanes_collectives.cpp).
+void sum_into(ShmType t, unsigned char* out, unsigned char* out2, const unsigned char* const* srcs, int nsrc,
+              int64_t n, double mul, double div, bool* bad);
+
 }  // namespace shm_detail
 
 // One collective call: its name, element type, size, scale, the user's call, time limit and signature.

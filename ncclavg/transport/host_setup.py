@@ -1,7 +1,8 @@
 """Setting up a group's host channels (Note [When the shared-memory channel is used] in shm.py): one
-`ShmTransport` when every process is on one host, a `HostsTransport` (hosts.py) when they span several
-hosts and some share one (with its lanes' gloo groups between the hosts), None when every process is
-alone on its host. Both faces call `connect`: the Communicator over its torch.distributed group, the
+`ShmTransport` when every process is on one host; across several hosts the lanes on UCX
+(ucx.UcxHostsTransport, Note [Choosing UCX between hosts] in ucx.py), else a `HostsTransport` (hosts.py,
+its lanes' gloo groups between the hosts) when some processes share a host, else None (every process alone
+on its host: torch.distributed's gloo). Both faces call `connect`: the Communicator over its torch.distributed group, the
 torch backend over its group's store.
 """
 from __future__ import annotations
@@ -18,6 +19,7 @@ from .host_pipes import depth
 from .hosts import HostsTransport, make_lanes
 from .liveness import _next_index
 from .shm import ShmTransport, setting, slot_bytes
+from .ucx import UcxHostsTransport, start as start_ucx
 
 
 def gloo_backend(store: Any, me: int, size: int, timeout: datetime.timedelta, threads: int) -> Any:
@@ -67,7 +69,8 @@ def hosts_of(identities: list) -> list:
 
 
 def connect(rank: int, world: int, exchange: Callable[[Any], list], identities: list, timeout: float,
-            make_group: Optional[Callable[[list], Any]] = None) -> Optional[Union[ShmTransport, HostsTransport]]:
+            make_group: Optional[Callable[[list], Any]] = None
+            ) -> Optional[Union[ShmTransport, HostsTransport, UcxHostsTransport]]:
     """Collective: a transport when processes of the group share hosts, else None. `exchange(obj)`: every
     rank's `obj`, in rank order (one object per rank, all ranks calling; the caller bounds it), the
     setup's only exchange on one host; `identities`: every rank's shm.host_identity(); `make_group(ranks)`:
@@ -80,7 +83,7 @@ def connect(rank: int, world: int, exchange: Callable[[Any], list], identities: 
         if mode == "on":
             raise CommError("NCCLAVG_SHM=1 but no two processes of this group are on one host (or in one "
                             "network namespace): the shared-memory channel needs that")
-        return None
+        return start_ucx(hosts, rank, None, exchange, timeout)
     mine = next(h for h in hosts if rank in h)
     local, leader = mine.index(rank), mine[0]
     size = slot_bytes(len(mine))
@@ -105,6 +108,9 @@ def connect(rank: int, world: int, exchange: Callable[[Any], list], identities: 
         channel.close_door()   # everyone has joined (or given up)
     lanes: list = []
     if not errors and len(hosts) > 1:
+        native = start_ucx(hosts, rank, channel, exchange, timeout)
+        if native is not None:
+            return native
         try:
             lanes = make_lanes(hosts, rank, make_group)
         except Exception as e:   # noqa: BLE001 (the others fail at their next collective, bounded)

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from _comm_gloo_workers import gamma
+from _dist_util import between_hosts
 
 R = dist.ReduceOp
 FLOATS = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
@@ -31,9 +32,11 @@ def init_backend(rank, world, port, timeout_s=60, layout=None, init="tcp"):
 
 def expected_transport(layout, world):
     hosts = set(layout) if layout else {0}
-    if os.environ.get("NCCLAVG_SHM") == "0" or len(hosts) == world:
+    if os.environ.get("NCCLAVG_SHM") == "0" or len(hosts) == 1 == world:
         return "gloo"
-    return "shm" if len(hosts) == 1 else "shm+gloo"
+    if len(hosts) == 1:
+        return "shm"
+    return between_hosts(alone=len(hosts) == world)
 
 
 def exact_input(rank, numel, dtype, seed, lo=-8, hi=8):

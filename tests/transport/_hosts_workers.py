@@ -9,6 +9,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from _dist_util import between_hosts
 from _process_group_workers import init_backend
 
 R = dist.ReduceOp
@@ -191,7 +192,7 @@ def slices_job(rank, world, port, layout, chunk_kb):
     os.environ["NCCLAVG_HOSTS_CHUNK_KB"] = str(chunk_kb)
     init_backend(rank, world, port, timeout_s=60, layout=layout)
     alone = len(set(layout)) == len(layout)   # every process alone on its host: no channel, the group's gloo
-    assert dist.group.WORLD.transport == ("gloo" if alone else "shm+gloo"), dist.group.WORLD.transport
+    assert dist.group.WORLD.transport == between_hosts(alone), dist.group.WORLD.transport
     from ncclavg import Communicator
     import ncclavg.comm.gloo as gloo_backend
 
@@ -204,7 +205,7 @@ def broadcast_job(rank, world, port, layout, chunk_kb):
     """broadcasts() alone, between pretend hosts of `layout`."""
     os.environ["NCCLAVG_HOSTS_CHUNK_KB"] = str(chunk_kb)
     init_backend(rank, world, port, timeout_s=60, layout=layout)
-    assert dist.group.WORLD.transport == "shm+gloo", dist.group.WORLD.transport
+    assert dist.group.WORLD.transport == between_hosts(), dist.group.WORLD.transport
     broadcasts(rank, world, chunk_kb, layout_hosts(layout)[0])
     dist.barrier()
 

@@ -75,8 +75,10 @@ def test_reduce_scatter_and_all_gather_between_hosts_are_exact(layout):
     run_ranks(W.slices_job, len(layout), args=(layout, 64), timeout_s=300)
 
 
+# gloo's lanes (UCX's: test_ucx_lanes.py)
 @pytest.mark.parametrize("layout", [(0, 0, 1, 1), (0, 1)])
-def test_the_calls_check_rides_in_the_first_exchange(tmp_path, layout):
+def test_the_calls_check_rides_in_the_first_exchange(tmp_path, layout, monkeypatch):
+    monkeypatch.setenv("NCCLAVG_UCX", "0")
     run_ranks(W.exchanges_job, len(layout), args=(layout, str(tmp_path)), timeout_s=180)
     for rank in range(len(layout)):
         rep = json.loads((tmp_path / f"rank{rank}.json").read_text())

@@ -1,0 +1,594 @@
+// The lanes between hosts on UCX: setup, messages, waiting and failure. The collectives' loops are in
+// host_lanes_collectives.cpp.
+#include "host_lanes.h"
+
+#include <poll.h>
+
+#include <algorithm>
+#include <cstring>
+#include <sstream>
+
+#include "../common/check.h"
+#include "host_lanes_internal.h"
+
+namespace ncclavg {
+namespace cpu {
+
+// Note [Lanes between hosts]
+// Between hosts, every local rank is on the wire at once, each carrying its lanes (Horovod's hierarchical
+// all-reduce, oneCCL's "2d"): K lanes, K the most processes on one host; host h gives lane k to its local
+// rank k % P_h, so a host with fewer processes gives each several. A lane's members are its carriers, one
+// per host; every message between hosts goes between two members of one lane.
+// - The wire is UCX's tag send and receive (UCP), one worker per process, one endpoint per peer, over
+//   the network transports only (UCX_TLS as ucx.py sets it: shared memory and CMA would skip the link).
+// - Every message starts with a LaneHeader: the call it serves. Each call also sends a hello (a header
+//   alone) to every peer on every lane first, so a peer whose call differs is found in the call's first
+//   exchange and named with ours, with no round trip of its own before the data: the data goes at once,
+//   every receive posted at the length this rank expects. A longer message is a truncation, not an
+//   overflow (UCX bounds every receive); its sender's hello, sent before it on the same endpoint, names
+//   the sender's call.
+// - A tag says which call (its number, the same on every rank), which kind of message, which lane and
+//   which host sent it, so that a receive matches only its message; messages of one tag from one sender
+//   are matched in the order they were sent (UCP's ordering, which MPI over UCX relies on too).
+// - Waiting blocks on the worker's event fd after a short spin (a late peer costs no CPU), with the
+//   call's deadline; abort() from another thread wakes it through ucp_worker_signal.
+// - The first failure of a process (a broken endpoint, a timeout, a mismatch, a failed channel step, an
+//   abort) is sent to every peer in an abort message and put into this host's channel, so that every
+//   rank of every host fails at once, naming it; the engine then refuses every call.
+
+namespace {
+using Clock = std::chrono::steady_clock;
+constexpr uint32_t kMagic = 0x6e63616c;   // "ncal"
+constexpr auto kSpin = std::chrono::microseconds(50);
+
+void on_send(void*, ucs_status_t status, void* user) {
+  auto* r = static_cast<LaneRequest*>(user);
+  r->status = status;
+  r->done = true;
+}
+void on_recv(void*, ucs_status_t status, const ucp_tag_recv_info_t* info, void* user) {
+  auto* r = static_cast<LaneRequest*>(user);
+  r->status = status;
+  r->length = info != nullptr ? info->length : 0;
+  r->done = true;
+}
+void on_ep_error(void* arg, ucp_ep_h, ucs_status_t status) {
+  auto* p = static_cast<LanePeer*>(arg);
+  p->error = status;
+}
+
+std::string join(const std::vector<int>& v) {
+  std::ostringstream os;
+  for (size_t i = 0; i < v.size(); ++i) os << (i ? "," : "") << v[i];
+  return os.str();
+}
+
+void check_ucx(ucs_status_t s, const char* what) {
+  if (s != UCS_OK) throw std::runtime_error(std::string("UCX ") + what + " failed: " + ucx::status_text(s));
+}
+}  // namespace
+
+// ---------------------------------------------------------------------- layout
+LaneLayout::LaneLayout(std::vector<std::vector<int>> hosts_in, int rank_in) : hosts(std::move(hosts_in)), rank(rank_in) {
+  NCCLAVG_CHECK_ARG(hosts.size() >= 2, "hosts", "the lanes join two hosts or more, got ", hosts.size());
+  host = -1;
+  for (size_t h = 0; h < hosts.size(); ++h) {
+    NCCLAVG_CHECK_ARG(!hosts[h].empty(), "hosts", "host ", h, " has no rank");
+    lanes = std::max(lanes, static_cast<int>(hosts[h].size()));
+    auto it = std::find(hosts[h].begin(), hosts[h].end(), rank);
+    if (it != hosts[h].end()) {
+      NCCLAVG_CHECK_ARG(host < 0, "hosts", "rank ", rank, " is on two hosts");
+      host = static_cast<int>(h);
+      local = static_cast<int>(it - hosts[h].begin());
+    }
+  }
+  NCCLAVG_CHECK_ARG(host >= 0, "rank", rank, " is on no host of ", hosts.size());
+}
+
+std::vector<int> LaneLayout::lanes_of(int l) const {
+  std::vector<int> out;
+  for (int k = l; k < lanes; k += local_size()) out.push_back(k);
+  return out;
+}
+
+std::vector<int> LaneLayout::peers() const {
+  std::vector<int> out;
+  for (int k : lanes_of(local))
+    for (int h = 0; h < nhosts(); ++h)
+      if (h != host) out.push_back(carrier(h, k));
+  std::sort(out.begin(), out.end());
+  out.erase(std::unique(out.begin(), out.end()), out.end());
+  return out;
+}
+
+// ---------------------------------------------------------------------- setup
+HostLanes::HostLanes(std::vector<std::vector<int>> hosts, int rank, ShmChannel* channel, const std::string& tls,
+                     const std::string& devices, int64_t chunk_bytes, int depth)
+    : layout_(std::move(hosts), rank), channel_(channel), chunk_bytes_(chunk_bytes), depth_(depth) {
+  NCCLAVG_CHECK_ARG(chunk_bytes >= 4096 && chunk_bytes % 64 == 0, "chunk_bytes",
+                    "must be a multiple of 64 of at least 4096, got ", chunk_bytes);
+  NCCLAVG_CHECK_ARG(depth >= 1 && depth <= 64, "depth", "must be in [1, 64], got ", depth);
+  NCCLAVG_CHECK_ARG((channel == nullptr) == (layout_.local_size() == 1), "channel",
+                    "a host of ", layout_.local_size(), " processes ", layout_.local_size() == 1 ? "has no" : "needs a",
+                    " channel");
+  const ucx::Api& u = ucx::api();
+  ucp_config_t* config = nullptr;
+  check_ucx(u.config_read(nullptr, nullptr, &config), "ucp_config_read");
+  try {
+    if (!tls.empty()) check_ucx(u.config_modify(config, "TLS", tls.c_str()), "setting UCX_TLS");
+    if (!devices.empty()) check_ucx(u.config_modify(config, "NET_DEVICES", devices.c_str()), "setting UCX_NET_DEVICES");
+    ucp_params_t params{};
+    params.field_mask = UCP_PARAM_FIELD_FEATURES;
+    params.features = UCP_FEATURE_TAG | UCP_FEATURE_WAKEUP;
+    check_ucx(u.init_version(ucx::kApiMajor, ucx::kApiMinor, &params, config, &context_), "ucp_init");
+  } catch (...) {
+    u.config_release(config);
+    throw;
+  }
+  u.config_release(config);
+  ucp_worker_params_t wp{};
+  wp.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
+  wp.thread_mode = UCS_THREAD_MODE_MULTI;   // abort() signals the worker from another thread
+  ucs_status_t s = u.worker_create(context_, &wp, &worker_);
+  if (s != UCS_OK) {
+    u.cleanup(context_);
+    context_ = nullptr;
+    check_ucx(s, "ucp_worker_create");
+  }
+  ucp_address_t* addr = nullptr;
+  size_t len = 0;
+  s = u.worker_get_address(worker_, &addr, &len);
+  if (s == UCS_OK) {
+    address_.assign(reinterpret_cast<const char*>(addr), len);
+    u.worker_release_address(worker_, addr);
+    s = u.worker_get_efd(worker_, &efd_);
+  }
+  if (s != UCS_OK) {
+    u.worker_destroy(worker_);
+    u.cleanup(context_);
+    worker_ = nullptr;
+    context_ = nullptr;
+    check_ucx(s, "the worker's address or event fd");
+  }
+  peers_.resize(static_cast<size_t>(std::max_element(layout_.hosts.begin(), layout_.hosts.end(),
+                                                     [](auto& a, auto& b) { return a.back() < b.back(); })->back()) + 1);
+  for (const auto& h : layout_.hosts)
+    for (int r : h) peers_.resize(std::max(peers_.size(), static_cast<size_t>(r) + 1));
+}
+
+HostLanes::~HostLanes() {
+  const ucx::Api& u = ucx::api();
+  std::lock_guard<std::mutex> lock(failure_mu_);
+  if (abort_req_ && abort_req_->ucp != nullptr) {   // no callback after request_free
+    if (!abort_req_->done) u.request_cancel(worker_, abort_req_->ucp);
+    u.request_free(abort_req_->ucp);
+  }
+  close_endpoints();
+  if (worker_ != nullptr) u.worker_destroy(worker_);
+  if (context_ != nullptr) u.cleanup(context_);
+  worker_ = nullptr;
+  context_ = nullptr;
+}
+
+// Every endpoint closed at once (FORCE: a peer that is gone cannot hold this up; sends still in flight
+// are dropped, so no memory of a call that failed is read after it returned).
+void HostLanes::close_endpoints() {
+  const ucx::Api& u = ucx::api();
+  for (auto& p : peers_) {
+    if (!p || p->ep == nullptr) continue;
+    ucp_request_param_t prm{};
+    prm.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+    prm.flags = UCP_EP_CLOSE_FLAG_FORCE;
+    ucs_status_ptr_t req = u.ep_close_nbx(p->ep, &prm);
+    if (req != nullptr && !ucx::ptr_is_err(req)) {
+      const auto until = Clock::now() + std::chrono::milliseconds(200);
+      while (u.request_check_status(req) == UCS_INPROGRESS && Clock::now() < until) u.worker_progress(worker_);
+      u.request_free(req);
+    }
+    p->ep = nullptr;
+  }
+}
+
+void HostLanes::connect(const std::vector<std::string>& addresses, double timeout_s) {
+  const ucx::Api& u = ucx::api();
+  for (int r : layout_.peers()) {
+    NCCLAVG_CHECK_ARG(static_cast<size_t>(r) < addresses.size() && !addresses[r].empty(), "addresses",
+                      "has no address for rank ", r);
+    auto p = std::make_unique<LanePeer>();
+    p->rank = r;
+    for (int h = 0; h < layout_.nhosts(); ++h)
+      if (std::find(layout_.hosts[h].begin(), layout_.hosts[h].end(), r) != layout_.hosts[h].end()) p->host = h;
+    ucp_ep_params_t ep{};
+    ep.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
+                    UCP_EP_PARAM_FIELD_ERR_HANDLER;
+    ep.address = reinterpret_cast<const ucp_address_t*>(addresses[r].data());
+    ep.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+    ep.err_handler.cb = on_ep_error;
+    ep.err_handler.arg = p.get();
+    check_ucx(u.ep_create(worker_, &ep, &p->ep), "ucp_ep_create");
+    peers_[r] = std::move(p);
+  }
+  post_abort_recv();
+  ShmCallTag none;
+  LaneCall c(*this, LaneOp::kCheck, 0, 0, -1, timeout_s, none, false);
+  run_checked(c, [] {});
+}
+
+// ---------------------------------------------------------------------- messages
+uint64_t HostLanes::tag_of(uint64_t seq, int kind, int lane, int host) {
+  return (seq & 0xffffffffull) << 32 | static_cast<uint64_t>(kind & 0xf) << 28 |
+         static_cast<uint64_t>(lane & 0xfff) << 16 | static_cast<uint64_t>(host & 0xffff);
+}
+
+LaneHeader HostLanes::header_of(const LaneCall& c, int64_t chunk, int64_t bytes) const {
+  LaneHeader h{};
+  h.magic = kMagic;
+  h.op = static_cast<uint16_t>(c.op);
+  h.type = static_cast<uint16_t>(c.type);
+  h.seq = c.seq;
+  h.word = c.tag.word;
+  h.count = c.count;
+  h.user_count = c.tag.count;
+  h.chunk = chunk;
+  h.bytes = bytes;
+  h.sender = layout_.rank;
+  h.root = c.root;
+  return h;
+}
+
+LaneRequest* HostLanes::post_send(LaneCall& c, int peer, int lane, int kind, int64_t chunk, const void* data,
+                                  int64_t bytes) {
+  const ucx::Api& u = ucx::api();
+  LaneRequest* r = c.make_request(peer, lane, kind, chunk, false);
+  r->head = header_of(c, chunk, bytes);
+  r->iov[0] = {&r->head, sizeof(LaneHeader)};
+  r->iov[1] = {const_cast<void*>(data), static_cast<size_t>(bytes)};
+  ucp_request_param_t prm{};
+  prm.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_DATATYPE;
+  prm.cb.send = on_send;
+  prm.user_data = r;
+  prm.datatype = UCP_DATATYPE_IOV;
+  ucs_status_ptr_t req = u.tag_send_nbx(peers_[peer]->ep, r->iov, bytes > 0 ? 2 : 1,
+                                        tag_of(c.seq, kind, lane, layout_.host), &prm);
+  ++sent_;
+  settle(r, req);
+  return r;
+}
+
+LaneRequest* HostLanes::post_recv(LaneCall& c, int peer, int lane, int kind, int64_t chunk, void* into,
+                                  int64_t bytes) {
+  const ucx::Api& u = ucx::api();
+  LaneRequest* r = c.make_request(peer, lane, kind, chunk, true);
+  r->expect = bytes;
+  r->iov[0] = {&r->head, sizeof(LaneHeader)};
+  r->iov[1] = {into, static_cast<size_t>(bytes)};
+  ucp_request_param_t prm{};
+  prm.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_DATATYPE;
+  prm.cb.recv = on_recv;
+  prm.user_data = r;
+  prm.datatype = UCP_DATATYPE_IOV;
+  ucs_status_ptr_t req = u.tag_recv_nbx(worker_, r->iov, bytes > 0 ? 2 : 1,
+                                        tag_of(c.seq, kind, lane, peers_[peer]->host), ~uint64_t{0}, &prm);
+  settle(r, req);
+  return r;
+}
+
+void HostLanes::settle(LaneRequest* r, ucs_status_ptr_t req) {
+  if (req == nullptr) {   // done at once (a send whose data went out, or was copied)
+    r->done = true;
+    r->status = UCS_OK;
+  } else if (ucx::ptr_is_err(req)) {
+    r->done = true;
+    r->status = ucx::ptr_status(req);
+  } else {
+    r->ucp = req;   // the callback sets done; the request is freed when the call ends
+  }
+}
+
+void HostLanes::post_abort_recv() {
+  const ucx::Api& u = ucx::api();
+  abort_buf_.assign(sizeof(LaneHeader) + 2048, 0);
+  abort_req_ = std::make_unique<LaneRequest>();
+  ucp_request_param_t prm{};
+  prm.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+  prm.cb.recv = on_recv;
+  prm.user_data = abort_req_.get();
+  ucs_status_ptr_t req = u.tag_recv_nbx(worker_, abort_buf_.data(), abort_buf_.size(), tag_of(0, kKindAbort, 0, 0),
+                                        uint64_t{0xf} << 28, &prm);
+  settle(abort_req_.get(), req);
+}
+
+// Best effort, bounded: every peer is told `why` (kind first), then the worker is progressed for a moment
+// so that the messages leave before the caller raises (and perhaps exits).
+void HostLanes::tell_peers(int kind, const std::string& why) {
+  const ucx::Api& u = ucx::api();
+  std::string msg(1, static_cast<char>(kind));
+  msg += why.substr(0, 2000);
+  std::vector<ucs_status_ptr_t> reqs;
+  ucp_request_param_t prm{};
+  for (auto& p : peers_) {
+    if (!p || p->ep == nullptr || p->error != UCS_OK) continue;
+    auto* keep = new std::string(msg);   // must outlive the send: freed below or leaked with a stuck request
+    ucs_status_ptr_t req = u.tag_send_nbx(p->ep, keep->data(), keep->size(), tag_of(0, kKindAbort, 0, layout_.host), &prm);
+    if (req == nullptr || ucx::ptr_is_err(req)) {
+      delete keep;
+    } else {
+      reqs.push_back(req);
+      told_.emplace_back(keep);
+    }
+  }
+  const auto until = Clock::now() + std::chrono::milliseconds(100);
+  for (ucs_status_ptr_t req : reqs) {
+    while (u.request_check_status(req) == UCS_INPROGRESS && Clock::now() < until) u.worker_progress(worker_);
+    if (u.request_check_status(req) != UCS_INPROGRESS) u.request_free(req);
+  }
+}
+
+// ---------------------------------------------------------------------- waiting
+void HostLanes::wait(LaneCall& c, LaneRequest* r) {
+  if (!r->done) {
+    waiting_on_.store(r->peer, std::memory_order_relaxed);
+    while (!r->done) step(c, r->peer);
+    waiting_on_.store(-1, std::memory_order_relaxed);
+  }
+  check_done(c, r);
+}
+
+// One step of a wait: progress, or block on the event fd until something happens or the deadline.
+void HostLanes::step(LaneCall& c, int waited) {
+  const ucx::Api& u = ucx::api();
+  if (u.worker_progress(worker_) != 0) {
+    c.idle_since = Clock::time_point{};
+    check_events(c);
+    return;
+  }
+  check_events(c);
+  const auto now = Clock::now();
+  if (now >= c.deadline) {
+    std::ostringstream os;
+    os << "between the hosts: " << c.what() << " waited " << c.timeout_s << " s for rank " << waited
+       << " (host " << (waited >= 0 && peers_[waited] ? peers_[waited]->host : -1) << ") without an answer";
+    fail(c, os.str(), kFailTimeout);
+  }
+  if (c.idle_since == Clock::time_point{}) c.idle_since = now;
+  if (now - c.idle_since < kSpin) return;
+  if (u.worker_arm(worker_) == UCS_ERR_BUSY) return;   // events came in meanwhile: progress them
+  pollfd pfd{efd_, POLLIN, 0};
+  const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(c.deadline - now).count() + 1;
+  poll(&pfd, 1, static_cast<int>(std::min<int64_t>(left, 100)));
+}
+
+// What can end a call while it waits: an abort (this process's, or a peer's message), a broken endpoint.
+void HostLanes::check_events(LaneCall& c) {
+  if (abort_requested_.load()) {
+    std::string why;
+    {
+      std::lock_guard<std::mutex> lock(failure_mu_);
+      why = abort_why_;
+    }
+    fail(c, why, kFailAborted);
+  }
+  if (abort_req_ && abort_req_->done) {
+    const int kind = abort_req_->length > 0 ? abort_buf_[0] : kFailPeer;
+    const size_t n = std::min(abort_req_->length, abort_buf_.size());
+    std::string text(abort_buf_.begin() + (n > 0 ? 1 : 0), abort_buf_.begin() + static_cast<long>(n));
+    fail(c, text, kind == kFailMismatch ? kFailMismatch : kFailPeer, /*relay=*/true);
+  }
+  for (auto& p : peers_) {
+    if (p && p->error != UCS_OK) {
+      std::ostringstream os;
+      os << "between the hosts: " << c.what() << ": the connection to rank " << p->rank << " (host " << p->host
+         << ") failed: " << ucx::status_text(p->error) << " (rank " << p->rank << " stopped responding)";
+      fail(c, os.str(), kFailPeer);
+    }
+  }
+}
+
+void HostLanes::check_done(LaneCall& c, LaneRequest* r) {
+  if (r->status == UCS_ERR_MESSAGE_TRUNCATED) {
+    // a longer message than this call expects: the sender's call differs; its hello names it
+    LaneRequest* hello = c.hello_from(r->peer, r->lane);
+    if (hello != nullptr && hello != r) {
+      while (!hello->done) step(c, r->peer);
+      if (hello->status == UCS_OK) check_header(c, hello);
+    }
+    std::ostringstream os;
+    os << "collectives out of step: rank " << layout_.rank << " called " << c.what() << ", rank " << r->peer
+       << " sent " << r->length << " bytes where " << (sizeof(LaneHeader) + r->expect)
+       << " were expected (its call differs): every rank must call the same collectives, with the same sizes, "
+          "dtypes, ops and roots, in the same order (between the hosts, call "
+       << c.seq << ")";
+    fail(c, os.str(), kFailMismatch);
+  }
+  if (r->status != UCS_OK) {
+    std::ostringstream os;
+    os << "between the hosts: " << c.what() << ": a " << (r->is_recv ? "receive from" : "send to") << " rank "
+       << r->peer << " failed: " << ucx::status_text(r->status) << " (rank " << r->peer << " stopped responding)";
+    fail(c, os.str(), kFailPeer);
+  }
+  if (r->is_recv) check_header(c, r);
+}
+
+void HostLanes::check_header(LaneCall& c, LaneRequest* r) {
+  if (r->checked) return;
+  r->checked = true;
+  const LaneHeader& h = r->head;
+  const LaneHeader mine = header_of(c, r->chunk, r->expect);
+  const bool same_call = h.magic == kMagic && h.op == mine.op && h.type == mine.type && h.seq == mine.seq &&
+                         h.word == mine.word && h.count == mine.count && h.user_count == mine.user_count &&
+                         h.root == mine.root;
+  if (same_call && h.chunk == mine.chunk && h.bytes == mine.bytes && h.sender == r->peer) return;
+  std::ostringstream os;
+  if (h.magic != kMagic || h.sender != r->peer) {
+    os << "between the hosts: " << c.what() << ": rank " << r->peer << " sent a message that is not ncclavg's "
+       << "(or of another version)";
+    fail(c, os.str(), kFailPeer);
+  }
+  std::string theirs = describe(h), ours = describe(mine);
+  if (same_call || theirs == ours) {   // the same user call, different wire calls or chunks
+    theirs += " (chunk " + std::to_string(h.chunk) + " of " + std::to_string(h.bytes) + " bytes)";
+    ours += " (chunk " + std::to_string(mine.chunk) + " of " + std::to_string(mine.bytes) + " bytes)";
+  }
+  os << "collectives out of step: rank " << layout_.rank << " called " << ours << ", rank " << r->peer
+     << " called " << theirs
+     << ": every rank must call the same collectives, with the same sizes, dtypes, ops and roots, in the same "
+        "order (between the hosts, call "
+     << c.seq << ")";
+  fail(c, os.str(), kFailMismatch);
+}
+
+std::string HostLanes::describe(const LaneHeader& h) const {
+  if (h.word != 0) {
+    ShmCallTag t;
+    t.word = h.word;
+    t.count = h.user_count;
+    return describe_call(t);
+  }
+  static const char* ops[] = {"all_reduce_sum", "broadcast", "all_gather", "reduce_scatter_sum", "barrier"};
+  std::ostringstream os;
+  os << (h.op < 5 ? ops[h.op] : "unknown");
+  if (h.op != static_cast<uint16_t>(LaneOp::kCheck))
+    os << " of " << h.count << " " << type_name(static_cast<ShmType>(h.type < 4 ? h.type : 0));
+  if (h.root >= 0) os << " from root " << h.root;
+  return os.str();
+}
+
+// ---------------------------------------------------------------------- failure
+void HostLanes::fail(LaneCall& c, const std::string& why, int kind, bool) {
+  {
+    std::lock_guard<std::mutex> lock(failure_mu_);
+    if (!failed_.load()) {
+      failure_ = why;
+      failure_kind_ = kind;
+      failed_.store(true);
+    }
+  }
+  c.failed = true;
+  if (!told_peers_) {   // once: the first failure is what every rank hears
+    told_peers_ = true;
+    tell_peers(kind, why);
+    close_endpoints();
+  }
+  if (channel_ != nullptr) channel_->abort(why, kind == kFailMismatch);
+  throw_failure();
+}
+
+void HostLanes::fail_from_channel(LaneCall& c, const std::string& why, int kind) {
+  try {
+    fail(c, why, kind);
+  } catch (...) {
+  }
+}
+
+void HostLanes::throw_failure() const {
+  std::string why;
+  int kind;
+  {
+    std::lock_guard<std::mutex> lock(failure_mu_);
+    why = failure_;
+    kind = failure_kind_;
+  }
+  if (kind == kFailMismatch) throw ShmMismatchError(why);
+  if (kind == kFailTimeout) throw ShmTimeoutError(why);
+  throw ShmPeerError(why);
+}
+
+std::string HostLanes::failure() const {
+  std::lock_guard<std::mutex> lock(failure_mu_);
+  return failure_;
+}
+
+void HostLanes::abort(const std::string& why) {
+  std::lock_guard<std::mutex> lock(failure_mu_);
+  if (abort_requested_.load()) return;
+  abort_why_ = why;
+  abort_requested_.store(true);
+  if (worker_ != nullptr) ucx::api().worker_signal(worker_);
+}
+
+// ---------------------------------------------------------------------- one call
+LaneCall::LaneCall(HostLanes& e, LaneOp op_in, int type_in, int64_t count_in, int root_in, double timeout,
+                   ShmCallTag tag_in, bool host_steps)
+    : engine(e), op(op_in), type(type_in), count(count_in), root(root_in), timeout_s(timeout), tag(tag_in),
+      with_host(host_steps) {
+  NCCLAVG_CHECK_ARG(timeout > 0 && timeout < 1e9, "timeout_s", "must be > 0, got ", timeout);
+  NCCLAVG_CHECK_ARG(count >= 0, "count", "must be >= 0, got ", count);
+  if (op != LaneOp::kCheck) check_call_tag(tag, "tag");
+  deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(timeout));
+}
+
+LaneRequest* LaneCall::make_request(int peer, int lane, int kind, int64_t chunk, bool recv) {
+  requests.push_back(std::make_unique<LaneRequest>());
+  LaneRequest* r = requests.back().get();
+  r->peer = peer;
+  r->lane = lane;
+  r->kind = kind;
+  r->chunk = chunk;
+  r->is_recv = recv;
+  return r;
+}
+
+LaneRequest* LaneCall::hello_from(int peer, int lane) {
+  for (LaneRequest* h : hellos)
+    if (h->peer == peer && h->lane == lane) return h;
+  return nullptr;
+}
+
+std::string LaneCall::what() const { return engine.describe(engine.header_of(*this, 0, 0)); }
+
+void HostLanes::release(LaneCall& c) {
+  const ucx::Api& u = ucx::api();
+  bool stuck = false;
+  for (auto& r : c.requests) {
+    if (r->ucp == nullptr) continue;
+    if (!r->done) {   // a failed call's: no callback reaches it once freed (its endpoint is closed)
+      if (r->is_recv) u.request_cancel(worker_, r->ucp);
+      stuck = true;
+    }
+    u.request_free(r->ucp);
+    r->ucp = nullptr;
+  }
+  if (stuck) {   // kept while UCX may still read a header of theirs
+    for (auto& r : c.requests) graveyard_.push_back(std::move(r));
+  }
+  c.requests.clear();
+}
+
+// Runs one call: refuses it after a failure, sends and receives the hellos around `body`, and makes any
+// failure inside it (this process's, the channel's) the engine's.
+void HostLanes::run_checked(LaneCall& c, const std::function<void()>& body) {
+  if (failed_.load()) throw_failure();
+  c.seq = ++seq_;
+  try {
+    // the hellos: one each way per lane and peer (Note [Lanes between hosts])
+    for (int k : layout_.lanes_of(layout_.local))
+      for (int h = 0; h < layout_.nhosts(); ++h) {
+        if (h == layout_.host) continue;
+        const int peer = layout_.carrier(h, k);
+        c.hellos.push_back(post_recv(c, peer, k, kKindHello, -1, nullptr, 0));
+        if (c.op != LaneOp::kCheck) c.sends.push_back(post_send(c, peer, k, kKindHello, -1, nullptr, 0));
+      }
+    body();
+    if (c.op == LaneOp::kCheck) {   // a barrier's hello says the whole host has arrived: sent after its round
+      for (LaneRequest* h : c.hellos) c.sends.push_back(post_send(c, h->peer, h->lane, kKindHello, -1, nullptr, 0));
+    }
+    for (LaneRequest* r : c.hellos) wait(c, r);
+    for (LaneRequest* r : c.sends) wait(c, r);
+  } catch (const ShmMismatchError& e) {
+    if (!c.failed) fail_from_channel(c, e.what(), kFailMismatch);
+    release(c);
+    throw;
+  } catch (const ShmTimeoutError& e) {
+    if (!c.failed) fail_from_channel(c, e.what(), kFailTimeout);
+    release(c);
+    throw;
+  } catch (const std::exception& e) {
+    if (!c.failed) fail_from_channel(c, e.what(), kFailPeer);
+    release(c);
+    throw;
+  }
+  release(c);
+}
+
+}  // namespace cpu
+}  // namespace ncclavg

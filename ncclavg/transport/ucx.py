@@ -1,0 +1,218 @@
+"""The transport between hosts on UCX (transport "shm+ucx"): each host's shared-memory channel inside it,
+the core's native lanes between the hosts (Note [Lanes between hosts] in csrc/transport/host_lanes.cpp,
+Note [The lanes' pipeline] in csrc/transport/host_lanes_collectives.cpp). `UcxHostsTransport` offers the
+primitives of `ShmTransport` under the same names, so that the runners' jobs (paths.py) call either;
+host_setup.py makes it, and falls back to the gloo lanes (hosts.py) when UCX is absent or does not start.
+
+Note [Choosing UCX between hosts]
+NCCLAVG_UCX=auto (the default) uses UCX between hosts when libucp loads and every rank's lanes connect,
+else gloo's lanes, saying why once; =1 makes that an error; =0 keeps gloo. libucp comes from
+NCCLAVG_UCX_LIBRARY (a system UCX: RDMA), the libucx wheel (`pip install ncclavg[hosts]`), or the system
+loader path. The lanes use UCX's network transports only (NCCLAVG_UCX_TLS, default "tcp"): processes that
+stand for hosts on one machine share its memory, and a shared-memory transport would skip the link being
+measured. NCCLAVG_HOSTS_IFNAME (else GLOO_SOCKET_IFNAME) lists the interfaces, comma-separated: lane k goes
+over interface k % count, so every listed NIC carries traffic when a host runs as many processes as NICs
+(a process that carries several lanes gets all of theirs).
+"""
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Any, Callable, List, Optional
+
+import torch
+
+from .._ext import _C
+from ..buffers import channel_type_code
+from ..errors import CommError
+from .calls import Call
+from .host_pipes import chunk_bytes, depth
+from .shm import tag
+
+_SETTINGS = {"0": "off", "off": "off", "1": "on", "on": "on", "auto": "auto", "": "auto"}
+# UCX transports that move data through this machine's memory, never over a link (Note [Choosing UCX
+# between hosts])
+_LOCAL_TLS = ("sm", "shm", "posix", "sysv", "cma", "knem", "xpmem", "self", "all")
+_warned: set = set()
+
+
+def setting() -> str:
+    """NCCLAVG_UCX as "off", "on" or "auto"."""
+    raw = os.environ.get("NCCLAVG_UCX", "auto").strip().lower()
+    if raw not in _SETTINGS:
+        raise ValueError(f"NCCLAVG_UCX must be 0, 1 or auto, got '{raw}'")
+    return _SETTINGS[raw]
+
+
+def transports() -> str:
+    """NCCLAVG_UCX_TLS (default "tcp"), refused when it names a transport through local memory."""
+    raw = os.environ.get("NCCLAVG_UCX_TLS", "tcp").strip()
+    names = [n.strip() for n in raw.split(",") if n.strip()]
+    bad = [n for n in names if n.lstrip("^") in _LOCAL_TLS]
+    if not names or bad:
+        raise ValueError(f"NCCLAVG_UCX_TLS must list UCX network transports (tcp, rc, ud, dc, ...), got '{raw}'"
+                         + (f": {', '.join(bad)} would move data through this machine's memory" if bad else ""))
+    return ",".join(names)
+
+
+def interfaces() -> List[str]:
+    """NCCLAVG_HOSTS_IFNAME, else GLOO_SOCKET_IFNAME, split at commas ([] : UCX chooses)."""
+    raw = os.environ.get("NCCLAVG_HOSTS_IFNAME", "").strip() or os.environ.get("GLOO_SOCKET_IFNAME", "").strip()
+    return [n.strip() for n in raw.split(",") if n.strip()]
+
+
+def devices_for(lanes: List[int], nics: List[str]) -> str:
+    """UCX_NET_DEVICES for a process carrying `lanes`: interface k % len(nics) of each lane k."""
+    if not nics:
+        return ""
+    chosen: List[str] = []
+    for k in lanes:
+        nic = nics[k % len(nics)]
+        if nic not in chosen:
+            chosen.append(nic)
+    return ",".join(chosen)
+
+
+def candidates() -> List[str]:
+    """Where libucp is looked for, in order (Note [Finding UCX] in csrc/transport/ucx_api.cpp)."""
+    out = []
+    explicit = os.environ.get("NCCLAVG_UCX_LIBRARY", "").strip()
+    if explicit:
+        out.append(explicit)
+    try:
+        import libucx   # the libucx-cu12 / -cu13 wheel
+
+        lib = os.path.join(os.path.dirname(libucx.__file__), "lib", "libucp.so.0")
+        if os.path.isfile(lib):
+            out.append(lib)
+    except ImportError:
+        pass
+    out.append("libucp.so.0")
+    return out
+
+
+def load() -> dict:
+    """Loads libucp once per process: {"loaded", "path", "version", "error"}."""
+    return dict(_C.ucx_load(candidates()))
+
+
+def info() -> dict:
+    """What `ncclavg info` shows of the engine between hosts: whether it would be used, UCX's version and
+    path (or why not), its transports and interfaces."""
+    out: dict = {"setting": os.environ.get("NCCLAVG_UCX", "auto") or "auto"}
+    try:
+        out["engine"] = "gloo" if setting() == "off" else "ucx"
+        out["tls"] = transports()
+    except ValueError as e:
+        out.update(engine="gloo", error=str(e))
+        return out
+    if out["engine"] == "ucx":
+        found = load()
+        out.update(loaded=found["loaded"], version=found["version"], path=found["path"])
+        if not found["loaded"]:
+            out.update(engine="gloo", error=found["error"])
+    out["interfaces"] = interfaces() or "UCX's choice"
+    return out
+
+
+def say_once(text: str) -> None:
+    if text not in _warned:
+        _warned.add(text)
+        warnings.warn(text, RuntimeWarning, stacklevel=4)
+
+
+def start(hosts: List[List[int]], rank: int, channel: Any, exchange: Callable[[Any], list],
+          timeout: float) -> Optional["UcxHostsTransport"]:
+    """Collective over the group: the lanes on UCX when every rank started them, else None (the caller
+    falls back to gloo's lanes, and this says why, once). Two exchanges: every rank's address or error,
+    then every rank's outcome of connecting (its hello with each peer)."""
+    mode = setting()
+    lanes, error = None, ""
+    if mode != "off":
+        try:
+            found = load()
+            if not found["loaded"]:
+                raise RuntimeError(found["error"])
+            layout = _C.LaneLayout(hosts, rank)
+            mine = layout.lanes_of(layout.local)
+            lanes = _C.HostLanes(hosts, rank, channel, transports(), devices_for(mine, interfaces()), chunk_bytes(),
+                                 depth())
+        except (RuntimeError, ValueError) as e:
+            error = f"rank {rank}: {e}"
+    offers = exchange((lanes.address if lanes is not None else b"", error))
+    errors = [e for _, e in offers if e]
+    if mode == "off":
+        return None
+    if not errors:
+        try:
+            lanes.connect([a for a, _ in offers], min(timeout, 60.0))   # type: ignore[union-attr]
+        except (RuntimeError, ValueError, TimeoutError) as e:
+            error = f"rank {rank}: the lanes between the hosts did not connect: {e}"
+        errors = [e for e in exchange(error) if e]
+    if errors:
+        why = f"UCX between the hosts did not start ({errors[0]})"
+        if mode == "on":
+            raise CommError(f"NCCLAVG_UCX=1 but {why}")
+        say_once(f"ncclavg: gloo carries the traffic between hosts: {why}")
+        return None
+    return UcxHostsTransport(channel, rank, sum(len(h) for h in hosts), hosts, lanes)
+
+
+class UcxHostsTransport:
+    """The processes of a group on several hosts, with the core's lanes on UCX between them: `channel` this
+    host's (None when this process is alone on its host), `lanes` the core's HostLanes. Its primitives are
+    ShmTransport's, each one call into the core (one native loop, the GIL released)."""
+
+    channel = None   # no one channel over every process: the fast paths are off
+    # the lanes' errors name the rank they lost or the peer that said why (Note [Failures are told by type])
+    names_peers = True
+
+    def __init__(self, channel: Any, rank: int, world_size: int, hosts: List[List[int]], lanes: Any):
+        self._channel, self.lanes = channel, lanes
+        # "ucx": every process alone on its host (no channel anywhere)
+        self.kind = "shm+ucx" if max(len(h) for h in hosts) > 1 else "ucx"
+        self.rank, self.world_size, self.hosts = rank, world_size, hosts
+
+    def all_reduce_sum(self, t: torch.Tensor, limit: float, call: Optional[Call] = None,
+                       divisor: float = 1.0, check_finite: bool = False) -> None:
+        """t = the sum over every rank of every host, the same bits on every rank; `check_finite` is not
+        answered between hosts (None: the step's reader scans)."""
+        if divisor != 1.0:
+            raise ValueError("divisor: between hosts the sum is not divided in the pass")
+        self.lanes.all_reduce_sum(t.data_ptr(), t.numel(), channel_type_code(t.dtype), limit, *tag(call))
+
+    def reduce_scatter_sum(self, out: torch.Tensor, inp: torch.Tensor, limit: float, call: Optional[Call] = None,
+                           divisor: float = 1.0) -> None:
+        if divisor != 1.0:
+            raise ValueError("divisor: between hosts the sum is not divided in the pass")
+        self.lanes.reduce_scatter_sum(inp.data_ptr(), out.data_ptr(), out.numel(), channel_type_code(out.dtype), limit,
+                                      *tag(call))
+
+    def all_gather(self, out: torch.Tensor, inp: torch.Tensor, limit: float, call: Optional[Call] = None) -> None:
+        self.lanes.all_gather(inp.data_ptr(), out.data_ptr(), inp.numel(), channel_type_code(inp.dtype), limit,
+                              *tag(call))
+
+    def broadcast(self, t: torch.Tensor, root: int, limit: float, call: Optional[Call] = None) -> None:
+        self.lanes.broadcast(t.data_ptr(), t.numel(), channel_type_code(t.dtype), int(root), limit, *tag(call))
+
+    def check(self, call: Call, limit: float) -> None:
+        self.lanes.check(limit, *tag(call))
+
+    def broadcasts_from(self, root: int) -> bool:
+        return 0 <= root < self.world_size
+
+    def divides(self) -> bool:
+        return False
+
+    def stalled_on(self) -> str:
+        """"": the rank this process waits for may itself wait on another; the heartbeats name the lost one."""
+        return ""
+
+    def abort(self, why: str, mismatch: bool = False) -> None:
+        """Ends this process's waits with `why`, and tells its peers and its host's channel."""
+        if self._channel is not None:
+            self._channel.abort(why, mismatch)
+        self.lanes.abort(why)
+
+    def close(self) -> None:
+        pass
