@@ -50,7 +50,7 @@ import hosts_net as net_mod  # noqa: E402
 import hosts_report as report  # noqa: E402
 import hosts_tcp  # noqa: E402
 
-CONTENDERS = ("gloo", "ncclavg", "ncclavg-api", "mpi", "mpi-tcp")
+CONTENDERS = ("gloo", "ncclavg", "ncclavg-gloo", "ncclavg-api", "mpi", "mpi-tcp")
 DEFAULT_SIZES = "4K,256K,4M,32M"
 DEFAULT_PLAN = ("2x2@2500:0.1", "2x1@2500:0.1", "2x2@1000:0.5")
 

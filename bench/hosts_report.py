@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import statistics
 
-LABELS = {"gloo": "gloo", "ncclavg": "ncclavg", "ncclavg-api": "ncclavg API", "mpi": "Open MPI",
+LABELS = {"gloo": "gloo", "ncclavg": "ncclavg", "ncclavg-gloo": "ncclavg, gloo lanes", "ncclavg-api": "ncclavg API",
+          "mpi": "Open MPI",
           "mpi-tcp": "Open MPI tcp"}
 MPIS = ("mpi", "mpi-tcp")
 

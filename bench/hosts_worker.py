@@ -31,7 +31,7 @@ from pathlib import Path
 
 NIC_USES = ("one", "per-rank", "all")
 COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "reduce_scatter")
-TORCH_CONTENDERS = ("gloo", "ncclavg", "ncclavg-api")
+TORCH_CONTENDERS = ("gloo", "ncclavg", "ncclavg-gloo", "ncclavg-api")
 MPI_CONTENDERS = ("mpi", "mpi-tcp")
 
 
@@ -75,7 +75,9 @@ class Torch:
         self.host = int(os.environ["GROUP_RANK"])
         os.environ["GLOO_SOCKET_IFNAME"] = gloo_ifname(args.ifnames, args.nic_use, self.local_rank)
         timeout = datetime.timedelta(seconds=args.timeout)
-        backend = "ncclavg" if args.contender == "ncclavg" else "gloo"
+        backend = "ncclavg" if args.contender in ("ncclavg", "ncclavg-gloo") else "gloo"
+        if args.contender == "ncclavg-gloo":   # the ncclavg backend with gloo's lanes between the hosts
+            os.environ["NCCLAVG_UCX"] = "0"
         dist.init_process_group(backend, timeout=timeout)
         self.comm = None
         if args.contender == "ncclavg-api":
@@ -92,7 +94,7 @@ class Torch:
         between them; "gloo": every process alone on its host), as the group or Communicator says."""
         if self.comm is not None:
             return getattr(self.comm, "transport", None)
-        if contender != "ncclavg":
+        if contender not in ("ncclavg", "ncclavg-gloo"):
             return "gloo"
         pg = self.dist.group.WORLD
         try:

@@ -5,6 +5,7 @@ import glob
 import os
 import sys
 import threading
+from typing import List
 
 try:
     from . import _C  # noqa: F401  (the compiled core)
@@ -110,3 +111,92 @@ def nccl_unique_id() -> bytes:
     """A fresh 128-byte ncclUniqueId for `NcclComm.init_rank` (rank 0 makes it, every rank uses it)."""
     nccl_comm_class()
     return bytes(_C.nccl_unique_id())
+
+
+# ---------------------------------------------------------------------- UCX between hosts
+# Finding and loading libucp (Note [Finding UCX] in csrc/transport/ucx_api.cpp) and the settings of the
+# lanes between hosts (Note [Choosing UCX between hosts] in transport/ucx.py): what `ncclavg info` shows
+# and transport/ucx.py starts from.
+_SETTINGS = {"0": "off", "off": "off", "1": "on", "on": "on", "auto": "auto", "": "auto"}
+# UCX transports that move data through this machine's memory, never over a link (Note [Choosing UCX
+# between hosts])
+_LOCAL_TLS = ("sm", "shm", "posix", "sysv", "cma", "knem", "xpmem", "self", "all")
+
+
+def ucx_setting() -> str:
+    """NCCLAVG_UCX as "off", "on" or "auto"."""
+    raw = os.environ.get("NCCLAVG_UCX", "auto").strip().lower()
+    if raw not in _SETTINGS:
+        raise ValueError(f"NCCLAVG_UCX must be 0, 1 or auto, got '{raw}'")
+    return _SETTINGS[raw]
+
+
+def ucx_transports() -> str:
+    """NCCLAVG_UCX_TLS (default "tcp"), refused when it names a transport through local memory."""
+    raw = os.environ.get("NCCLAVG_UCX_TLS", "tcp").strip()
+    names = [n.strip() for n in raw.split(",") if n.strip()]
+    bad = [n for n in names if n.lstrip("^") in _LOCAL_TLS]
+    if not names or bad:
+        raise ValueError(f"NCCLAVG_UCX_TLS must list UCX network transports (tcp, rc, ud, dc, ...), got '{raw}'"
+                         + (f": {', '.join(bad)} would move data through this machine's memory" if bad else ""))
+    return ",".join(names)
+
+
+def hosts_interfaces() -> List[str]:
+    """NCCLAVG_HOSTS_IFNAME, else GLOO_SOCKET_IFNAME, split at commas ([] : UCX chooses)."""
+    raw = os.environ.get("NCCLAVG_HOSTS_IFNAME", "").strip() or os.environ.get("GLOO_SOCKET_IFNAME", "").strip()
+    return [n.strip() for n in raw.split(",") if n.strip()]
+
+
+def devices_for(lanes: List[int], nics: List[str]) -> str:
+    """UCX_NET_DEVICES for a process carrying `lanes`: interface k % len(nics) of each lane k."""
+    if not nics:
+        return ""
+    chosen: List[str] = []
+    for k in lanes:
+        nic = nics[k % len(nics)]
+        if nic not in chosen:
+            chosen.append(nic)
+    return ",".join(chosen)
+
+
+def ucx_candidates() -> List[str]:
+    """Where libucp is looked for, in order (Note [Finding UCX] in csrc/transport/ucx_api.cpp)."""
+    out = []
+    explicit = os.environ.get("NCCLAVG_UCX_LIBRARY", "").strip()
+    if explicit:
+        out.append(explicit)
+    try:
+        import libucx   # the libucx-cu12 / -cu13 wheel
+
+        lib = os.path.join(os.path.dirname(libucx.__file__), "lib", "libucp.so.0")
+        if os.path.isfile(lib):
+            out.append(lib)
+    except ImportError:
+        pass
+    out.append("libucp.so.0")
+    return out
+
+
+def ucx_load() -> dict:
+    """Loads libucp once per process: {"loaded", "path", "version", "error"}."""
+    return dict(_C.ucx_load(ucx_candidates()))
+
+
+def ucx_info() -> dict:
+    """What `ncclavg info` shows of the engine between hosts: whether it would be used, UCX's version and
+    path (or why not), its transports and interfaces."""
+    out: dict = {"setting": os.environ.get("NCCLAVG_UCX", "auto") or "auto"}
+    try:
+        out["engine"] = "gloo" if ucx_setting() == "off" else "ucx"
+        out["tls"] = ucx_transports()
+    except ValueError as e:
+        out.update(engine="gloo", error=str(e))
+        return out
+    if out["engine"] == "ucx":
+        found = ucx_load()
+        out.update(loaded=found["loaded"], version=found["version"], path=found["path"])
+        if not found["loaded"]:
+            out.update(engine="gloo", error=found["error"])
+    out["interfaces"] = hosts_interfaces() or "UCX's choice"
+    return out

@@ -9,6 +9,7 @@ import platform
 from pathlib import Path
 
 from ._ext import _C, nccl_info
+from ._ext import ucx_info
 from ._version import __version__
 
 
@@ -141,6 +142,7 @@ def build_info() -> dict:
         "build": build_record(),
         "cuda_hint": cuda_hint(bool(core["cuda"])),
         "nccl": nccl_info(),
+        "between_hosts": ucx_info(),
         "simd_level": core["simd_level"],
         "simd_best_supported": core["simd_best_supported"],
         "simd_levels_supported": list(_C.simd_levels_supported()),
@@ -193,6 +195,7 @@ def format_info(info: dict) -> str:
         ("CUDA driver", driver_line),
         ("devices", f"{info['device_count']}" + (": " + ", ".join(info["devices"]) if info["devices"] else "")),
         ("NCCL", nccl_line),
+        ("between hosts", _hosts_line(info["between_hosts"])),
         ("SIMD", f"{simd} (supported: {', '.join(info['simd_levels_supported'])})"),
         ("OpenMP threads", str(info["openmp_threads"])),
         ("compiler", info["compiler"]),
@@ -203,6 +206,15 @@ def format_info(info: dict) -> str:
         ("numpy", info["numpy"] or "not importable"),
     ]
     return "\n".join(f"{k:<{LABEL_WIDTH}}  {v}" for k, v in rows)
+
+
+def _hosts_line(h: dict) -> str:
+    """The engine between hosts: UCX's version, path, transports and interfaces, or why gloo."""
+    if h["engine"] == "ucx":
+        return (f"UCX {h['version']} from {h['path']} (transports {h['tls']}, interfaces "
+                f"{h['interfaces'] if isinstance(h['interfaces'], str) else ','.join(h['interfaces'])})")
+    why = h.get("error") or "NCCLAVG_UCX=0"
+    return "gloo: " + CONTINUED.join(line.strip() for line in why.splitlines() if line.strip())
 
 
 def env_overrides() -> dict:

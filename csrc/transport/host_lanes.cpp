@@ -358,8 +358,11 @@ void HostLanes::step(LaneCall& c, int waited) {
   poll(&pfd, 1, static_cast<int>(std::min<int64_t>(left, 100)));
 }
 
-// What can end a call while it waits: an abort (this process's, or a peer's message), a broken endpoint.
+// What can end a call while it waits: an abort (this process's, or a peer's message), a broken endpoint,
+// a peer's hello that names another call (its data may never come: a broadcast whose roots differ).
 void HostLanes::check_events(LaneCall& c) {
+  for (LaneRequest* h : c.hellos)
+    if (h->done && !h->checked) check_done(c, h);
   if (abort_requested_.load()) {
     std::string why;
     {

@@ -26,7 +26,7 @@ typedef enum {
   UCS_ERR_CONNECTION_RESET = -25,
   UCS_ERR_ENDPOINT_TIMEOUT = -80,
   UCS_ERR_LAST = -100
-} ucs_status_t;
+} __attribute__((packed)) ucs_status_t;  // UCS_S_PACKED, as UCX declares it: one signed byte
 typedef void* ucs_status_ptr_t;
 typedef enum { UCS_THREAD_MODE_SINGLE = 0, UCS_THREAD_MODE_SERIALIZED = 1, UCS_THREAD_MODE_MULTI = 2 } ucs_thread_mode_t;
 

@@ -16,7 +16,6 @@ over interface k % count, so every listed NIC carries traffic when a host runs a
 """
 from __future__ import annotations
 
-import os
 import warnings
 from typing import Any, Callable, List, Optional
 
@@ -25,94 +24,12 @@ import torch
 from .._ext import _C
 from ..buffers import channel_type_code
 from ..errors import CommError
+from .._ext import devices_for, hosts_interfaces, ucx_load, ucx_setting, ucx_transports
 from .calls import Call
 from .host_pipes import chunk_bytes, depth
 from .shm import tag
 
-_SETTINGS = {"0": "off", "off": "off", "1": "on", "on": "on", "auto": "auto", "": "auto"}
-# UCX transports that move data through this machine's memory, never over a link (Note [Choosing UCX
-# between hosts])
-_LOCAL_TLS = ("sm", "shm", "posix", "sysv", "cma", "knem", "xpmem", "self", "all")
 _warned: set = set()
-
-
-def setting() -> str:
-    """NCCLAVG_UCX as "off", "on" or "auto"."""
-    raw = os.environ.get("NCCLAVG_UCX", "auto").strip().lower()
-    if raw not in _SETTINGS:
-        raise ValueError(f"NCCLAVG_UCX must be 0, 1 or auto, got '{raw}'")
-    return _SETTINGS[raw]
-
-
-def transports() -> str:
-    """NCCLAVG_UCX_TLS (default "tcp"), refused when it names a transport through local memory."""
-    raw = os.environ.get("NCCLAVG_UCX_TLS", "tcp").strip()
-    names = [n.strip() for n in raw.split(",") if n.strip()]
-    bad = [n for n in names if n.lstrip("^") in _LOCAL_TLS]
-    if not names or bad:
-        raise ValueError(f"NCCLAVG_UCX_TLS must list UCX network transports (tcp, rc, ud, dc, ...), got '{raw}'"
-                         + (f": {', '.join(bad)} would move data through this machine's memory" if bad else ""))
-    return ",".join(names)
-
-
-def interfaces() -> List[str]:
-    """NCCLAVG_HOSTS_IFNAME, else GLOO_SOCKET_IFNAME, split at commas ([] : UCX chooses)."""
-    raw = os.environ.get("NCCLAVG_HOSTS_IFNAME", "").strip() or os.environ.get("GLOO_SOCKET_IFNAME", "").strip()
-    return [n.strip() for n in raw.split(",") if n.strip()]
-
-
-def devices_for(lanes: List[int], nics: List[str]) -> str:
-    """UCX_NET_DEVICES for a process carrying `lanes`: interface k % len(nics) of each lane k."""
-    if not nics:
-        return ""
-    chosen: List[str] = []
-    for k in lanes:
-        nic = nics[k % len(nics)]
-        if nic not in chosen:
-            chosen.append(nic)
-    return ",".join(chosen)
-
-
-def candidates() -> List[str]:
-    """Where libucp is looked for, in order (Note [Finding UCX] in csrc/transport/ucx_api.cpp)."""
-    out = []
-    explicit = os.environ.get("NCCLAVG_UCX_LIBRARY", "").strip()
-    if explicit:
-        out.append(explicit)
-    try:
-        import libucx   # the libucx-cu12 / -cu13 wheel
-
-        lib = os.path.join(os.path.dirname(libucx.__file__), "lib", "libucp.so.0")
-        if os.path.isfile(lib):
-            out.append(lib)
-    except ImportError:
-        pass
-    out.append("libucp.so.0")
-    return out
-
-
-def load() -> dict:
-    """Loads libucp once per process: {"loaded", "path", "version", "error"}."""
-    return dict(_C.ucx_load(candidates()))
-
-
-def info() -> dict:
-    """What `ncclavg info` shows of the engine between hosts: whether it would be used, UCX's version and
-    path (or why not), its transports and interfaces."""
-    out: dict = {"setting": os.environ.get("NCCLAVG_UCX", "auto") or "auto"}
-    try:
-        out["engine"] = "gloo" if setting() == "off" else "ucx"
-        out["tls"] = transports()
-    except ValueError as e:
-        out.update(engine="gloo", error=str(e))
-        return out
-    if out["engine"] == "ucx":
-        found = load()
-        out.update(loaded=found["loaded"], version=found["version"], path=found["path"])
-        if not found["loaded"]:
-            out.update(engine="gloo", error=found["error"])
-    out["interfaces"] = interfaces() or "UCX's choice"
-    return out
 
 
 def say_once(text: str) -> None:
@@ -126,23 +43,22 @@ def start(hosts: List[List[int]], rank: int, channel: Any, exchange: Callable[[A
     """Collective over the group: the lanes on UCX when every rank started them, else None (the caller
     falls back to gloo's lanes, and this says why, once). Two exchanges: every rank's address or error,
     then every rank's outcome of connecting (its hello with each peer)."""
-    mode = setting()
+    mode = ucx_setting()   # (a setting that is wrong raises here, on every rank alike)
+    tls, nics, chunk, ahead = ucx_transports(), hosts_interfaces(), chunk_bytes(), depth()
+    if mode == "off":   # (the setting is the job's: every rank returns here)
+        return None
     lanes, error = None, ""
-    if mode != "off":
-        try:
-            found = load()
-            if not found["loaded"]:
-                raise RuntimeError(found["error"])
-            layout = _C.LaneLayout(hosts, rank)
-            mine = layout.lanes_of(layout.local)
-            lanes = _C.HostLanes(hosts, rank, channel, transports(), devices_for(mine, interfaces()), chunk_bytes(),
-                                 depth())
-        except (RuntimeError, ValueError) as e:
-            error = f"rank {rank}: {e}"
+    try:
+        found = ucx_load()
+        if not found["loaded"]:
+            raise RuntimeError(found["error"])
+        layout = _C.LaneLayout(hosts, rank)
+        mine = layout.lanes_of(layout.local)
+        lanes = _C.HostLanes(hosts, rank, channel, tls, devices_for(mine, nics), chunk, ahead)
+    except (RuntimeError, ValueError) as e:
+        error = f"rank {rank}: {e}"
     offers = exchange((lanes.address if lanes is not None else b"", error))
     errors = [e for _, e in offers if e]
-    if mode == "off":
-        return None
     if not errors:
         try:
             lanes.connect([a for a, _ in offers], min(timeout, 60.0))   # type: ignore[union-attr]

@@ -72,7 +72,7 @@ def test_the_default_plan_is_the_baseline(bench):
     link = bench.net_mod.Link
     assert args.plan == [((2, 2), link(2500, 0.1)), ((2, 1), link(2500, 0.1)), ((2, 2), link(1000, 0.5))]
     assert args.sizes == [4 << 10, 256 << 10, 4 << 20, 32 << 20]
-    assert args.contenders == ["gloo", "ncclavg", "ncclavg-api", "mpi", "mpi-tcp"]
+    assert args.contenders == ["gloo", "ncclavg", "ncclavg-gloo", "ncclavg-api", "mpi", "mpi-tcp"]
 
 
 def test_the_network_refuses_shapes_it_cannot_make(bench):

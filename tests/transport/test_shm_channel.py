@@ -182,7 +182,9 @@ def test_transport_settings(monkeypatch):
 def test_processes_on_different_hosts_keep_gloo(monkeypatch):
     from ncclavg.transport.host_setup import connect
 
-    # connect() decides before any exchange when the identities differ: it is handed none
+    # connect() decides before any exchange when the identities differ: it is handed none (with UCX off: its
+    # lanes would start between the hosts, tests/transport/test_ucx_lanes.py)
+    monkeypatch.setenv("NCCLAVG_UCX", "0")
     monkeypatch.setenv("NCCLAVG_SHM", "auto")
     assert connect(0, 2, None, ["host-a", "host-b"], 5.0) is None
     monkeypatch.setenv("NCCLAVG_SHM", "1")

@@ -1,0 +1,110 @@
+"""Bodies of tests/transport/test_ucx_lanes.py: the lanes between (pretend) hosts on UCX through the torch
+face, for what only they do: their calls compared in the first exchange whatever differs, a late peer
+waited for without burning a core, the messages one call costs, the fallback to gloo's lanes."""
+import json
+import os
+import resource
+import time
+
+import torch
+import torch.distributed as dist
+
+from _process_group_workers import init_backend
+
+R = dist.ReduceOp
+
+
+def _report(outdir, rank, res):
+    with open(os.path.join(outdir, f"rank{rank}.json"), "w") as f:
+        json.dump(res, f)
+
+
+def mismatch_job(rank, world, port, layout, outdir, what):
+    """The last host's ranks call something else than the others (`what`: which part of the call differs);
+    every rank must fail naming both calls, within one exchange, and refuse the next call saying why."""
+    init_backend(rank, world, port, timeout_s=30, layout=layout)
+    other = layout[rank] == layout[-1]
+    n = 5000
+    t0 = time.monotonic()
+    res = {"transport": dist.group.WORLD.transport}
+    try:
+        if what == "dtype":
+            dist.all_reduce(torch.ones(n, dtype=torch.float64 if other else torch.float32))
+        elif what == "op":
+            dist.all_reduce(torch.ones(n), op=R.MAX if other else R.SUM)
+        elif what == "root":
+            dist.broadcast(torch.ones(n), src=0 if other else world - 1)
+        elif what == "collective":
+            if other:
+                dist.broadcast(torch.ones(n), src=0)
+            else:
+                dist.all_reduce(torch.ones(n))
+        else:
+            raise ValueError(what)
+        res["error"] = None
+    except Exception as e:   # noqa: BLE001 (reported for the test to judge)
+        res.update(error=str(e), type=type(e).__name__)
+    res["elapsed"] = time.monotonic() - t0
+    try:
+        dist.all_reduce(torch.ones(4))
+        res["after"] = None
+    except Exception as e:   # noqa: BLE001
+        res["after"] = str(e)
+    _report(outdir, rank, res)
+    from ncclavg.comm import end_process
+
+    end_process(0)   # the group failed: no teardown
+
+
+def late_peer_job(rank, world, port, layout, outdir, late_s):
+    """Rank 0 comes `late_s` late to an all-reduce: the CPU time the others spend waiting for it."""
+    init_backend(rank, world, port, timeout_s=60, layout=layout)
+    x = torch.ones(1024)
+    dist.all_reduce(x)
+    if rank == 0:
+        time.sleep(late_s)
+    before, wall = resource.getrusage(resource.RUSAGE_SELF), time.monotonic()
+    dist.all_reduce(x)
+    after = resource.getrusage(resource.RUSAGE_SELF)
+    cpu = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
+    assert torch.equal(x, torch.full((1024,), float(world * world)))
+    _report(outdir, rank, {"cpu_s": cpu, "wall_s": time.monotonic() - wall, "transport": dist.group.WORLD.transport})
+    dist.barrier()
+
+
+def messages_job(rank, world, port, layout, outdir, chunk_kb):
+    """The messages this rank sends between the hosts for one call of each size: the hello and the data."""
+    os.environ["NCCLAVG_HOSTS_CHUNK_KB"] = str(chunk_kb)
+    init_backend(rank, world, port, timeout_s=60, layout=layout)
+    lanes = dist.group.WORLD._runner.transport.lanes
+    sent = {}
+    for n in (2, 1024, (chunk_kb << 10) // 4 * 3):   # (2: one element per lane)
+        before = lanes.messages_sent
+        t = torch.ones(n)
+        dist.all_reduce(t)
+        assert torch.equal(t, torch.full((n,), float(world)))
+        sent[n] = lanes.messages_sent - before
+    _report(outdir, rank, {"sent": sent, "peers": list(lanes.peers()), "depth": lanes.depth,
+                           "chunk_bytes": lanes.chunk_bytes})
+    dist.barrier()
+
+
+def fallback_job(rank, world, port, layout, outdir):
+    """UCX that cannot start (the environment the test sets): the group says which transport it got."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            init_backend(rank, world, port, timeout_s=30, layout=layout)
+            t = torch.ones(70000)
+            dist.all_reduce(t)
+            assert torch.equal(t, torch.full((70000,), float(world)))
+            res = {"transport": dist.group.WORLD.transport, "error": None}
+        except Exception as e:   # noqa: BLE001
+            res = {"transport": None, "error": str(e), "type": type(e).__name__}
+    res["warnings"] = [str(w.message) for w in caught if "between hosts" in str(w.message)]
+    _report(outdir, rank, res)
+    from ncclavg.comm import end_process
+
+    end_process(0)

@@ -1,0 +1,88 @@
+"""The lanes between hosts on UCX (Note [Lanes between hosts] in csrc/transport/host_lanes.cpp), for what
+only they do, on hosts pretended on one machine (UCX over TCP on loopback): a call that differs in any
+part fails every rank naming both calls within one exchange; a late peer is waited for on UCX's event fd;
+one call sends a hello and its data; UCX that does not start leaves gloo's lanes in charge, saying so
+once (or is an error with NCCLAVG_UCX=1). Their exactness: test_hosts_algorithm.py, whose jobs run on
+them; their faults between namespaces: tests/process_group/test_two_hosts_faults.py."""
+import json
+
+import _ucx_workers as W
+import pytest
+from _dist_util import run_ranks
+
+from ncclavg import _ext as ucx_lib
+
+
+def _reports(tmp_path, world):
+    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
+
+
+@pytest.mark.parametrize("layout, what, names", [
+    ((0, 0, 1, 1), "dtype", ("of 5000 float32", "of 5000 float64")),
+    ((0, 1), "op", ("all_reduce(SUM)", "all_reduce(MAX)")),
+    ((0, 0, 1, 1), "root", ("from root 3", "from root 0")),
+    ((0, 0, 0, 1), "collective", ("all_reduce", "broadcast")),
+])
+def test_a_call_that_differs_between_hosts_fails_every_rank_naming_both(tmp_path, layout, what, names):
+    run_ranks(W.mismatch_job, len(layout), args=(layout, str(tmp_path), what), timeout_s=120)
+    for res in _reports(tmp_path, len(layout)):
+        assert res["transport"] in ("shm+ucx", "ucx"), res
+        assert res["type"] == "BackendMismatchError", res
+        # a rank that compared the calls names both; one its host's channel or a peer told names them too
+        assert all(n in res["error"] for n in names), res["error"]
+        assert res["elapsed"] < 15, res   # one exchange, not the 30 s timeout
+        assert res["after"] is not None and "refused" in res["after"], res["after"]
+
+
+def test_a_late_peer_is_waited_for_without_spinning(tmp_path):
+    layout, late = (0, 1, 1), 3.0
+    run_ranks(W.late_peer_job, len(layout), args=(layout, str(tmp_path), late), timeout_s=120)
+    for rank, res in enumerate(_reports(tmp_path, len(layout))):
+        if rank == 0:
+            continue
+        assert res["wall_s"] > late / 2, res   # it did wait (most of the sleep)
+        # blocked on the event fd: a few wake-ups (one per 100 ms poll), not a spinning core; 10% of the wait
+        # is far above what polling costs and far below the whole core a spinning wait takes
+        assert res["cpu_s"] < 0.10 * res["wall_s"], res
+
+
+def test_one_call_is_a_hello_and_its_data_per_peer(tmp_path):
+    layout = (0, 0, 1, 1)
+    run_ranks(W.messages_job, len(layout), args=(layout, str(tmp_path), 64), timeout_s=120)
+    for res in _reports(tmp_path, len(layout)):
+        peers = len(res["peers"])
+        assert peers == 1, res   # 2 x 2: each rank carries one lane, one peer on the other host
+        # a small call: one hello and one data message to the peer, both sent at once (no record round trip)
+        assert res["sent"]["2"] == res["sent"]["1024"] == 2 * peers, res
+        # 192 KiB in chunks of 64 KiB: three chunks, one data message each (3 + the hello)
+        assert res["sent"][str((64 << 10) // 4 * 3)] == 4 * peers, res
+
+
+@pytest.mark.parametrize("strict", [False, True])
+def test_ucx_that_does_not_start_leaves_gloo_in_charge(tmp_path, monkeypatch, strict):
+    # "rc": InfiniBand, which this machine lacks: UCX loads, and its context finds no transport
+    monkeypatch.setenv("NCCLAVG_UCX_TLS", "rc")
+    monkeypatch.setenv("NCCLAVG_UCX", "1" if strict else "auto")
+    layout = (0, 0, 1, 1)
+    run_ranks(W.fallback_job, len(layout), args=(layout, str(tmp_path)), timeout_s=120)
+    for res in _reports(tmp_path, len(layout)):
+        if strict:
+            assert res["error"] is not None and "NCCLAVG_UCX=1" in res["error"], res
+        else:
+            assert res["error"] is None and res["transport"] == "shm+gloo", res
+            assert len(res["warnings"]) == 1 and "did not start" in res["warnings"][0], res
+
+
+@pytest.mark.parametrize("name, value", [("NCCLAVG_UCX", "maybe"), ("NCCLAVG_UCX_TLS", "tcp,posix"),
+                                         ("NCCLAVG_UCX_TLS", "sm"), ("NCCLAVG_UCX_TLS", " ")])
+def test_bad_settings_name_the_variable(monkeypatch, name, value):
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=name):
+        ucx_lib.ucx_setting() if name == "NCCLAVG_UCX" else ucx_lib.ucx_transports()
+
+
+def test_each_lane_goes_over_its_interface():
+    assert ucx_lib.devices_for([0], ["eth0", "eth1"]) == "eth0"
+    assert ucx_lib.devices_for([1], ["eth0", "eth1"]) == "eth1"
+    assert ucx_lib.devices_for([0, 1, 2], ["eth0", "eth1"]) == "eth0,eth1"   # one process carrying 3 lanes
+    assert ucx_lib.devices_for([0, 1], []) == ""                               # UCX's own choice
