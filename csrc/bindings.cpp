@@ -448,6 +448,7 @@ PYBIND11_MODULE(_C, m) {
       d["error"] = i.error;
       return d;
     }, py::arg("candidates"), "Loads libucp from the first loadable candidate, once per process.");
+    m.attr("HOSTS_WHOLE_BYTES") = cpu::HostLanes::kWholeBytes;
     py::class_<cpu::LaneLayout>(m, "LaneLayout")
         .def(py::init<std::vector<std::vector<int>>, int>(), py::arg("hosts"), py::arg("rank"))
         .def_readonly("lanes", &cpu::LaneLayout::lanes)

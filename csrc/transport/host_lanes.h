@@ -61,6 +61,8 @@ struct LaneCall;
 
 class HostLanes {
  public:
+  // An all-reduce or broadcast of at most this many bytes goes whole, in one exchange (WholePipe).
+  static constexpr int64_t kWholeBytes = 16 << 10;
   // `channel`: this host's channel (nullptr when this process is alone on its host), kept alive by the
   // caller; `tls`, `devices`: UCX_TLS and UCX_NET_DEVICES for this process's context ("" : UCX's own).
   HostLanes(std::vector<std::vector<int>> hosts, int rank, ShmChannel* channel, const std::string& tls,
@@ -123,6 +125,7 @@ class HostLanes {
   void close_endpoints();
   void run_checked(LaneCall& c, const std::function<void()>& body);
   unsigned char* scratch(size_t slot, int64_t bytes);
+  void run_shards(LaneCall& c, uintptr_t data, int root_host, int root_local);
 
   LaneLayout layout_;
   ShmChannel* channel_;

@@ -330,6 +330,62 @@ class ShardPipe : public LanePipeline {
 };
 
 
+// ---------------------------------------------------------------------- a small all-reduce or broadcast
+// Whole, in one exchange and one channel round (Note [The lanes' pipeline]): the host's sum (or the root's
+// data) on every local rank through the channel, then every rank receives every other host's whole from
+// the carrier of its first lane there and adds them in host order. A host's rank j sends to the ranks of
+// each other host whose first lane it carries. No all-gather round after the wire, so no local rank waits
+// for another's messages; a host's data crosses once per local rank of the receiving host, which costs
+// nothing at these sizes and saves the latency of a round on a busy host.
+class WholePipe : public LanePipeline {
+ public:
+  WholePipe(HostLanes& e, LaneCall& c, unsigned char* data, int root_host, int root_local)
+      : LanePipeline(e, c), data_(data), bytes_(c.count * static_cast<int64_t>(type_size(static_cast<ShmType>(c.type)))),
+        root_host_(root_host), root_local_(root_local) {}
+
+ protected:
+  bool sum() const { return root_host_ < 0; }
+  void start(int64_t i) override {
+    const int H = L_.nhosts(), me = L_.host, P = L_.local_size();
+    if (P > 1) {                                                                                    // (1)
+      if (sum())
+        channel()->all_reduce_sum(reinterpret_cast<uintptr_t>(data_), c_.count, c_.type, c_.deadline_left(), 1.0, 1.0,
+                                  c_.tag);
+      else if (me == root_host_)
+        channel()->broadcast(reinterpret_cast<uintptr_t>(data_), c_.count, c_.type, root_local_, c_.deadline_left(),
+                             c_.tag);
+      else
+        channel()->barrier(c_.deadline_left(), c_.tag);   // (the host's calls compared all the same)
+    }
+    if (sum() || me == root_host_) {                                                               // (2)
+      for (int k : L_.lanes_of(L_.local))
+        for (int h = 0; h < H; ++h)
+          if (h != me && k < static_cast<int>(L_.hosts[h].size()))
+            p_.push_back(send(L_.hosts[h][k], k, kKindFirst, i, data_, bytes_));
+    }
+    if (sum()) {
+      rows_ = buf(i, 1, H * bytes_);
+      for (int h = 0; h < H; ++h)
+        if (h != me) p_.push_back(recv(L_.carrier(h, L_.local), L_.local, kKindFirst, i, rows_ + h * bytes_, bytes_));
+    } else if (me != root_host_) {
+      p_.push_back(recv(L_.carrier(root_host_, L_.local), L_.local, kKindFirst, i, data_, bytes_));
+    }
+  }
+  bool advance(int64_t, int& waited) override { return all_done(p_, waited); }
+  void after(int64_t) override {
+    if (!sum()) return;
+    ShmSources srcs(L_.nhosts());
+    for (int h = 0; h < L_.nhosts(); ++h) srcs[h] = h == L_.host ? data_ : rows_ + h * bytes_;
+    sum_into(static_cast<ShmType>(c_.type), data_, nullptr, srcs.data(), L_.nhosts(), c_.count, 1.0, 1.0, nullptr);
+  }
+
+  unsigned char* data_;
+  int64_t bytes_;
+  int root_host_, root_local_;
+  unsigned char* rows_ = nullptr;
+  std::vector<LaneRequest*> p_;
+};
+
 // ---------------------------------------------------------------------- all-gather and reduce-scatter
 // Every rank's slice of `n` elements, chunk [lo, lo + c) of every slice at once. Lane k carries the
 // slices of local rank k of every host that has one, so a rank's own slice leaves its host from it and a
@@ -467,12 +523,22 @@ class SlicePipe : public LanePipeline {
 }  // namespace
 
 // ---------------------------------------------------------------------- entry points
+// An all-reduce or a broadcast: whole when small and not empty, else in shards, pipelined.
+void HostLanes::run_shards(LaneCall& c, uintptr_t data, int root_host, int root_local) {
+  auto* p = reinterpret_cast<unsigned char*>(data);
+  if (c.count > 0 && c.count * static_cast<int64_t>(type_size(static_cast<ShmType>(c.type))) <= kWholeBytes) {
+    WholePipe pipe(*this, c, p, root_host, root_local);
+    run_checked(c, [&] { pipe.run(1); });
+    return;
+  }
+  ShardPipe pipe(*this, c, p, root_host, root_local);
+  run_checked(c, [&] { pipe.run(pipe.chunks()); });
+}
 void HostLanes::all_reduce_sum(uintptr_t data, int64_t count, int type, double timeout_s, ShmCallTag tag) {
   checked_type(type);
   check_span(data, count, "data");
   LaneCall c(*this, LaneOp::kAllReduce, type, count, -1, timeout_s, tag, true);
-  ShardPipe pipe(*this, c, reinterpret_cast<unsigned char*>(data), -1, -1);
-  run_checked(c, [&] { pipe.run(pipe.chunks()); });
+  run_shards(c, data, -1, -1);
 }
 
 void HostLanes::broadcast(uintptr_t data, int64_t count, int type, int root, double timeout_s, ShmCallTag tag) {
@@ -487,8 +553,7 @@ void HostLanes::broadcast(uintptr_t data, int64_t count, int type, int root, dou
       }
   NCCLAVG_CHECK_ARG(root_host >= 0, "root", "is no rank of the group: ", root);
   LaneCall c(*this, LaneOp::kBroadcast, type, count, root, timeout_s, tag, true);
-  ShardPipe pipe(*this, c, reinterpret_cast<unsigned char*>(data), root_host, root_local);
-  run_checked(c, [&] { pipe.run(pipe.chunks()); });
+  run_shards(c, data, root_host, root_local);
 }
 
 void HostLanes::all_gather(uintptr_t in, uintptr_t out, int64_t count, int type, double timeout_s, ShmCallTag tag) {

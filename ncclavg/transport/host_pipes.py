@@ -44,8 +44,9 @@ def _env_int(name: str, default: int, lo: int) -> int:
     return value
 
 
-def chunk_bytes() -> int:
-    return _env_int("NCCLAVG_HOSTS_CHUNK_KB", CHUNK_BYTES >> 10, 1) << 10
+def chunk_bytes(default: int = CHUNK_BYTES) -> int:
+    """NCCLAVG_HOSTS_CHUNK_KB, else `default` (gloo's lanes': CHUNK_BYTES; UCX's: ucx.CHUNK_BYTES)."""
+    return _env_int("NCCLAVG_HOSTS_CHUNK_KB", default >> 10, 1) << 10
 
 
 def chunk_plan(nbytes: int, lanes: int) -> List[int]:
@@ -56,8 +57,8 @@ def chunk_plan(nbytes: int, lanes: int) -> List[int]:
     return [min(size, nbytes - at) for at in range(0, nbytes, size)]
 
 
-def depth() -> int:
-    return _env_int("NCCLAVG_HOSTS_DEPTH", DEPTH, 1)
+def depth(default: int = DEPTH) -> int:
+    return _env_int("NCCLAVG_HOSTS_DEPTH", default, 1)
 
 
 class Layout:

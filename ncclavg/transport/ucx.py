@@ -31,6 +31,20 @@ from .shm import tag
 
 _warned: set = set()
 
+# Note [The lanes' chunk on UCX]
+# CHUNK_BYTES: the bytes of one chunk of a collective between hosts on UCX's lanes (each lane carries its
+# shard of it); DEPTH: the chunks in flight. Swept with bench/hosts.py, 2 hosts x 2 processes, 2500 Mbit/s
+# + 0.1 ms, a 2-core Xeon, one launch of 8 calls each (fraction of the line rate at 4 MiB / 32 MiB):
+# 256 KiB x 4: 0.89 / 0.95; 512 KiB x 4: 0.89 / 0.98; 512 KiB x 8: 0.89 / 0.97; 1 MiB x 2: 0.86 / 0.97;
+# 1 MiB x 4: 0.86 / 0.97; 2 MiB x 2 (gloo's lanes' setting): 0.79 / 0.96. The native loop costs a chunk a
+# few microseconds, so chunks can be small: the pipeline's fill and drain (about one chunk's time on the
+# wire) shrink with them, down to where a chunk's channel rounds and messages start to show (256 KiB).
+# Four in flight keep every lane's connection busy while a chunk's host steps run; more bought nothing.
+# NCCL's proxy (512 KiB steps) and Open MPI's HAN (512 KiB segments) landed on the same size.
+# NCCLAVG_HOSTS_CHUNK_KB and NCCLAVG_HOSTS_DEPTH override them (for both kinds of lanes).
+CHUNK_BYTES = 512 << 10
+DEPTH = 4
+
 
 def say_once(text: str) -> None:
     if text not in _warned:
@@ -44,7 +58,7 @@ def start(hosts: List[List[int]], rank: int, channel: Any, exchange: Callable[[A
     falls back to gloo's lanes, and this says why, once). Two exchanges: every rank's address or error,
     then every rank's outcome of connecting (its hello with each peer)."""
     mode = ucx_setting()   # (a setting that is wrong raises here, on every rank alike)
-    tls, nics, chunk, ahead = ucx_transports(), hosts_interfaces(), chunk_bytes(), depth()
+    tls, nics, chunk, ahead = ucx_transports(), hosts_interfaces(), chunk_bytes(CHUNK_BYTES), depth(DEPTH)
     if mode == "off":   # (the setting is the job's: every rank returns here)
         return None
     lanes, error = None, ""

@@ -108,3 +108,30 @@ def fallback_job(rank, world, port, layout, outdir):
     from ncclavg.comm import end_process
 
     end_process(0)
+
+
+def whole_edge_job(rank, world, port, layout):
+    """All-reduces (SUM of every float type, exact data) and broadcasts (random bytes, every root) around
+    the size up to which they go whole (_C.HOSTS_WHOLE_BYTES) and around the chunks after it: exact, the
+    same bits on every rank."""
+    from _hosts_workers import FLOATS, exact, random_bits
+
+    from ncclavg import _C
+
+    os.environ["NCCLAVG_HOSTS_CHUNK_KB"] = "32"
+    init_backend(rank, world, port, timeout_s=60, layout=layout)
+    edge = _C.HOSTS_WHOLE_BYTES
+    for seed, dtype in enumerate(FLOATS):
+        e = edge // dtype.itemsize
+        for n in (1, e - 1, e, e + 1, 3 * e + 5):
+            xs = [exact(r, n, dtype, seed) for r in range(world)]
+            t = xs[rank].clone()
+            dist.all_reduce(t)
+            assert torch.equal(t, sum(x.double() for x in xs).to(dtype)), (dtype, n)
+    for root in range(world):
+        for n in (edge - 1, edge, edge + 1, 5 * edge + 3):
+            want = random_bits(n, torch.uint8, 100 * root + n)
+            b = want.clone() if rank == root else random_bits(n, torch.uint8, rank)
+            dist.broadcast(b, src=root)
+            assert torch.equal(b, want), (root, n)
+    dist.barrier()

@@ -13,6 +13,12 @@ from _dist_util import run_ranks
 from ncclavg import _ext as ucx_lib
 
 
+# 3 + 1 (the lone process carries every lane), interleaved hosts, three hosts of one
+@pytest.mark.parametrize("layout", [(0, 0, 0, 1), (0, 1, 1, 0), (0, 1, 2)])
+def test_small_calls_go_whole_and_exact_around_their_edge(layout):
+    run_ranks(W.whole_edge_job, len(layout), args=(layout,), timeout_s=240)
+
+
 def _reports(tmp_path, world):
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
 
