@@ -33,9 +33,9 @@ def test_stock_ddp_on_two_hosts_uses_a_channel_per_host(hosts):
     out1, out0 = outs
     assert [p.returncode for p in procs] == [0, 0], out0[-3000:] + out1[-3000:]
     m = re.search(r"stock_ddp: test_accuracy=(\d\.\d+) backend=ncclavg world_size=4 hook=off "
-                  r"replicas_identical=True transport=shm\+gloo", out0)
+                  r"replicas_identical=True transport=shm\+ucx", out0)
     assert m and float(m.group(1)) > 0.6, out0[-3000:]
-    # every step's bucket crossed the link between the hosts' leaders: one epoch is 6 steps of the global
-    # batch of 256 (4 x 64) over 1438 samples, and the MLP has 17 k fp32 gradients; at 2 leaders gloo's
-    # all-reduce hands each of them the whole bucket (half in its reduce-scatter, half in its all-gather)
+    # every step's bucket crossed the link between the hosts: one epoch is 6 steps of the global batch of 256
+    # (4 x 64) over 1438 samples, and the MLP has 17 k fp32 gradients; each host receives the other's sum of
+    # the whole bucket (a shard on each of its two lanes)
     assert hosts.rx_bytes(0) > 5 * 17_000 * 4 and hosts.rx_bytes(1) > 5 * 17_000 * 4

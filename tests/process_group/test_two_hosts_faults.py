@@ -1,8 +1,8 @@
 """Faults between two hosts for real (Note [Faults between hosts] in tests/_hosts_faults.py): a rank of
 the other host killed, the link cut, the other host frozen, while every rank runs collectives through
 the `ncclavg` torch backend (dist.all_reduce, stock DDP) or the public API (a Communicator over
-torch.distributed). Two shapes: 2 hosts x 2 processes (a channel per host, gloo between them) and
-2 hosts x 1 process (no channel). Every surviving rank, on both hosts where there are survivors, raises
+torch.distributed). Two shapes: 2 hosts x 2 processes (a channel per host, UCX's lanes between them, or
+gloo's with NCCLAVG_UCX=0) and 2 hosts x 1 process (no channel). Every surviving rank, on both hosts where there are survivors, raises
 an error of its face naming the collective, the timeout (where only the timeout can end the wait) and
 what was lost, within a derived bound; the job ends (or is killed at its hard deadline, and the test
 fails); nothing of the channels is left on the machine."""
@@ -11,6 +11,7 @@ import re
 
 import pytest
 import torch
+from _dist_util import between_hosts
 from _hosts_faults import HostsJob, check_named_loss, lost_by, raise_bound_s, survivors
 from _netns import two_hosts_fixture
 from _paths import ROOT
@@ -51,7 +52,7 @@ def test_fault_between_hosts_is_named_on_every_survivor_within_the_timeout(hosts
     bound = raise_bound_s(TIMEOUT_S)
     try:
         ready = job.ready()
-        want = "shm+gloo" if nproc > 1 else "gloo"
+        want = between_hosts(alone=nproc == 1)
         assert all(r["transport"] == want for r in ready.values()), ready
         # a channel per host, or none at all; and the leftover check below sees the channels' memory files
         assert bool(job.segments) == (nproc > 1), job.segments

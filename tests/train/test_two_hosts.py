@@ -94,12 +94,15 @@ def stop(procs):
             p.wait()
 
 
-# 2 hosts x 1 process x 2 towers: torch.distributed between the processes ("gloo"); 2 hosts x 2
-# processes x 1 tower: a shared-memory channel within each host, torch.distributed between the hosts'
-# leaders ("shm+gloo", Note [Several hosts] in ncclavg/transport/shm.py). Either way 4 towers in all.
+# 2 hosts x 1 process x 2 towers: UCX's lanes between the processes ("ucx"); 2 hosts x 2 processes x 1
+# tower: a shared-memory channel within each host, UCX's lanes between the hosts ("shm+ucx", Note [Lanes
+# between hosts] in csrc/transport/host_lanes.cpp); gloo's lanes in the second case with NCCLAVG_UCX=0
+# ("shm+gloo"). Either way 4 towers in all.
 @pytest.mark.slow   # ~15 s each: two network namespaces, a torchrun node in each
-@pytest.mark.parametrize("nproc,towers,transport", [(1, "2", "gloo"), (2, "1", "shm+gloo")])
-def test_two_hosts_take_the_steps_of_one_process_of_four(hosts, tmp_path, nproc, towers, transport):
+@pytest.mark.parametrize("nproc,towers,transport", [(1, "2", "ucx"), (2, "1", "shm+ucx"), (2, "1", "shm+gloo")])
+def test_two_hosts_take_the_steps_of_one_process_of_four(hosts, tmp_path, nproc, towers, transport, monkeypatch):
+    if transport == "shm+gloo":
+        monkeypatch.setenv("NCCLAVG_UCX", "0")
     # Each host runs in a folder of its own (its disk): rank 0 alone writes the checkpoints.
     cwds = [tmp_path / f"host{k}" for k in (0, 1)]
     for d in cwds:
