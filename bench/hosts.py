@@ -49,6 +49,7 @@ import hosts_launch as launch  # noqa: E402
 import hosts_net as net_mod  # noqa: E402
 import hosts_report as report  # noqa: E402
 import hosts_tcp  # noqa: E402
+import hosts_ucx  # noqa: E402
 
 CONTENDERS = ("gloo", "ncclavg", "ncclavg-gloo", "ncclavg-api", "mpi", "mpi-tcp")
 DEFAULT_SIZES = "4K,256K,4M,32M"
@@ -162,14 +163,15 @@ def check(args: argparse.Namespace) -> None:
 
 def measure_link(net, seconds: float) -> dict:
     """Between host 0 and host 1: one TCP stream per NIC one way (their sum: what one host can send),
-    then one per NIC each way at once (per direction, summed over the NICs), and 50 UDP round trips."""
+    then one per NIC each way at once (per direction, summed over the NICs), 50 UDP round trips, and
+    UCX's ucx_perftest on NIC 0 (tag bandwidth and latency: bench/hosts_ucx.py)."""
     r = hosts_tcp.rtt(net, 0, 1, 50)
     one = hosts_tcp.tcp_ceiling(net, [(0, 1)], seconds)
     both = hosts_tcp.tcp_ceiling(net, [(0, 1), (1, 0)], seconds)
     n = net.nics
     return {"tcp_one_way_mbit": sum(one), "tcp_both_ways_mbit": [sum(both[:n]), sum(both[n:])],
             "tcp_per_nic_mbit": one, "rtt_ms": {"min": min(r) * 1e3, "median": statistics.median(r) * 1e3},
-            "tbf": net.qdisc(0)}
+            "tbf": net.qdisc(0), "ucx_perftest": hosts_ucx.perftest(net)}
 
 
 def run_shape(args, shape: tuple[int, int], link, mpi_venv: Path | None) -> dict:

@@ -138,6 +138,11 @@ def shape_lines(shape: dict, rows: list[dict]) -> list[str]:
                    f"once {' / '.join(f'{v:.0f}' for v in link['tcp_both_ways_mbit'])} Mbit/s; UDP round trip "
                    f"min {link['rtt_ms']['min']:.3f} ms, median {link['rtt_ms']['median']:.3f} ms "
                    f"(2 x {shape['link']['delay_ms']:g} ms configured).")
+        ucx = link.get("ucx_perftest")
+        if ucx:
+            out.append(f"UCX's ucx_perftest on the same link (TCP): tag bandwidth {ucx['tag_bw_mbit']:.0f} Mbit/s "
+                       f"({ucx['tag_bw_mbit'] / shape['link']['rate_mbit']:.3f} of the line rate, 4 MiB messages), "
+                       f"tag latency {ucx['tag_lat_ms']:.3f} ms one way (4 KiB).")
     loads = [ln["loadavg"] for ln in shape["launches"] if ln.get("loadavg")]
     if loads:
         one = [v[0] for v in loads]

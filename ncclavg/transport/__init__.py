@@ -4,8 +4,8 @@ the `ncclavg` torch.distributed backend in ncclavg.process_group).
 What lives here: runner.py (the one runner per channel: a job's queue, worker, inline run when idle, its one
 deadline and the watchdog, the failure state), work.py (the Works both faces hand back), failure.py (a
 failure's kinds and every message that says one), shm.py (one host's shared-memory channel: its settings and
-primitives), hosts.py (the same primitives for processes on several hosts) with host_pipes.py (their chunked
-pipelines), host_setup.py (`connect`: the channel a group gets), paths.py (each collective step's
+primitives), ucx.py (the same primitives for processes on several hosts, on the core's lanes over UCX),
+hosts.py (the same over gloo's lanes, the fallback) with host_pipes.py (their chunked pipelines), host_setup.py (`connect`: the channel a group gets), paths.py (each collective step's
 implementations in order: the channel, then gloo) with reductions.py (the element math of the reductions the
 channel cannot do), calls.py (the user-level call signature every round compares across ranks), liveness.py
 (heartbeats that name a lost rank), flight.py (the flight recorder of the last collectives, dumped on a
