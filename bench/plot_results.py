@@ -32,7 +32,8 @@ SOURCES = {
     "torch_face": ["torch_face-async-inline-cpu-2026-12-05.md"],
     "stock": ["stock_ddp-cpu-2026-12-05-async-inline.md", "stock_ddp-frameworks-cpu-2026-12-05-async-inline-2proc.md"],
     "cpu_master": ["optim-amd-epyc-2c-2026-12-01.md", "cpu-2026-12-01.md"],
-    "hosts": ["hosts-amd-epyc-2c-2026-12-06-folded.md"],
+    "hosts": ["hosts-intel-r-xeon-r-processor-2c-2026-12-07-ucx.md",
+              "hosts-intel-r-xeon-r-processor-2c-2026-12-07-ucx-1000.md"],
 }
 MPI_COLUMNS = ("Open MPI 5.0.11 us", "MPICH 4.1.2 us", "MPICH 5.0.2 us", "Intel MPI 2021.19.0 us")
 UNITS = {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
@@ -209,25 +210,26 @@ def cpu_master_table() -> str:
 
 def hosts_data() -> list[tuple[str, list[dict]]]:
     """[(shape and link, [{size, bytes, ms: ncclavg's, gloo: gloo's time / ncclavg's, mpi: the faster Open
-    MPI's / ncclavg's, line: T* / ncclavg's time}])], one per section of the hosts results (their own
-    medians; the torch backend's column)."""
-    out, section = [], None
-    text = (RESULTS / SOURCES["hosts"][0]).read_text().splitlines()
-    tables = iter(md_tables(SOURCES["hosts"][0]))
-    for line in text:
-        if line.startswith("### "):
-            section = line[4:].strip()
-        elif line.startswith("| size |") and section is not None:
-            rows = []
-            for r in next(t for t in tables if t and "size" in t[0]):
-                ours = number(r["ncclavg ms"])
-                mpis = [number(v) for k, v in r.items() if k.startswith("Open MPI") and k.endswith(" ms")]
-                mpis = [m for m in mpis if m is not None]
-                rows.append({"size": r["size"], "bytes": size_bytes(r["size"]), "ms": ours,
-                             "gloo": number(r["gloo ms"]) / ours, "mpi": min(mpis) / ours if mpis else None,
-                             "line": number(r["T* ms"]) / ours})
-            out.append((section, rows))
-            section = None
+    MPI's / ncclavg's, line: T* / ncclavg's time}])], one per section of the hosts results files, in their
+    order (their own medians; the torch backend's column)."""
+    out = []
+    for name in SOURCES["hosts"]:
+        section = None
+        tables = iter(md_tables(name))
+        for line in (RESULTS / name).read_text().splitlines():
+            if line.startswith("### "):
+                section = line[4:].strip()
+            elif line.startswith("| size |") and section is not None:
+                rows = []
+                for r in next(t for t in tables if t and "size" in t[0]):
+                    ours = number(r["ncclavg ms"])
+                    mpis = [number(v) for k, v in r.items() if k.startswith("Open MPI") and k.endswith(" ms")]
+                    mpis = [m for m in mpis if m is not None]
+                    rows.append({"size": r["size"], "bytes": size_bytes(r["size"]), "ms": ours,
+                                 "gloo": number(r["gloo ms"]) / ours, "mpi": min(mpis) / ours if mpis else None,
+                                 "line": number(r["T* ms"]) / ours})
+                out.append((section, rows))
+                section = None
     return out
 
 
