@@ -3,6 +3,7 @@
 #include "host_lanes.h"
 
 #include <poll.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cstring>
@@ -104,7 +105,7 @@ std::vector<int> LaneLayout::peers() const {
 // ---------------------------------------------------------------------- setup
 HostLanes::HostLanes(std::vector<std::vector<int>> hosts, int rank, ShmChannel* channel, const std::string& tls,
                      const std::string& devices, int64_t chunk_bytes, int depth)
-    : layout_(std::move(hosts), rank), channel_(channel), chunk_bytes_(chunk_bytes), depth_(depth) {
+    : layout_(std::move(hosts), rank), channel_(channel), chunk_bytes_(chunk_bytes), depth_(depth), pid_(getpid()) {
   NCCLAVG_CHECK_ARG(chunk_bytes >= 4096 && chunk_bytes % 64 == 0, "chunk_bytes",
                     "must be a multiple of 64 of at least 4096, got ", chunk_bytes);
   NCCLAVG_CHECK_ARG(depth >= 1 && depth <= 64, "depth", "must be in [1, 64], got ", depth);
@@ -561,6 +562,9 @@ void HostLanes::release(LaneCall& c) {
 // failure inside it (this process's, the channel's) the engine's.
 void HostLanes::run_checked(LaneCall& c, const std::function<void()>& body) {
   if (failed_.load()) throw_failure();
+  if (getpid() != pid_)   // UCX's worker and sockets are the parent's (as Note [One owner per rank] for the channel)
+    throw std::runtime_error("between the hosts: pid " + std::to_string(getpid()) + " is not the process that made "
+                             "these lanes (pid " + std::to_string(pid_) + "): a forked child cannot use its parent's");
   c.seq = ++seq_;
   try {
     // the hellos: one each way per lane and peer (Note [Lanes between hosts])

@@ -131,6 +131,7 @@ class HostLanes {
   ShmChannel* channel_;
   int64_t chunk_bytes_;
   int depth_;
+  int pid_;   // the process that made the lanes: the only one that may use them
   ucp_context_h context_ = nullptr;
   ucp_worker_h worker_ = nullptr;
   int efd_ = -1;

@@ -135,3 +135,38 @@ def whole_edge_job(rank, world, port, layout):
             dist.broadcast(b, src=root)
             assert torch.equal(b, want), (root, n)
     dist.barrier()
+
+
+def forked_child_job(rank, world, port, outdir):
+    """The core's lanes alone (two processes, each its own host, addresses through a TCPStore): a child
+    forked after they connected is refused, naming both pids; the parent's next call still works."""
+    import datetime
+
+    from ncclavg import _C, _ext
+
+    assert _ext.ucx_load()["loaded"]
+    store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=datetime.timedelta(seconds=30))
+    lanes = _C.HostLanes([[0], [1]], rank, None, "tcp", "", 1 << 19, 4)
+    store.set(f"addr{rank}", lanes.address)
+    lanes.connect([store.get(f"addr{r}") for r in range(world)], 30.0)
+    res = {}
+    if rank == 0:
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:   # the child: refused at once, before anything reaches the wire
+            os.close(r)
+            try:
+                t = torch.ones(4)
+                lanes.all_reduce_sum(t.data_ptr(), 4, 0, 5.0)
+                msg = "not refused"
+            except RuntimeError as e:
+                msg = str(e)
+            os.write(w, msg.encode())
+            os._exit(0)
+        os.close(w)
+        os.waitpid(pid, 0)
+        res["child"] = os.read(r, 4096).decode()
+    t = torch.full((1000,), float(rank + 1))
+    lanes.all_reduce_sum(t.data_ptr(), t.numel(), 0, 30.0)
+    res["sum_ok"] = bool((t == 3).all())
+    _report(outdir, rank, res)

@@ -92,3 +92,10 @@ def test_each_lane_goes_over_its_interface():
     assert ucx_lib.devices_for([1], ["eth0", "eth1"]) == "eth1"
     assert ucx_lib.devices_for([0, 1, 2], ["eth0", "eth1"]) == "eth0,eth1"   # one process carrying 3 lanes
     assert ucx_lib.devices_for([0, 1], []) == ""                               # UCX's own choice
+
+
+def test_a_forked_child_cannot_use_its_parents_lanes(tmp_path):
+    run_ranks(W.forked_child_job, 2, args=(str(tmp_path),), timeout_s=120)
+    reps = _reports(tmp_path, 2)
+    assert "forked child" in reps[0]["child"] and "is not the process that made" in reps[0]["child"], reps[0]
+    assert reps[0]["sum_ok"] and reps[1]["sum_ok"], reps
