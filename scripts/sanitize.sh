@@ -38,6 +38,7 @@ if [ "$#" -eq 0 ]; then
   set -- -q -m "not slow and not gpu" -p no:cacheprovider \
     tests/test_average.py tests/test_pack.py tests/test_bad_input.py tests/test_bad_input_battery.py \
     tests/comm/test_comm_local.py tests/comm/test_comm_gloo.py tests/transport/test_shm_channel.py tests/transport/test_shm_misuse.py \
+    tests/transport/test_ucx_lanes.py \
     tests/test_averager.py tests/test_bucketing.py \
     tests/test_optim_kernels.py tests/test_optim.py tests/test_optim_fast_paths.py tests/test_master.py tests/train/test_trainer.py \
     tests/test_fuzz.py tests/train/test_faults_nonfinite.py tests/comm/test_faults_comm.py tests/train/test_faults_checkpoint.py
