@@ -23,11 +23,13 @@ namespace cpu {
 // - The wire is UCX's tag send and receive (UCP), one worker per process, one endpoint per peer, over
 //   the network transports only (UCX_TLS as ucx.py sets it: shared memory and CMA would skip the link).
 // - Every message starts with a LaneHeader: the call it serves. Each call also sends a hello (a header
-//   alone) to every peer on every lane first, so a peer whose call differs is found in the call's first
+//   alone) to every peer on every lane, right after its host's first channel round of the call (at once
+//   on a host of one process): a hello says "my whole host makes this call". A rank ends a call only with
+//   every peer's hello in, so no rank completes a call that another host's ranks disagree on (they fail
+//   their round and send an abort instead), and a peer whose call differs is found in the call's first
 //   exchange and named with ours, with no round trip of its own before the data: the data goes at once,
 //   every receive posted at the length this rank expects. A longer message is a truncation, not an
-//   overflow (UCX bounds every receive); its sender's hello, sent before it on the same endpoint, names
-//   the sender's call.
+//   overflow (UCX bounds every receive); the sender's hello (or its abort) names the sender's call.
 // - A tag says which call (its number, the same on every rank), which kind of message, which lane and
 //   which host sent it, so that a receive matches only its message; messages of one tag from one sender
 //   are matched in the order they were sent (UCP's ordering, which MPI over UCX relies on too).
@@ -376,7 +378,7 @@ void HostLanes::check_events(LaneCall& c) {
     const int kind = abort_req_->length > 0 ? abort_buf_[0] : kFailPeer;
     const size_t n = std::min(abort_req_->length, abort_buf_.size());
     std::string text(abort_buf_.begin() + (n > 0 ? 1 : 0), abort_buf_.begin() + static_cast<long>(n));
-    fail(c, text, kind == kFailMismatch ? kFailMismatch : kFailPeer, /*relay=*/true);
+    fail(c, text, kind == kFailMismatch ? kFailMismatch : kFailPeer);   // (a peer's words, passed on)
   }
   for (auto& p : peers_) {
     if (p && p->error != UCS_OK) {
@@ -458,7 +460,7 @@ std::string HostLanes::describe(const LaneHeader& h) const {
 }
 
 // ---------------------------------------------------------------------- failure
-void HostLanes::fail(LaneCall& c, const std::string& why, int kind, bool) {
+void HostLanes::fail(LaneCall& c, const std::string& why, int kind) {
   {
     std::lock_guard<std::mutex> lock(failure_mu_);
     if (!failed_.load()) {
@@ -558,6 +560,14 @@ void HostLanes::release(LaneCall& c) {
   c.requests.clear();
 }
 
+// This process's hellos of call `c`, once: after its host's first channel round of the call, so that a
+// hello says the whole host agrees with the call (Note [Lanes between hosts]).
+void HostLanes::say_hello(LaneCall& c) {
+  if (c.hello_said) return;
+  c.hello_said = true;
+  for (LaneRequest* h : c.hellos) c.sends.push_back(post_send(c, h->peer, h->lane, kKindHello, -1, nullptr, 0));
+}
+
 // Runs one call: refuses it after a failure, sends and receives the hellos around `body`, and makes any
 // failure inside it (this process's, the channel's) the engine's.
 void HostLanes::run_checked(LaneCall& c, const std::function<void()>& body) {
@@ -569,16 +579,11 @@ void HostLanes::run_checked(LaneCall& c, const std::function<void()>& body) {
   try {
     // the hellos: one each way per lane and peer (Note [Lanes between hosts])
     for (int k : layout_.lanes_of(layout_.local))
-      for (int h = 0; h < layout_.nhosts(); ++h) {
-        if (h == layout_.host) continue;
-        const int peer = layout_.carrier(h, k);
-        c.hellos.push_back(post_recv(c, peer, k, kKindHello, -1, nullptr, 0));
-        if (c.op != LaneOp::kCheck) c.sends.push_back(post_send(c, peer, k, kKindHello, -1, nullptr, 0));
-      }
+      for (int h = 0; h < layout_.nhosts(); ++h)
+        if (h != layout_.host) c.hellos.push_back(post_recv(c, layout_.carrier(h, k), k, kKindHello, -1, nullptr, 0));
+    if (channel_ == nullptr) say_hello(c);   // alone on its host: nobody here to agree with first
     body();
-    if (c.op == LaneOp::kCheck) {   // a barrier's hello says the whole host has arrived: sent after its round
-      for (LaneRequest* h : c.hellos) c.sends.push_back(post_send(c, h->peer, h->lane, kKindHello, -1, nullptr, 0));
-    }
+    say_hello(c);
     for (LaneRequest* r : c.hellos) wait(c, r);
     for (LaneRequest* r : c.sends) wait(c, r);
   } catch (const ShmMismatchError& e) {

@@ -118,12 +118,13 @@ class HostLanes {
   std::string describe(const LaneHeader& h) const;
   void post_abort_recv();
   void tell_peers(int kind, const std::string& why);
-  [[noreturn]] void fail(LaneCall& c, const std::string& why, int kind, bool relay = false);
+  [[noreturn]] void fail(LaneCall& c, const std::string& why, int kind);
   void fail_from_channel(LaneCall& c, const std::string& why, int kind);
   [[noreturn]] void throw_failure() const;
   void release(LaneCall& c);
   void close_endpoints();
   void run_checked(LaneCall& c, const std::function<void()>& body);
+  void say_hello(LaneCall& c);
   unsigned char* scratch(size_t slot, int64_t bytes);
   void run_shards(LaneCall& c, uintptr_t data, int root_host, int root_local);
 

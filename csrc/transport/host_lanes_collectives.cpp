@@ -50,7 +50,15 @@ class LanePipeline {
       return;
     }
     const int64_t depth = std::min<int64_t>(e_.depth_, nchunks);
-    for (int64_t i = 0; i < depth; ++i) start(i);
+    for (int64_t i = 0; i < depth; ++i) {
+      start(i);
+      if (i > 0) continue;
+      // the hellos once the host's first round passed (it agrees on the call), before any wait on the wire:
+      // a host whose steps (1) have no round gets one here, or two hosts whose calls differ could each wait
+      // for the other's data and neither say hello (Note [Lanes between hosts])
+      if (e_.channel_ != nullptr && !round_in_start()) e_.channel_->barrier(c_.deadline_left(), c_.tag);
+      e_.say_hello(c_);
+    }
     for (int64_t i = 0; i < nchunks; ++i) {
       int waited = -1;
       while (!advance(i, waited)) {
@@ -69,6 +77,8 @@ class LanePipeline {
   virtual void start(int64_t i) = 0;                // steps (1) and the posts of (2)
   virtual bool advance(int64_t i, int& waited) = 0;  // (2) done? (a second exchange posted when its time comes)
   virtual void after(int64_t i) = 0;                // step (3)
+  // Does start(0) run a channel round (then the hellos follow it)? Else run() adds one.
+  virtual bool round_in_start() const = 0;
 
   // this rank's pipeline buffers: chunk i's `which` (in its slot, i % depth), or one the chunks share
   static constexpr int kPerSlot = 256;
@@ -150,6 +160,7 @@ class ShardPipe : public LanePipeline {
   };
   bool sum() const { return root_host_ < 0; }
   bool at_root() const { return L_.host == root_host_; }
+  bool round_in_start() const override { return P_ > 1 && (sum() || at_root()); }
   unsigned char* at(int64_t elem) const { return data_ + elem * es_; }
   int64_t valid(const Chunk& ch, int k) const { return std::clamp<int64_t>(ch.n - k * ch.s, 0, ch.s); }
   int64_t region(const Chunk& ch) const { return maxm_ * ch.s; }
@@ -345,6 +356,7 @@ class WholePipe : public LanePipeline {
 
  protected:
   bool sum() const { return root_host_ < 0; }
+  bool round_in_start() const override { return true; }   // (a host of one process said hello at once)
   void start(int64_t i) override {
     const int H = L_.nhosts(), me = L_.host, P = L_.local_size();
     if (P > 1) {                                                                                    // (1)
@@ -413,6 +425,7 @@ class SlicePipe : public LanePipeline {
   int64_t chunks() const { return (c_.count + per_ - 1) / per_; }
 
  protected:
+  bool round_in_start() const override { return P_ > 1 && !gather_; }
   struct Slot {
     int lane, host, owner;
   };

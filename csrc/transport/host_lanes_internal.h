@@ -53,6 +53,7 @@ struct LaneCall {
   bool with_host;
   uint64_t seq = 0;
   bool failed = false;
+  bool hello_said = false;
   std::chrono::steady_clock::time_point deadline, idle_since{};
   std::vector<std::unique_ptr<LaneRequest>> requests;
   std::vector<LaneRequest*> hellos, sends;
