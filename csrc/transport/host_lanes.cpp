@@ -213,7 +213,7 @@ void HostLanes::connect(const std::vector<std::string>& addresses, double timeou
   }
   post_abort_recv();
   ShmCallTag none;
-  LaneCall c(*this, LaneOp::kCheck, 0, 0, -1, timeout_s, none, false);
+  LaneCall c(*this, LaneOp::kCheck, 0, 0, -1, timeout_s, none);
   run_checked(c, [] {});
 }
 
@@ -514,9 +514,8 @@ void HostLanes::abort(const std::string& why) {
 
 // ---------------------------------------------------------------------- one call
 LaneCall::LaneCall(HostLanes& e, LaneOp op_in, int type_in, int64_t count_in, int root_in, double timeout,
-                   ShmCallTag tag_in, bool host_steps)
-    : engine(e), op(op_in), type(type_in), count(count_in), root(root_in), timeout_s(timeout), tag(tag_in),
-      with_host(host_steps) {
+                   ShmCallTag tag_in)
+    : engine(e), op(op_in), type(type_in), count(count_in), root(root_in), timeout_s(timeout), tag(tag_in) {
   NCCLAVG_CHECK_ARG(timeout > 0 && timeout < 1e9, "timeout_s", "must be > 0, got ", timeout);
   NCCLAVG_CHECK_ARG(count >= 0, "count", "must be >= 0, got ", count);
   if (op != LaneOp::kCheck) check_call_tag(tag, "tag");

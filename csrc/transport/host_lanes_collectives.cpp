@@ -26,11 +26,6 @@ using namespace shm_detail;
 
 namespace {
 
-// A chunk's messages on one lane.
-struct Pending {
-  std::vector<LaneRequest*> reqs;
-};
-
 int64_t elems_per_chunk(int64_t chunk_bytes, int64_t es, int64_t unit) {
   return std::max<int64_t>(unit, chunk_bytes / es / unit * unit);
 }
@@ -147,7 +142,7 @@ class ShardPipe : public LanePipeline {
  protected:
   struct Lane {
     int phase = 0;     // 0: first exchange pending, 1: second, 2: done
-    Pending p;
+    std::vector<LaneRequest*> p;   // the messages in flight
     int64_t v = 0;     // the shard's elements
     unsigned char* shard = nullptr;
     unsigned char* rows = nullptr;
@@ -241,9 +236,9 @@ class ShardPipe : public LanePipeline {
     if (!sum()) {   // a broadcast: the root's host sends each lane's shard to the lane's other members
       if (at_root()) {
         for (int h = 0; h < H; ++h)
-          if (h != me) ln.p.reqs.push_back(send(L_.carrier(h, k), k, kKindFirst, i, ln.shard, bytes));
+          if (h != me) ln.p.push_back(send(L_.carrier(h, k), k, kKindFirst, i, ln.shard, bytes));
       } else {
-        ln.p.reqs.push_back(recv(L_.carrier(root_host_, k), k, kKindFirst, i, ln.shard, bytes));
+        ln.p.push_back(recv(L_.carrier(root_host_, k), k, kKindFirst, i, ln.shard, bytes));
       }
       return;
     }
@@ -251,8 +246,8 @@ class ShardPipe : public LanePipeline {
       ln.rows = buf(i, 1 + j, H * bytes);
       for (int h = 0; h < H; ++h) {
         if (h == me) continue;
-        ln.p.reqs.push_back(recv(L_.carrier(h, k), k, kKindFirst, i, ln.rows + h * bytes, bytes));
-        ln.p.reqs.push_back(send(L_.carrier(h, k), k, kKindFirst, i, ln.shard, bytes));
+        ln.p.push_back(recv(L_.carrier(h, k), k, kKindFirst, i, ln.rows + h * bytes, bytes));
+        ln.p.push_back(send(L_.carrier(h, k), k, kKindFirst, i, ln.shard, bytes));
       }
       return;
     }
@@ -261,9 +256,9 @@ class ShardPipe : public LanePipeline {
     ln.rows = buf(i, 1 + j, H * mine);
     for (int q = 0; q < H; ++q) {
       if (q == me) continue;
-      if (mine > 0) ln.p.reqs.push_back(recv(L_.carrier(q, k), k, kKindFirst, i, ln.rows + q * mine, mine));
+      if (mine > 0) ln.p.push_back(recv(L_.carrier(q, k), k, kKindFirst, i, ln.rows + q * mine, mine));
       if (piece(ln, q) > 0)
-        ln.p.reqs.push_back(send(L_.carrier(q, k), k, kKindFirst, i, ln.shard + q * sub(ln) * es_, piece(ln, q) * es_));
+        ln.p.push_back(send(L_.carrier(q, k), k, kKindFirst, i, ln.shard + q * sub(ln) * es_, piece(ln, q) * es_));
     }
   }
 
@@ -273,11 +268,11 @@ class ShardPipe : public LanePipeline {
     for (size_t j = 0; j < ch.lanes.size(); ++j) {
       Lane& ln = ch.lanes[j];
       if (ln.phase == 2) continue;
-      if (!all_done(ln.p.reqs, waited)) {
+      if (!all_done(ln.p, waited)) {
         all = false;
         continue;
       }
-      ln.p.reqs.clear();
+      ln.p.clear();
       if (!sum()) {
         ln.phase = 2;
         continue;
@@ -292,9 +287,9 @@ class ShardPipe : public LanePipeline {
         sum_rows(own, ln.rows, own, n, n * es_);
         for (int q = 0; q < H; ++q) {
           if (q == me) continue;
-          if (n > 0) ln.p.reqs.push_back(send(L_.carrier(q, k), k, kKindSecond, i, own, n * es_));
+          if (n > 0) ln.p.push_back(send(L_.carrier(q, k), k, kKindSecond, i, own, n * es_));
           if (piece(ln, q) > 0)
-            ln.p.reqs.push_back(recv(L_.carrier(q, k), k, kKindSecond, i, ln.shard + q * sub(ln) * es_, piece(ln, q) * es_));
+            ln.p.push_back(recv(L_.carrier(q, k), k, kKindSecond, i, ln.shard + q * sub(ln) * es_, piece(ln, q) * es_));
         }
         ln.phase = 1;
         all = false;
@@ -433,7 +428,7 @@ class SlicePipe : public LanePipeline {
     int64_t lo = 0, c = 0;
     unsigned char* mine = nullptr;   // this rank's region in the channel (nullptr: alone on its host)
     unsigned char* rows = nullptr;   // a reduce-scatter's sums from the other hosts, in host order
-    Pending p;
+    std::vector<LaneRequest*> p;   // the messages in flight
   };
   const unsigned char* slice_in(int owner, int64_t lo) const { return in_ + (owner * c_.count + lo) * es_; }
   unsigned char* slot_at(const Chunk& ch, int l, int64_t u, unsigned char* region) const {
@@ -464,21 +459,21 @@ class SlicePipe : public LanePipeline {
       ch.rows = buf(i, 1, L_.nhosts() * bytes);
       for (int h = 0; h < L_.nhosts(); ++h)   // every other host's sum of this rank's slice, on its own lane
         if (h != L_.host)
-          ch.p.reqs.push_back(recv(L_.carrier(h, L_.local), L_.local, kKindFirst, i, ch.rows + h * bytes, bytes));
+          ch.p.push_back(recv(L_.carrier(h, L_.local), L_.local, kKindFirst, i, ch.rows + h * bytes, bytes));
       for (size_t u = 0; u < mine.size(); ++u)   // this host's sums of the other hosts' ranks' slices, to them
         if (mine[u].host != L_.host)
-          ch.p.reqs.push_back(send(mine[u].owner, mine[u].lane, kKindFirst, i, own_sum(ch, u), bytes));
+          ch.p.push_back(send(mine[u].owner, mine[u].lane, kKindFirst, i, own_sum(ch, u), bytes));
       return;
     }
     for (int h = 0; h < L_.nhosts(); ++h)   // this rank's own slice, on its own lane, to every other host
       if (h != L_.host)
-        ch.p.reqs.push_back(send(L_.carrier(h, L_.local), L_.local, kKindFirst, i, slice_in(0, ch.lo) , bytes));
+        ch.p.push_back(send(L_.carrier(h, L_.local), L_.local, kKindFirst, i, slice_in(0, ch.lo) , bytes));
     for (size_t u = 0; u < mine.size(); ++u) {   // the other hosts' slices this rank's lanes carry
       const Slot& sl = mine[u];
       if (sl.host == L_.host) continue;
       unsigned char* into = P_ > 1 ? slot_at(ch, 0, static_cast<int64_t>(u), ch.mine)
                                    : out_ + (sl.owner * c_.count + ch.lo) * es_;
-      ch.p.reqs.push_back(recv(sl.owner, sl.lane, kKindFirst, i, into, bytes));
+      ch.p.push_back(recv(sl.owner, sl.lane, kKindFirst, i, into, bytes));
     }
   }
 
@@ -489,7 +484,7 @@ class SlicePipe : public LanePipeline {
   }
 
   bool advance(int64_t i, int& waited) override {
-    return all_done(pending_[static_cast<size_t>(i % e_.depth())].p.reqs, waited);
+    return all_done(pending_[static_cast<size_t>(i % e_.depth())].p, waited);
   }
 
   void after(int64_t i) override {
@@ -550,7 +545,7 @@ void HostLanes::run_shards(LaneCall& c, uintptr_t data, int root_host, int root_
 void HostLanes::all_reduce_sum(uintptr_t data, int64_t count, int type, double timeout_s, ShmCallTag tag) {
   checked_type(type);
   check_span(data, count, "data");
-  LaneCall c(*this, LaneOp::kAllReduce, type, count, -1, timeout_s, tag, true);
+  LaneCall c(*this, LaneOp::kAllReduce, type, count, -1, timeout_s, tag);
   run_shards(c, data, -1, -1);
 }
 
@@ -565,7 +560,7 @@ void HostLanes::broadcast(uintptr_t data, int64_t count, int type, int root, dou
         root_local = static_cast<int>(l);
       }
   NCCLAVG_CHECK_ARG(root_host >= 0, "root", "is no rank of the group: ", root);
-  LaneCall c(*this, LaneOp::kBroadcast, type, count, root, timeout_s, tag, true);
+  LaneCall c(*this, LaneOp::kBroadcast, type, count, root, timeout_s, tag);
   run_shards(c, data, root_host, root_local);
 }
 
@@ -573,7 +568,7 @@ void HostLanes::all_gather(uintptr_t in, uintptr_t out, int64_t count, int type,
   checked_type(type);
   check_span(in, count, "in");
   check_span(out, count, "out");
-  LaneCall c(*this, LaneOp::kAllGather, type, count, -1, timeout_s, tag, true);
+  LaneCall c(*this, LaneOp::kAllGather, type, count, -1, timeout_s, tag);
   SlicePipe pipe(*this, c, reinterpret_cast<const unsigned char*>(in), reinterpret_cast<unsigned char*>(out), true);
   run_checked(c, [&] { pipe.run(pipe.chunks()); });
 }
@@ -583,13 +578,13 @@ void HostLanes::reduce_scatter_sum(uintptr_t in, uintptr_t out, int64_t count, i
   checked_type(type);
   check_span(in, count, "in");
   check_span(out, count, "out");
-  LaneCall c(*this, LaneOp::kReduceScatter, type, count, -1, timeout_s, tag, true);
+  LaneCall c(*this, LaneOp::kReduceScatter, type, count, -1, timeout_s, tag);
   SlicePipe pipe(*this, c, reinterpret_cast<const unsigned char*>(in), reinterpret_cast<unsigned char*>(out), false);
   run_checked(c, [&] { pipe.run(pipe.chunks()); });
 }
 
 void HostLanes::check(double timeout_s, ShmCallTag tag) {
-  LaneCall c(*this, LaneOp::kCheck, 0, 0, -1, timeout_s, tag, true);
+  LaneCall c(*this, LaneOp::kCheck, 0, 0, -1, timeout_s, tag);
   run_checked(c, [&] {   // (the hellos go after the host's barrier: Note [Lanes between hosts])
     if (channel_ != nullptr) channel_->barrier(c.deadline_left(), tag);
   });

@@ -36,8 +36,7 @@ struct LanePeer {
 
 // One collective: its arguments, deadline and every message it posted.
 struct LaneCall {
-  LaneCall(HostLanes& e, LaneOp op, int type, int64_t count, int root, double timeout_s, ShmCallTag tag,
-           bool host_steps);
+  LaneCall(HostLanes& e, LaneOp op, int type, int64_t count, int root, double timeout_s, ShmCallTag tag);
   LaneRequest* make_request(int peer, int lane, int kind, int64_t chunk, bool recv);
   LaneRequest* hello_from(int peer, int lane);
   std::string what() const;
@@ -50,7 +49,6 @@ struct LaneCall {
   int root;
   double timeout_s;
   ShmCallTag tag;
-  bool with_host;
   uint64_t seq = 0;
   bool failed = false;
   bool hello_said = false;
