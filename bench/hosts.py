@@ -5,9 +5,11 @@ TCP, launch by launch in one run.
 The hosts (bench/hosts_net.py, Note [Hosts joined by switches]): one namespace per host, one TUN
 "NIC" per host per switch; NIC k of every host joined by a delay line (bench/hosts_delay.c, Note [A
 delay line between two TUN devices]) that waits the one-way delay and sends at most at the line rate,
-tbf on each NIC for the host's rate. Every byte between two hosts crosses a NIC: their counters
-measure the bytes on the wire. The link is measured in the same run: one TCP stream one way, one each
-way at once (its ceiling), and a UDP round trip.
+tbf on each NIC for the host's rate; or, for the link `veth`, unshaped: NIC k of every host a veth into
+Linux bridge k (no rate, no delay: the fastest link the machine has; T* then takes the TCP ceiling
+measured in the run as R). Every byte between two hosts crosses a NIC: their counters measure the
+bytes on the wire. The link is measured in the same run: one TCP stream one way, one each way at once
+(its ceiling), and a UDP round trip.
 
 Contenders (bench/hosts_worker.py), one launch each in turn, the order rotating from launch to launch:
 gloo and ncclavg (`dist.all_reduce`, float32, in place, SUM), ncclavg-api (`Communicator.all_reduce_avg`)
@@ -19,16 +21,19 @@ Timing rule: per size, `--warmup` untimed calls, then `--calls` timed calls, eac
 all-reduce of the same contender as the sync (a tight barrier: gloo's barrier is slower than the
 smallest calls); the sample of a call is its slowest rank's time; the table gives the median over
 every call of every launch of a contender. Bytes on the wire: each host's NIC counters over the timed
-calls with their syncs, less the counters over as many syncs alone, divided by the calls.
+calls with their syncs, less the counters over as many syncs alone, divided by the calls; CPU per call
+the same way from each rank's process CPU time (every thread of it), summed over the ranks.
 
     python bench/hosts.py                                   # 2x2 and 2x1 on 2500:0.1, 2x2 on 1000:0.5
     python bench/hosts.py --shapes 2x1 --links 2500:0.1 --sizes 4K --calls 4 --launches 1 --contenders gloo,ncclavg
+    python bench/hosts.py --shapes 2x2 --links 2500:0.1,veth --tag veth   # and on unshaped veth links
     python bench/hosts.py --shapes 3x1 --links 1000:0.5 --load 2 --tag loaded
     python bench/hosts.py --shapes 2x2 --nics 2 --nic-use per-rank      # two NICs per host, each R/2
     python bench/hosts.py --shapes 2x2 --collective broadcast --tag broadcast   # broadcasts from rank 0
     python bench/hosts.py --shapes 2x2 --collective all_gather --tag all-gather  # (or reduce_scatter)
     python bench/hosts.py --clean                           # remove what a killed run left, and exit
-Needs root, `ip` and `tc` (iproute2), gcc, /dev/net/tun; `unshare` (util-linux) for Open MPI.
+Needs root, `ip` and `tc` (iproute2), gcc and /dev/net/tun (not for veth links alone); `unshare`
+(util-linux) for Open MPI.
 Writes bench/results/hosts-<cpu>-<date>[-tag].{md,json} (--out-dir), the command line in both.
 """
 from __future__ import annotations
@@ -98,7 +103,8 @@ def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shapes", help="HOSTSxPROCS, comma-separated (default: the plan " + ", ".join(DEFAULT_PLAN) +
                     " when neither --shapes nor --links is given; else 2x2)")
-    ap.add_argument("--links", help="RATE_MBIT:DELAY_MS (one-way), comma-separated (default 2500:0.1)")
+    ap.add_argument("--links", help="RATE_MBIT:DELAY_MS (one-way) or veth (unshaped: a veth into a bridge), "
+                    "comma-separated (default 2500:0.1)")
     ap.add_argument("--sizes", default=DEFAULT_SIZES,
                     help=f"bytes per rank, comma-separated, K/M suffixes (default {DEFAULT_SIZES})")
     ap.add_argument("--collective", choices=("all_reduce", "broadcast", "all_gather", "reduce_scatter"),
@@ -179,12 +185,12 @@ def run_shape(args, shape: tuple[int, int], link, mpi_venv: Path | None) -> dict
     args.procs = procs
     net = net_mod.Network(hosts, link, nics=args.nics, mtu=args.mtu, rt=not args.no_rt)
     out = {"hosts": hosts, "procs": procs, "collective": args.collective, "nics": args.nics, "nic_use": args.nic_use, "mtu": args.mtu,
-           "link": {"rate_mbit": link.rate_mbit, "delay_ms": link.delay_ms}, "sizes": args.sizes,
-           "contenders": args.contenders, "launches": []}
+           "link": {"rate_mbit": link.rate_mbit, "delay_ms": link.delay_ms, "veth": link.veth},
+           "sizes": args.sizes, "contenders": args.contenders, "launches": []}
     print(f"== {report.shape_title(out)}", file=sys.stderr, flush=True)
     net.up()
     try:
-        out["tbf_args"] = net.tbf_args()
+        out["tbf_args"] = None if link.veth else net.tbf_args()
         out["measured"] = measure_link(net, args.ceiling_s)
         m = out["measured"]
         print(f"   link: TCP {m['tcp_one_way_mbit']:.0f} Mbit/s one way, "
@@ -308,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         ap.error(str(e))
     try:
-        net_mod.preflight()
+        net_mod.preflight(tun=any(not link.veth for _, link in args.plan))
     except net_mod.HostsUnavailable as e:
         print(f"hosts.py: cannot emulate hosts here: {e}", file=sys.stderr)
         return 2

@@ -1,15 +1,16 @@
 """Stock DDP training between emulated hosts: the user's view of bench/hosts.py. The same hosts (network
-namespaces joined by shaped, delayed links: bench/hosts_net.py), torchrun in every host, and in every rank
-an unchanged DDP training loop (bench/hosts_ddp_worker.py: an MLP of --params parameters, AdamW, the global
-batch split over the ranks) on `init_process_group("gloo")` or `init_process_group("ncclavg")`, launch by
-launch, alternated (the order rotates). Reported per shape, link and model: each backend's samples/s
-(the global batch over the median of every timed step of all its launches, a step being its slowest
-rank's) and ncclavg / gloo (above 1: ncclavg trains faster).
+namespaces joined by shaped, delayed links or unshaped veth ones: bench/hosts_net.py), torchrun in every
+host, and in every rank an unchanged DDP training loop (bench/hosts_ddp_worker.py: an MLP of --params
+parameters, AdamW, the global batch split over the ranks) on `init_process_group("gloo")` or
+`init_process_group("ncclavg")`, launch by launch, alternated (the order rotates). Reported per shape,
+link and model: each backend's samples/s (the global batch over the median of every timed step of all
+its launches, a step being its slowest rank's) and ncclavg / gloo (above 1: ncclavg trains faster).
 
     python bench/hosts_ddp.py                                   # 2x2 and 2x1, 2500:0.1 and 1000:0.5, 2 M and 20 M
     python bench/hosts_ddp.py --shapes 2x2 --links 2500:0.1 --params 2M --launches 1 --steps 4
-Needs root, `ip` and `tc`, gcc, /dev/net/tun (bench/hosts.py's). Writes bench/results/hosts-ddp-<cpu>-<date>
-[-tag].{md,json}.
+    python bench/hosts_ddp.py --shapes 2x2 --links veth --params 20M     # unshaped veth links
+Needs root, `ip` and `tc`, gcc and /dev/net/tun (not for veth links alone; bench/hosts.py's). Writes
+bench/results/hosts-ddp-<cpu>-<date>[-tag].{md,json}.
 """
 from __future__ import annotations
 
@@ -48,7 +49,8 @@ def parse_params(text: str) -> list[int]:
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shapes", default="2x2,2x1", help="HOSTSxPROCS, comma-separated (default 2x2,2x1)")
-    ap.add_argument("--links", default="2500:0.1,1000:0.5", help="RATE_MBIT:DELAY_MS, comma-separated")
+    ap.add_argument("--links", default="2500:0.1,1000:0.5",
+                    help="RATE_MBIT:DELAY_MS or veth (unshaped), comma-separated")
     ap.add_argument("--params", default="2M,20M", help="model sizes, comma-separated (default 2M,20M)")
     ap.add_argument("--batch", type=int, default=64, help="global batch (default 64)")
     ap.add_argument("--steps", type=int, default=8, help="timed steps per launch (default 8)")
@@ -119,13 +121,13 @@ def main(argv: list[str] | None = None) -> int:
     shapes = [hb.parse_shape(s) for s in args.shapes.split(",") if s.strip()]
     links = net_mod.parse_links(args.links)
     params = parse_params(args.params)
-    net_mod.preflight()
+    net_mod.preflight(tun=any(not link.veth for link in links))
     runs = []
     index = 0
     for link in links:
         for hosts, procs in shapes:
             net = net_mod.Network(hosts, link, nics=1)
-            run = {"hosts": hosts, "procs": procs, "link": f"{link.rate_mbit:g} Mbit/s + {link.delay_ms:g} ms",
+            run = {"hosts": hosts, "procs": procs, "link": link.label,
                    "params": params, "launches": []}
             print(f"== {hosts} hosts x {procs}, {run['link']}", file=sys.stderr, flush=True)
             net.up()

@@ -1,8 +1,10 @@
 """The network of bench/hosts.py: H hosts as network namespaces, each with N NICs (TUN devices), NIC k
 of every host joined to the others through switch k, a delay line (bench/hosts_delay.c, Note [A delay
 line between two TUN devices] there) that this module builds with gcc and starts itself; tbf on each NIC
-shapes what the host sends. Everything it makes is named with PREFIX and this process's id, and
-`down()` removes it; `clean_leftovers()` removes what a killed earlier run left.
+shapes what the host sends. Or, for the link `veth`, unshaped: NIC k of every host a veth whose peer is a
+port of Linux bridge k, the bridges in a namespace of the run's own. Everything it makes is named with
+PREFIX and this process's id, and `down()` removes it; `clean_leftovers()` removes what a killed earlier
+run left.
 
 Note [Hosts joined by switches]
 Each host has one NIC per switch (a "rail": NIC k of every host on switch k, as multi-NIC clusters
@@ -24,6 +26,15 @@ the packets a real host handles (measured: the delay line's CPU time doubles at 
 tbf's burst is 256 KiB (at least two MTUs): with a burst of one MTU, tbf's timer wakeups on this VM
 held one TCP stream to 93% of 2500 Mbit/s (2330), with 256 KiB it reaches 99.8% (2495). The burst does
 not reach the other host as a burst: the switch port spaces the packets at the line rate.
+The link `veth` (--links veth) is the unshaped counterpart: NIC k of each host is one end of a veth pair
+whose other end is a port of a Linux bridge, switch k, in a namespace of its own (the run's tag and
+"-sw", so the root namespace holds nothing of the run and the namespaces' removal takes the bridges and
+the pairs with it). No tbf, no delay line, no rate or delay to configure: the fastest link this machine
+has between two namespaces, kernel-only (a veth hands the packet, a 64 KiB GSO segment, to its peer
+without a copy, and the bridge forwards it the same way), where the TUN line copies every packet twice
+through a process in user space. It shows what a contender does when the wire is not the bottleneck;
+the hosts' CPU (and the kernel's work on their behalf) is. The same addresses, names and MTU as the TUN
+link, and every byte between hosts still crosses a NIC (a veth counts what it sends and receives).
 """
 from __future__ import annotations
 
@@ -73,18 +84,32 @@ class HostsUnavailable(Exception):
 
 @dataclass(frozen=True)
 class Link:
-    """One NIC's worth of wire: rate in Mbit/s (whole host; N NICs share it), one-way delay in ms."""
+    """One NIC's worth of wire: rate in Mbit/s (whole host; N NICs share it), one-way delay in ms; or, with
+    `veth`, an unshaped veth into a bridge (Note [Hosts joined by switches]), whose rate and delay mean
+    nothing (0)."""
     rate_mbit: float
     delay_ms: float
+    veth: bool = False
+
+    @property
+    def label(self) -> str:
+        return "unshaped veth" if self.veth else f"{self.rate_mbit:g} Mbit/s + {self.delay_ms:g} ms"
+
+
+VETH = Link(0.0, 0.0, veth=True)
 
 
 def parse_links(text: str, arg: str = "--links") -> list[Link]:
-    """"2500:0.1,1000:0.5" -> [Link(2500, 0.1), Link(1000, 0.5)]: RATE_MBIT:DELAY_MS, comma-separated."""
+    """"2500:0.1,1000:0.5,veth" -> [Link(2500, 0.1), Link(1000, 0.5), VETH]: RATE_MBIT:DELAY_MS or `veth`,
+    comma-separated."""
     links = []
     for part in [p.strip() for p in str(text).split(",") if p.strip()]:
+        if part == "veth":
+            links.append(VETH)
+            continue
         m = re.fullmatch(r"(\d+(?:\.\d+)?):(\d+(?:\.\d+)?)", part)
         if not m:
-            raise ValueError(f"{arg}: {part!r} is not RATE_MBIT:DELAY_MS (e.g. 2500:0.1)")
+            raise ValueError(f"{arg}: {part!r} is not RATE_MBIT:DELAY_MS (e.g. 2500:0.1) or veth")
         rate, delay = float(m.group(1)), float(m.group(2))
         if not 1 <= rate <= 100000:
             raise ValueError(f"{arg}: rate {rate:g} Mbit/s is outside 1 to 100000")
@@ -100,14 +125,16 @@ def tool(name: str) -> str | None:
     return shutil.which(name, path=_SEARCH_PATH)
 
 
-def preflight() -> None:
-    """Raises HostsUnavailable naming what is missing: root, `ip`, `tc`, /dev/net/tun, gcc."""
+def preflight(tun: bool = True) -> None:
+    """Raises HostsUnavailable naming what is missing: root, `ip`, `tc`, and for the TUN links (`tun`: not
+    needed by veth links alone) /dev/net/tun and gcc (the delay line)."""
     if os.geteuid() != 0:
         raise HostsUnavailable(f"network namespaces and TUN devices need root (running as uid {os.geteuid()})")
-    for name, package in (("ip", "iproute2"), ("tc", "iproute2"), ("gcc", "gcc")):
+    needed = (("ip", "iproute2"), ("tc", "iproute2")) + ((("gcc", "gcc"),) if tun else ())
+    for name, package in needed:
         if tool(name) is None:
             raise HostsUnavailable(f"`{name}` ({package}) is not installed")
-    if not os.path.exists("/dev/net/tun"):
+    if tun and not os.path.exists("/dev/net/tun"):
         raise HostsUnavailable("/dev/net/tun is missing (no TUN support in this kernel or container)")
 
 
@@ -153,8 +180,8 @@ class Forwarder:
 
 @dataclass
 class Network:
-    """H hosts x N NICs joined by switches (Note [Hosts joined by switches]); `up()` makes it, `down()`
-    removes all of it (also after a failed `up()`)."""
+    """H hosts x N NICs joined by switches (Note [Hosts joined by switches]): delay lines, or bridges for
+    a veth link; `up()` makes it, `down()` removes all of it (also after a failed `up()`)."""
     hosts_n: int
     link: Link
     nics: int = 1
@@ -198,26 +225,59 @@ class Network:
     def nic_rate_mbit(self) -> float:
         return self.link.rate_mbit / self.nics
 
+    @property
+    def switch_netns(self) -> str:
+        """The namespace of a veth link's bridges (named by the run, so its removal finds it)."""
+        return f"{self.tag}-sw"
+
+    @staticmethod
+    def bridge(nic: int) -> str:
+        return f"{PREFIX}br{nic}"
+
+    @staticmethod
+    def bridge_port(nic: int, host: int) -> str:
+        return f"{PREFIX}p{nic}h{host}"
+
     # ------------------------------------------------------------------ up
     def up(self) -> "Network":
-        preflight()
+        preflight(tun=not self.link.veth)
         try:
             self.workdir = Path(tempfile.mkdtemp(prefix=f"{self.tag}-"))
-            exe = build_forwarder(self.workdir)
+            exe = None if self.link.veth else build_forwarder(self.workdir)
             for h in self.hosts:
-                r = run([tool("ip"), "netns", "add", h.netns], check=False)
-                if r.returncode != 0:
-                    raise HostsUnavailable(f"`ip netns add` failed: {r.stderr.strip()}")
+                _add_netns(h.netns)
                 run([tool("ip"), "-n", h.netns, "link", "set", "lo", "up"])
                 self._write_etc_hosts(h)
-            for k in range(self.nics):
-                self._start_forwarder(exe, k)
+            if self.link.veth:
+                self._make_bridges()
+            else:
+                for k in range(self.nics):
+                    self._start_forwarder(exe, k)
             for h in self.hosts:
                 self._configure(h)
         except BaseException:
             self.down()
             raise
         return self
+
+    def _make_bridges(self) -> None:
+        """Switch k as bridge k in the run's switch namespace, NIC k of each host a veth whose peer is a
+        port of it (Note [Hosts joined by switches]). Each pair is made with its ends in their namespaces
+        at once, so nothing passes through the root namespace."""
+        ip, sw, mtu = tool("ip"), self.switch_netns, str(self.mtu)
+        _add_netns(sw)
+        # no IPv6 on the bridges and ports: their router solicitations would reach the hosts' counters
+        for conf in ("all", "default"):
+            run([ip, "netns", "exec", sw, "sysctl", "-qw", f"net.ipv6.conf.{conf}.disable_ipv6=1"])
+        for k in range(self.nics):
+            br = self.bridge(k)
+            run([ip, "-n", sw, "link", "add", br, "mtu", mtu, "type", "bridge"])
+            for h in self.hosts:
+                port = self.bridge_port(k, h.index)
+                run([ip, "link", "add", self.ifname(k), "netns", h.netns, "mtu", mtu, "type", "veth",
+                     "peer", "name", port, "netns", sw, "mtu", mtu])
+                run([ip, "-n", sw, "link", "set", port, "master", br, "up"])
+            run([ip, "-n", sw, "link", "set", br, "up"])
 
     def _write_etc_hosts(self, h: Host) -> None:
         """Every host's name at its NIC 0 address, as each host sees /etc/hosts (MPI resolves the names)."""
@@ -255,7 +315,7 @@ class Network:
             run([ip, "-n", h.netns, "link", "set", dev, "mtu", str(self.mtu)])
             run([ip, "-n", h.netns, "addr", "add", f"{h.addrs[k]}/24", "dev", dev])
             run([ip, "-n", h.netns, "link", "set", dev, "up"])
-            if self.shaped:
+            if self.shaped and not self.link.veth:
                 run([tc, "-n", h.netns, "qdisc", "replace", "dev", dev, "root", *self.tbf_args()])
 
     def tbf_args(self) -> list[str]:
@@ -296,7 +356,8 @@ class Network:
     # ------------------------------------------------------------------ down
     def down(self) -> None:
         """Kills what runs in the hosts, stops the delay lines (their TUNs go with them; their stats are
-        kept), deletes the namespaces and their /etc/netns files and the work folder. Idempotent."""
+        kept), deletes the namespaces (a veth link's bridges and pairs go with its switch namespace) and
+        their /etc/netns files and the work folder. Idempotent."""
         for h in range(len(self.hosts)):
             kill_pids(self.pids(h))
         for f in self.forwarders:
@@ -317,6 +378,12 @@ class Network:
         if self.workdir is not None:
             shutil.rmtree(self.workdir, ignore_errors=True)
             self.workdir = None
+
+
+def _add_netns(name: str) -> None:
+    r = run([tool("ip"), "netns", "add", name], check=False)
+    if r.returncode != 0:
+        raise HostsUnavailable(f"`ip netns add` failed: {r.stderr.strip()}")
 
 
 def kill_pids(pids: list[int], wait_s: float = 10.0) -> None:

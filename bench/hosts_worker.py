@@ -12,7 +12,8 @@ A broadcast: dist.broadcast(x, 0), comm.broadcast_tensors([x]), MPI_Bcast(x, roo
 An all-gather into x (each rank's slice: 1/world of it): dist.all_gather_into_tensor, comm.all_gather,
 MPI_Allgather; a reduce-scatter of x (SUM; the API: AVG): dist.reduce_scatter_tensor, comm.reduce_scatter_avg,
 MPI_Reduce_scatter_block.
-Each one's sync is its all-reduce on 2 float32 (8 bytes).
+Each one's sync is its all-reduce on 2 float32 (8 bytes). Every contender runs this file (the MPI ones
+under the Open MPI venv's python), so each rank measures its process CPU time the same way (`measure`).
 
 Which NIC a rank's gloo binds (GLOO_SOCKET_IFNAME, set here from --ifnames before the group exists):
   one        every rank NIC 0 (what one GLOO_SOCKET_IFNAME for the whole job gives)
@@ -233,8 +234,13 @@ def wrong_elements(side, x, averages: bool) -> int:
 
 
 def measure(side, args: argparse.Namespace) -> dict:
-    """Per size: every call's time on this rank, and (local rank 0) the NICs' bytes over N synced calls
-    and over N syncs alone (their difference, divided by N, is the call's bytes on the wire)."""
+    """Per size: every call's time on this rank; (local rank 0) the NICs' bytes over N synced calls and
+    over N syncs alone (their difference, divided by N, is the call's bytes on the wire); and this
+    process's CPU time over the same two spans (the CPU of the call, the same way).
+
+    time.process_time() is the CPU time (user + system) of every thread of the process: the backend's
+    own threads (gloo's, UCX's, Open MPI's) count with the caller's. Each span starts and ends right
+    after a counters read, so both hold one read (local rank 0) and their difference holds none."""
     counters = side.local_rank == 0
     out = {}
     for nbytes in args.sizes:
@@ -245,6 +251,7 @@ def measure(side, args: argparse.Namespace) -> dict:
             side.op(x)
         side.sync()
         c0 = read_counters(args.ifnames) if counters else None
+        p0 = time.process_time()
         times = []
         for _ in range(args.calls):
             side.sync()
@@ -253,14 +260,17 @@ def measure(side, args: argparse.Namespace) -> dict:
             times.append(time.perf_counter() - t0)
         side.sync()
         c1 = read_counters(args.ifnames) if counters else None
+        p1 = time.process_time()
         for _ in range(args.calls):
             side.sync()
         side.sync()
         c2 = read_counters(args.ifnames) if counters else None
+        p2 = time.process_time()
         wrong = side.check(n)
         out[str(nbytes)] = {"times_s": [round(t, 7) for t in times], "wrong": wrong,
                             "calls_bytes": diff(c1, c0) if counters else None,
-                            "syncs_bytes": diff(c2, c1) if counters else None}
+                            "syncs_bytes": diff(c2, c1) if counters else None,
+                            "calls_cpu_s": round(p1 - p0, 7), "syncs_cpu_s": round(p2 - p1, 7)}
         if side.rank == 0:
             print(f"  {args.contender} {nbytes} B: median {sorted(times)[len(times) // 2] * 1e3:.3f} ms on rank 0",
                   flush=True)

@@ -451,11 +451,15 @@ PYBIND11_MODULE(_C, m) {
     m.attr("HOSTS_WHOLE_BYTES") = cpu::HostLanes::kWholeBytes;
     py::class_<cpu::LaneLayout>(m, "LaneLayout")
         .def(py::init<std::vector<std::vector<int>>, int>(), py::arg("hosts"), py::arg("rank"))
+        .def_readonly("hosts", &cpu::LaneLayout::hosts)
+        .def_readonly("rank", &cpu::LaneLayout::rank)
         .def_readonly("lanes", &cpu::LaneLayout::lanes)
         .def_readonly("host", &cpu::LaneLayout::host)
         .def_readonly("local", &cpu::LaneLayout::local)
+        .def_property_readonly("local_size", &cpu::LaneLayout::local_size)
         .def("lanes_of", &cpu::LaneLayout::lanes_of, py::arg("local"))
         .def("carrier", &cpu::LaneLayout::carrier, py::arg("host"), py::arg("lane"))
+        .def("slice_owner", &cpu::LaneLayout::slice_owner, py::arg("host"), py::arg("lane"))
         .def("peers", &cpu::LaneLayout::peers);
     py::class_<cpu::HostLanes>(m, "HostLanes")
         .def(py::init<std::vector<std::vector<int>>, int, ShmChannel*, const std::string&, const std::string&, int64_t,

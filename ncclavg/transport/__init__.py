@@ -5,8 +5,10 @@ What lives here: runner.py (the one runner per channel: a job's queue, worker, i
 deadline and the watchdog, the failure state), work.py (the Works both faces hand back), failure.py (a
 failure's kinds and every message that says one), shm.py (one host's shared-memory channel: its settings and
 primitives), ucx.py (the same primitives for processes on several hosts, on the core's lanes over UCX),
-hosts.py (the same over gloo's lanes, the fallback) with host_pipes.py (their chunked pipelines), host_setup.py (`connect`: the channel a group gets), paths.py (each collective step's
-implementations in order: the channel, then gloo) with reductions.py (the element math of the reductions the
+hosts.py (the same over gloo's lanes, the fallback) with host_pipes.py (their chunked pipelines),
+host_layout.py (which process carries which lane between hosts, for both engines), host_setup.py
+(`connect`: the channel a group gets), paths.py (each collective step's implementations in order: one
+host's channel or the path between hosts, then gloo) with reductions.py (the element math of the reductions the
 channel cannot do), calls.py (the user-level call signature every round compares across ranks), liveness.py
 (heartbeats that name a lost rank), flight.py (the flight recorder of the last collectives, dumped on a
 timeout, a lost peer or demand) with flight_reader.py (`ncclavg trace`, which merges the dumps) and

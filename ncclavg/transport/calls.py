@@ -30,8 +30,7 @@ The codes come from the core's tables (`_C.shm_call_names()`), so that one place
 from __future__ import annotations
 
 import datetime
-import time
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -133,14 +132,14 @@ class Record:
         self.works, self.rows, self.call, self.rank = works, rows, call, rank
         self.labels, self.where, self.ok = labels, where, ok
 
-    def finish(self, timeout: float) -> list:
-        """Waits (at most `timeout` s in all); raises CallMismatchError naming this rank's call and the first
-        that differs (or the rank whose step failed); else returns the payload every rank sent this one, in
-        rank order, each as long as its sender made it (this rank's own: what it sent itself; nothing with
-        ok=False: the caller raises its own error)."""
-        end = time.monotonic() + max(timeout, 1e-3)
+    def finish(self, remaining: Callable[[], float]) -> list:
+        """Waits until the call's deadline (`remaining()`: the seconds left of it, raising once it has
+        passed: the job's, Note [One deadline per call] in runner.py); raises CallMismatchError naming this
+        rank's call and the first that differs (or the rank whose step failed); else returns the payload
+        every rank sent this one, in rank order, each as long as its sender made it (this rank's own: what
+        it sent itself; nothing with ok=False: the caller raises its own error)."""
         for work in self.works:
-            work.wait(datetime.timedelta(seconds=max(end - time.monotonic(), 1e-3)))
+            work.wait(datetime.timedelta(seconds=remaining()))
         if not self.ok:
             return []
         call, rows = self.call, self.rows
@@ -191,9 +190,10 @@ def start_record(gloo: Any, call: Call, rank: int, size: int, payload: Optional[
     return Record(works, rows, call, rank, labels if labels is not None else list(range(size)), where, ok)
 
 
-def exchange_record(gloo: Any, call: Call, rank: int, size: int, timeout: float, payload: Optional[Any] = None,
+def exchange_record(gloo: Any, call: Call, rank: int, size: int, remaining: Callable[[], float],
+                    payload: Optional[Any] = None,
                     labels: Optional[list] = None, where: str = "gloo", ok: bool = True,
                     payloads: Optional[list] = None) -> list:
     """start_record, then its finish: the payloads the ranks sent this one, in rank order (Note [The check
     folded into the data])."""
-    return start_record(gloo, call, rank, size, payload, labels, where, ok, payloads).finish(timeout)
+    return start_record(gloo, call, rank, size, payload, labels, where, ok, payloads).finish(remaining)

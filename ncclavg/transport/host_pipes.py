@@ -2,19 +2,21 @@
 chunks and keeps DEPTH of them in flight, so that a chunk's steps within the hosts run while the chunks
 before and after it are on the wire. `Pipe`: the all-reduce's sum and the broadcast, chunks of the tensor;
 `SlicePipe`: the reduce-scatter and the all-gather, chunks of every rank's slice at once. They drive a
-`HostsTransport` (hosts.py) through its steps within the host and its lanes' exchanges."""
+`HostsTransport` (hosts.py) through its public parts: its `layout` (host_layout.HostsLayout: who carries
+which lane), its `lane_groups` (the lanes' gloo groups), its steps within the host (`host_reduce_scatter`,
+`host_all_gather`) and between the hosts (`lane_sum`, `lane_send`, `wait_lane`), each given the runner's
+job, whose one deadline bounds every step (Note [One deadline per call] in runner.py)."""
 from __future__ import annotations
 
 import os
-import time
 from collections import deque
 from typing import Any, List, Optional
 
 import torch
 from torch._C._distributed_c10d import AllgatherOptions, AllToAllOptions
 
-from .calls import Call
 from .reductions import sum_in_order
+from .runner import Job
 
 # Note [The pipeline's chunk]
 # CHUNK_BYTES: the bytes of one chunk of an all-reduce between hosts; DEPTH: the chunks on the wire at
@@ -61,7 +63,7 @@ def depth(default: int = DEPTH) -> int:
     return _env_int("NCCLAVG_HOSTS_DEPTH", default, 1)
 
 
-class Layout:
+class ShardLayout:
     """Where the shards of one chunk lie in the channel's reduce-scatter: local rank l's lanes side by side
     in its region (`region` shards long, zeros after its last), regions in local-rank order. With as many
     lanes as processes on this host and a chunk of K whole shards, the chunk itself is that layout."""
@@ -121,15 +123,14 @@ class Pipe(_Chunks):
     """Steps (1)-(3) of Note [Several hosts] over `flat`, chunk after chunk, DEPTH chunks in flight: the
     all-reduce's sum, or with `source` a broadcast from the ranks of host `source` (which hold the data)."""
 
-    def __init__(self, hosts: Any, flat: torch.Tensor, limit_at: "Deadline", call: Optional[Call],
-                 source: Optional[int] = None):
-        self.h, self.flat, self.limit_at, self.call = hosts, flat, limit_at, call
+    def __init__(self, hosts: Any, flat: torch.Tensor, job: Job, source: Optional[int] = None):
+        self.h, self.flat, self.job = hosts, flat, job
         self.source = source
-        self.sends = source is not None and hosts._mine is hosts._hosts[source]
+        self.sends = source is not None and hosts.layout.host == source
         esize = flat.element_size()
         self.chunks: List[tuple] = []   # (first element, elements): the chunk's size is fixed by its place
         at = 0
-        for nbytes in chunk_plan(flat.numel() * esize, hosts._K):
+        for nbytes in chunk_plan(flat.numel() * esize, hosts.layout.lanes):
             self.chunks.append((at, nbytes // esize))
             at += nbytes // esize
         self.stage_in: Optional[torch.Tensor] = None
@@ -139,27 +140,28 @@ class Pipe(_Chunks):
     def _start(self, lo: int, n: int) -> tuple:
         """Step (1) and the start of (2) of one chunk: `mine` holds this rank's lanes' shards side by side."""
         chunk = self.flat[lo:lo + n]
-        h, K, p = self.h, self.h._K, len(self.h._mine)
-        layout = Layout(h._lanes_of, -(-chunk.numel() // K), chunk.numel())
+        h, L = self.h, self.h.layout
+        p = len(L.mine)
+        layout = ShardLayout(L.lanes_of, -(-chunk.numel() // L.lanes), chunk.numel())
         if self.sends and layout.direct:   # the chunk as it lies: this rank's lanes' shards are its region
-            mine = chunk[h._local * layout.region:(h._local + 1) * layout.region]
+            mine = chunk[L.local * layout.region:(L.local + 1) * layout.region]
         else:
             mine = room(self.spare.pop() if self.spare else None, layout.region, chunk.dtype)[:layout.region]
         if self.source is None:                                                                  # (1)
             if layout.direct:
-                h._host_reduce_scatter(chunk, mine, self.limit_at(), self.call)
+                h.host_reduce_scatter(chunk, mine, self.job)
             else:
                 self.stage_in = room(self.stage_in, p * layout.region, chunk.dtype)
                 src = self.stage_in[:p * layout.region]
                 layout.scatter_in(chunk, src)
-                h._host_reduce_scatter(src, mine, self.limit_at(), self.call)
+                h.host_reduce_scatter(src, mine, self.job)
         elif self.sends and not layout.direct:   # the root's host lays its lanes' shards out (a receiver's
-            layout.region_of(chunk, h._local, mine)   # `mine` is what step (2) writes)
-        pieces = [(lane, mine[i * layout.shard:(i + 1) * layout.shard]) for i, lane in enumerate(h._lanes)]
+            layout.region_of(chunk, L.local, mine)   # `mine` is what step (2) writes)
+        pieces = [(lane, mine[i * layout.shard:(i + 1) * layout.shard]) for i, lane in enumerate(h.lane_groups)]
         if self.source is None:                                                                  # (2)
-            works = [h._lane_sum(lane, piece) for lane, piece in pieces]
+            works = [h.lane_sum(lane, piece) for lane, piece in pieces]
         else:
-            works = [h._lane_send(lane, piece, self.source) for lane, piece in pieces]
+            works = [h.lane_send(lane, piece, self.source) for lane, piece in pieces]
         return chunk, layout, mine, works
 
     def _finish(self, item: tuple) -> None:
@@ -168,17 +170,17 @@ class Pipe(_Chunks):
         h = self.h
         what = "all_reduce" if self.source is None else "broadcast"
         for work, piece, rows in works:
-            h._between_hosts(what, work, self.limit_at())
+            h.wait_lane(what, work, self.job)
             if rows is not None:   # two hosts: the lane's members add both shards, in group order
                 sum_in_order(list(rows), out=piece)
         if not self.sends:   # (the root's host holds the chunk already)
-            p = len(h._mine)
+            p = len(h.layout.mine)
             if layout.direct:
-                h._host_all_gather(mine, chunk, self.limit_at(), self.call)                    # (3)
+                h.host_all_gather(mine, chunk, self.job)                                        # (3)
             else:
                 self.stage_out = room(self.stage_out, p * layout.region, chunk.dtype)
                 out = self.stage_out[:p * layout.region]
-                h._host_all_gather(mine, out, self.limit_at(), self.call)
+                h.host_all_gather(mine, out, self.job)
                 layout.gather_out(out, chunk)
         if not (self.sends and layout.direct):   # a buffer of this pipe's own, not a view of the data
             self.spare.append(mine)
@@ -187,20 +189,20 @@ class SlicePipe(_Chunks):
     """The reduce-scatter (`gather` False: rank r gets the sum over the ranks of their slice r) and the
     all-gather (`gather` True: every rank gets every rank's slice) between hosts, each of `n` elements a
     slice: Note [Several hosts], steps (1)-(3) over chunks of elements [lo, lo + c) of every slice at once.
-    Lane k carries the slices of local rank k of each host that has one (`slices` in hosts.py): so a
-    rank's own slice goes on the wire from it, and its reduce-scatter's result lands on it. In the host's
-    channel, a rank's region holds the chunks of the slices its lanes carry (`HostsTransport._slots`),
-    every region `units` chunks long."""
+    Lane k carries the slices of local rank k of each host that has one (Note [Lanes and their carriers]
+    in host_layout.py): so a rank's own slice goes on the wire from it, and its reduce-scatter's result
+    lands on it. In the host's channel, a rank's region holds the chunks of the slices its lanes carry
+    (`HostsLayout.slots`), every region `units` chunks long."""
 
-    def __init__(self, hosts: Any, gather: bool, out: torch.Tensor, inp: torch.Tensor, n: int,
-                 limit_at: "Deadline", call: Optional[Call], start: int = 0):
+    def __init__(self, hosts: Any, gather: bool, out: torch.Tensor, inp: torch.Tensor, n: int, job: Job,
+                 start: int = 0):
         self.h, self.gather, self.out, self.inp, self.n = hosts, gather, out, inp, n
-        self.limit_at, self.call = limit_at, call
+        self.job = job
         # a chunk of every slice: about chunk_bytes() through each host's channel, as the all-reduce's; the
         # slices' elements from `start` (those before it rode in the calls' record)
         per = max(1, chunk_bytes() // (inp.element_size() * hosts.world_size))
         self.chunks = [(lo, min(per, n - lo)) for lo in range(start, n, per)]
-        self.units = max(len(s) for s in hosts._slots)
+        self.units = max(len(s) for s in hosts.layout.slots)
         self.stage: Optional[torch.Tensor] = None
         self.spare: List[torch.Tensor] = []
 
@@ -210,20 +212,20 @@ class SlicePipe(_Chunks):
         h, units = self.h, self.units
         mine = room(self.spare.pop() if self.spare else None, units * c, self.out.dtype)[:units * c]
         if not self.gather:                                                                      # (1)
-            p = len(h._mine)
+            p = len(h.layout.mine)
             src = mine
             if p > 1:
                 self.stage = room(self.stage, p * units * c, mine.dtype)
                 src = self.stage[:p * units * c]
-            for l, ranks in enumerate(h._slots):
+            for l, ranks in enumerate(h.layout.slots):
                 region = src[l * units * c:(l + 1) * units * c]
                 for u, r in enumerate(ranks):
                     region[u * c:(u + 1) * c].copy_(self.inp[r * self.n + lo:r * self.n + lo + c])
                 region[len(ranks) * c:].zero_()   # (summed: never garbage)
             if p > 1:
-                h._host_reduce_scatter(src, mine, self.limit_at(), self.call)
+                h.host_reduce_scatter(src, mine, self.job)
         works, at = [], 0
-        for lane, members in zip(h._lanes, h._lane_slices):                                      # (2)
+        for lane, members in zip(h.lane_groups, h.lane_slices):                                      # (2)
             m = sum(r is not None for r in members)
             works.append(self._exchange(lane, members, mine[at * c:(at + m) * c], lo, c))
             at += m
@@ -233,7 +235,7 @@ class SlicePipe(_Chunks):
         """Starts one lane's exchange of a chunk: (work, the rows this rank sums, or None). `members`: the
         slice each member of the lane's group carries (None: its host has no process lane.index)."""
         to_each = [c if r is not None else 0 for r in members]
-        own = lane.index == self.h._local   # this rank's own slice is on this lane
+        own = lane.index == self.h.layout.local   # this rank's own slice is on this lane
         if self.gather:   # every member's slice to every member: `region` gets them in group order
             mine = self.inp[lo:lo + c]
             if all(to_each):
@@ -254,17 +256,17 @@ class SlicePipe(_Chunks):
         h, units, n = self.h, self.units, self.n
         what = "all_gather" if self.gather else "reduce_scatter"
         for work, got in works:
-            h._between_hosts(what, work, self.limit_at())
+            h.wait_lane(what, work, self.job)
             if got is not None:
                 sum_in_order(list(got.view(-1, c)), out=self.out[lo:lo + c])
         if self.gather:                                                                          # (3)
-            p = len(h._mine)
+            p = len(h.layout.mine)
             every = mine
             if p > 1:
                 self.stage = room(self.stage, p * units * c, mine.dtype)
                 every = self.stage[:p * units * c]
-                h._host_all_gather(mine, every, self.limit_at(), self.call)
-            for l, ranks in enumerate(h._slots):
+                h.host_all_gather(mine, every, self.job)
+            for l, ranks in enumerate(h.layout.slots):
                 for u, r in enumerate(ranks):
                     at = (l * units + u) * c
                     self.out[r * n + lo:r * n + lo + c].copy_(every[at:at + c])
@@ -272,17 +274,6 @@ class SlicePipe(_Chunks):
 
 
 _GATHER = AllgatherOptions()
-
-class Deadline:
-    """The limit left of a step's `limit` (seconds), as each sub-step starts."""
-
-    def __init__(self, limit: float):
-        self._clock = time.monotonic
-        self._end = self._clock() + limit
-
-    def __call__(self) -> float:
-        return max(self._end - self._clock(), 1e-3)
-
 
 def room(buf: Optional[torch.Tensor], n: int, dtype: torch.dtype) -> torch.Tensor:
     """`buf` when it holds n elements of dtype, else a new buffer that does (grown, never shrunk)."""

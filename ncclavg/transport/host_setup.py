@@ -16,6 +16,7 @@ from typing import Any, Callable, Optional, Union
 from .._ext import _C
 from ..errors import CommError
 from .host_pipes import depth
+from .host_layout import HostsLayout
 from .hosts import HostsTransport, make_lanes
 from .liveness import _next_index
 from .shm import ShmTransport, setting, slot_bytes
@@ -112,7 +113,7 @@ def connect(rank: int, world: int, exchange: Callable[[Any], list], identities: 
         if native is not None:
             return native
         try:
-            lanes = make_lanes(hosts, rank, make_group)
+            lanes = make_lanes(HostsLayout(hosts, rank), make_group)
         except Exception as e:   # noqa: BLE001 (the others fail at their next collective, bounded)
             raise CommError(f"rank {rank}: the gloo groups between the hosts could not be made: {e}") from e
     if errors:
@@ -123,4 +124,4 @@ def connect(rank: int, world: int, exchange: Callable[[Any], list], identities: 
         return None
     if len(hosts) == 1:
         return ShmTransport(channel, rank, world)
-    return HostsTransport(channel, rank, world, hosts, lanes)
+    return HostsTransport(channel, HostsLayout(hosts, rank), lanes)

@@ -1,7 +1,7 @@
-"""The transport between processes on several hosts (transport "shm+gloo"): each host's shared-memory
-channel (shm.py) inside it, torch.distributed gloo between the hosts, on one group per lane. `HostsTransport`
-offers the primitives of `ShmTransport` under the same names, so that the runners' jobs (paths.py) call
-either; host_setup.py makes it.
+"""The transport between processes on several hosts over gloo (transport "shm+gloo"; the fallback of the
+UCX lanes, ucx.py): each host's shared-memory channel (shm.py) inside it, torch.distributed gloo between the
+hosts, on one group per lane. `HostsTransport` offers the primitives of `ShmTransport` under the same
+names, so that the runners' jobs (paths.py's HostsPaths) call either; host_setup.py makes it.
 
 Note [Several hosts]
 An all-reduce between hosts runs as Horovod's hierarchical all-reduce and oneCCL's "2d" algorithm do,
@@ -17,11 +17,10 @@ The chunk's steps 1 and 3 run while the chunks before and after it are on the wi
 host_pipes.py), so the time approaches the larger of the wire's and the hosts' steps, not their sum (Note [The
 pipeline's chunk] there). Every process of every host ends with the same bits: a lane's sum is gloo's, the
 same on every host, and step 3 copies it.
-Lanes: K, the largest number of processes on one host. Host h with P_h processes gives lane k to its local
-rank k % P_h, so on a host with fewer processes a process carries several lanes (a host of one process
-carries all K); each chunk is cut into K shards. With the same P on every host a local rank owns one lane
-and the chunk is reduce-scattered as it lies; otherwise every rank's lanes are first laid out side by side
-(`Layout` in host_pipes.py), padded to the same length in the host's memory, never on the wire.
+Lanes: which process carries which (Note [Lanes and their carriers] in host_layout.py, the same rule as UCX's
+lanes). With the same P on every host a local rank owns one lane and the chunk is reduce-scattered as it
+lies; otherwise every rank's lanes are first laid out side by side (`ShardLayout` in host_pipes.py), padded
+to the same length in the host's memory, never on the wire.
 The user's call is compared within each host by the channel's rounds (Note [Call signatures] in
 csrc/transport/shm_calls.cpp) and between the hosts by the lane-0 processes (the hosts' leaders) in a record
 that carries the call's data (all of it up to 256 KiB between two hosts, else its first 4 KiB: a small
@@ -48,7 +47,6 @@ at once instead of waiting out the timeout.
 """
 from __future__ import annotations
 
-import datetime
 from typing import Any, Callable, List, Optional
 
 import torch
@@ -57,15 +55,16 @@ from torch._C._distributed_c10d import AllgatherOptions, AllreduceOptions, Broad
 from ..buffers import channel_type_code
 from ..errors import is_timeout
 from .calls import FOLD_BYTES, Call, CallMismatchError, Record, fold_limit, folded, start_record
-from .host_pipes import Deadline, Pipe, SlicePipe
+from .host_layout import HostsLayout
+from .host_pipes import Pipe, SlicePipe
 from .reductions import as_bytes, sum_in_order
-from .runner import BACKSTOP_S
+from .runner import Job
 from .shm import tag
 
-GATHER_BYTES = 256 << 10   # a lane's shard up to which two hosts exchange it whole (Lane sums: _lane_sum)
+GATHER_BYTES = 256 << 10   # a lane's shard up to which two hosts exchange it whole (LaneGroup sums: lane_sum)
 
 
-class Lane:
+class LaneGroup:
     """One lane's gloo group between the hosts: `group` (a c10d process group of one process per host,
     this process among them), `me` this process's index in it, `labels` the group ranks of its members."""
 
@@ -75,35 +74,24 @@ class Lane:
         self.me = self.labels.index(rank)
 
 
-def owners(hosts: List[List[int]], lane: int) -> List[int]:
-    """The group ranks that carry `lane`, one per host: local rank lane % P_h of host h."""
-    return [h[lane % len(h)] for h in hosts]
-
-
-def slices(hosts: List[List[int]], lane: int) -> List[Optional[int]]:
-    """Whose slice each member of `lane`'s group (its ranks ascending) carries in a reduce-scatter or an
-    all-gather (SlicePipe in host_pipes.py): local rank `lane` of the member's host, None where that host
-    has no such process."""
-    host_of = {r: h for h in hosts for r in h}
-    return [host_of[m][lane] if lane < len(host_of[m]) else None for m in sorted(owners(hosts, lane))]
-
-
-def make_lanes(hosts: List[List[int]], rank: int, make_group: Callable[[List[int]], Any]) -> List[Lane]:
-    """The lanes this process carries, their groups made in lane order (collective over each lane's
+def make_lanes(layout: HostsLayout, make_group: Callable[[List[int]], Any]) -> List[LaneGroup]:
+    """The gloo groups of the lanes this process carries, made in lane order (collective over each lane's
     members only)."""
     lanes = []
-    for k in range(max(len(h) for h in hosts)):
-        members = owners(hosts, k)
-        if rank in members:
-            lanes.append(Lane(k, make_group(sorted(members)), members, rank))
+    for k in range(layout.lanes):
+        members = layout.owners(k)
+        if layout.rank in members:
+            lanes.append(LaneGroup(k, make_group(sorted(members)), members, layout.rank))
     return lanes
 
 
 class HostsTransport:
     """The processes of a group on several hosts: `channel` this host's (None when this process is alone
-    on its host), `hosts` every host's group ranks (ascending, hosts in the order of their lowest rank),
-    `lanes` the lanes this process carries (make_lanes; lane 0, when it is among them, is the hosts'
-    leaders' group)."""
+    on its host), `layout` which process carries which lane (host_layout.HostsLayout), `lanes` the gloo
+    groups of the lanes this process carries (make_lanes; lane 0, when it is among them, is the hosts'
+    leaders' group). Its primitives are ShmTransport's, each given the runner's job: the channel's steps
+    take `job.channel_limit()`, the waits on gloo `job.remaining()` (Note [One deadline per call] in
+    runner.py). The pipelines (host_pipes.py) drive it through `layout`, `lane_groups` and its step methods."""
 
     kind = "shm+gloo"
     channel = None   # no one channel over every process: the fast paths are off
@@ -111,26 +99,18 @@ class HostsTransport:
     # the heartbeats are asked then (runner.py)
     names_peers = False
 
-    def __init__(self, channel: Any, rank: int, world_size: int, hosts: List[List[int]], lanes: List[Lane]):
+    between_hosts = True
+
+    def __init__(self, channel: Any, layout: HostsLayout, lanes: List[LaneGroup]):
         self._channel = channel
-        self.rank, self.world_size = rank, world_size
-        self._hosts = hosts
-        self._mine = next(h for h in hosts if rank in h)
-        self._local = self._mine.index(rank)
-        self._lanes = lanes
+        self.layout, self.lane_groups = layout, lanes
+        self.rank, self.world_size = layout.rank, layout.world_size
         self._leaders = lanes[0] if lanes and lanes[0].index == 0 else None
-        self._host_of_leader = {h[0]: i for i, h in enumerate(hosts)}
-        self._K = max(len(h) for h in hosts)
-        # the lanes each local rank of this host carries (lane k: local rank k % P)
-        p = len(self._mine)
-        self._lanes_of = [[k for k in range(self._K) if k % p == l] for l in range(p)]
-        # the slices the lanes carry (SlicePipe): per local rank of this host, its lanes' slices in order
-        self._slots = [[r for k in lanes for r in slices(hosts, k) if r is not None] for lanes in self._lanes_of]
-        self._lane_slices = [slices(hosts, lane.index) for lane in lanes]
+        # the slices each of this process's lanes carries, in its group's order (SlicePipe)
+        self.lane_slices = [layout.slices(lane.index) for lane in lanes]
 
     # ------------------------------------------------------------------ all-reduce: Note [Several hosts]
-    def all_reduce_sum(self, t: torch.Tensor, limit: float, call: Optional[Call] = None,
-                       divisor: float = 1.0, check_finite: bool = False) -> None:
+    def all_reduce_sum(self, t: torch.Tensor, job: Job, divisor: float = 1.0, check_finite: bool = False) -> None:
         """The sum over every rank of every host (Note [Several hosts]); `check_finite` is not answered between
         hosts (None: the step's reader scans). The call's data (all of it where it fits the record, else its
         first FOLD_BYTES: `folded`) goes in the record that compares the calls (Note [The check folded into the
@@ -141,18 +121,17 @@ class HostsTransport:
         if divisor != 1.0:
             raise ValueError("divisor: between hosts the channel does not divide")
         flat = t.view(-1)
-        head = flat[:folded(flat, len(self._hosts))]
+        head = flat[:folded(flat, len(self.layout.hosts))]
         code = channel_type_code(head.dtype)
-        limit_at = Deadline(limit)
-        self._host_step(call, limit, lambda: self._host_sum(head.data_ptr(), head.numel(), code, limit, call))   # (1)
-        rows = self._leaders_record(call, limit_at(), as_bytes(head))
+        self._host_step(job, lambda: self._host_sum(head.data_ptr(), head.numel(), code, job))   # (1)
+        rows = self._leaders_record(job, as_bytes(head))
         if rows:
             sum_in_order([r.view(head.dtype) for r in rows], out=head)
-        self._host_broadcast(head.data_ptr(), head.numel(), code, limit_at(), call)
+        self._host_broadcast(head.data_ptr(), head.numel(), code, job)
         if flat.numel() > head.numel():
-            Pipe(self, flat[head.numel():], limit_at, call).run()
+            Pipe(self, flat[head.numel():], job).run()
 
-    def _lane_sum(self, lane: Lane, piece: torch.Tensor) -> tuple:
+    def lane_sum(self, lane: LaneGroup, piece: torch.Tensor) -> tuple:
         """Starts step (2) for one shard: (work, piece, rows). A shard of at most GATHER_BYTES between two
         hosts: an all-gather of the shards (the bytes of an all-reduce, in one message each way instead of
         a ring's two: half the latency), whose rows the members add in the same order, so both hold the
@@ -164,8 +143,7 @@ class HostsTransport:
         return lane.group.allreduce([piece], _SUM), piece, None
 
     # ------------------------------------------------------------------ the slices: Note [Several hosts]
-    def reduce_scatter_sum(self, out: torch.Tensor, inp: torch.Tensor, limit: float, call: Optional[Call] = None,
-                           divisor: float = 1.0) -> None:
+    def reduce_scatter_sum(self, out: torch.Tensor, inp: torch.Tensor, job: Job, divisor: float = 1.0) -> None:
         """out = the sum over every rank of every host of its slice `rank` of inp (world_size slices of
         out.numel()). The first `_slice_head` elements of every slice (all of a small call) go in the record
         that compares the calls: the host's sums of them through its channel, each leader's record carries
@@ -176,25 +154,24 @@ class HostsTransport:
             raise ValueError("divisor: between hosts the channel does not divide")
         n, code = out.numel(), channel_type_code(out.dtype)
         h = self._slice_head(n, out.element_size())
-        limit_at = Deadline(limit)
+        L = self.layout
         host_sum = torch.empty(self.world_size, h, dtype=out.dtype)   # every slice's head, summed in place
         host_sum.copy_(inp.reshape(self.world_size, n)[:, :h])
-        self._host_step(call, limit, lambda: self._host_sum(host_sum.data_ptr(), host_sum.numel(), code, limit,
-                                                            call))                              # (1)
+        self._host_step(job, lambda: self._host_sum(host_sum.data_ptr(), host_sum.numel(), code, job))   # (1)
         # host j's leader gets this host's sums of host j's ranks' heads (padded to the largest host's)
-        blocks = torch.zeros(len(self._hosts), self._K * h, dtype=out.dtype)
-        for j, members in enumerate(self._hosts):
+        blocks = torch.zeros(len(L.hosts), L.lanes * h, dtype=out.dtype)
+        for j, members in enumerate(L.hosts):
             blocks[j, :len(members) * h] = host_sum[members].reshape(-1)
-        rows = self._leaders_record(call, limit_at(), payloads=[as_bytes(b) for b in blocks])   # (2)
-        mine = blocks[self._hosts.index(self._mine)]
+        rows = self._leaders_record(job, payloads=[as_bytes(b) for b in blocks])              # (2)
+        mine = blocks[L.host]
         if rows:
             sum_in_order([r.view(out.dtype) for r in rows], out=mine)
-        self._host_broadcast(mine.data_ptr(), mine.numel(), code, limit_at(), call)            # (3)
-        out.view(-1)[:h].copy_(mine[self._local * h:(self._local + 1) * h])
+        self._host_broadcast(mine.data_ptr(), mine.numel(), code, job)                          # (3)
+        out.view(-1)[:h].copy_(mine[L.local * h:(L.local + 1) * h])
         if h < n:
-            SlicePipe(self, False, out.view(-1), inp.reshape(-1), n, limit_at, call, start=h).run()
+            SlicePipe(self, False, out.view(-1), inp.reshape(-1), n, job, start=h).run()
 
-    def all_gather(self, out: torch.Tensor, inp: torch.Tensor, limit: float, call: Optional[Call] = None) -> None:
+    def all_gather(self, out: torch.Tensor, inp: torch.Tensor, job: Job) -> None:
         """out = every rank's inp, in rank order. The first `_slice_head` elements of every rank's (all of a
         small call) go in the record that compares the calls: the host's gathered through its channel, the
         leaders' records carry them, a round gives them to the host's other ranks (one exchange between
@@ -202,35 +179,27 @@ class HostsTransport:
         n, code = inp.numel(), channel_type_code(inp.dtype)
         h = self._slice_head(n, inp.element_size())
         flat, mine = out.view(-1), inp.reshape(-1)[:h]
-        block = torch.zeros(self._K * h, dtype=inp.dtype)   # this host's heads, padded to the largest host's
-
-        def gather_host() -> None:                                                               # (1)
-            if self._channel is not None:
-                self._channel.all_gather(mine.data_ptr(), block.data_ptr(), h, code, limit, *tag(call))
-            else:
-                block[:h].copy_(mine)
-
-        limit_at = Deadline(limit)
-        self._host_step(call, limit, gather_host)
-        rows = self._leaders_record(call, limit_at(), as_bytes(block))                         # (2)
+        block = torch.zeros(self.layout.lanes * h, dtype=inp.dtype)   # this host's heads, padded to the largest host's
+        self._host_step(job, lambda: self.host_all_gather(mine, block[:len(self.layout.mine) * h], job))   # (1)
+        rows = self._leaders_record(job, as_bytes(block))                                       # (2)
         heads = flat.view(self.world_size, n) if h == n else torch.empty(self.world_size, h, dtype=inp.dtype)
         if rows:
-            for members, row in zip(self._hosts, rows):
+            for members, row in zip(self.layout.hosts, rows):
                 heads[members] = row.view(inp.dtype)[:len(members) * h].view(len(members), h)
-        self._host_broadcast(heads.data_ptr(), heads.numel(), code, limit_at(), call)          # (3)
+        self._host_broadcast(heads.data_ptr(), heads.numel(), code, job)                       # (3)
         if h < n:
             flat.view(self.world_size, n)[:, :h] = heads
-            SlicePipe(self, True, flat, inp.reshape(-1), n, limit_at, call, start=h).run()
+            SlicePipe(self, True, flat, inp.reshape(-1), n, job, start=h).run()
 
     def _slice_head(self, n: int, esize: int) -> int:
         """The leading elements of every slice of a reduce-scatter or all-gather that ride in the record:
         all of them where the largest host's slices fit it (fold_limit), else as many as the largest
         host's fill FOLD_BYTES with."""
-        if self._K * n * esize <= fold_limit(len(self._hosts)):
+        if self.layout.lanes * n * esize <= fold_limit(len(self.layout.hosts)):
             return n
-        return min(n, FOLD_BYTES // (self._K * esize))
+        return min(n, FOLD_BYTES // (self.layout.lanes * esize))
 
-    def broadcast(self, t: torch.Tensor, root: int, limit: float, call: Optional[Call] = None) -> None:
+    def broadcast(self, t: torch.Tensor, root: int, job: Job) -> None:
         """`root`'s data to every rank of every host, as the all-reduce moves its sum (Note [Several hosts]):
         (1) within the root's host, the channel's broadcast from it (every other host: a round that compares its
         ranks' calls); the leaders' record compares the calls between the hosts and carries the data from the
@@ -241,45 +210,38 @@ class HostsTransport:
         channel."""
         flat = t.view(-1)
         code = channel_type_code(flat.dtype)
-        src = next(i for i, h in enumerate(self._hosts) if root in h)
-        at_root = self._mine is self._hosts[src]
-        limit_at = Deadline(limit)
+        L = self.layout
+        src = next(i for i, h in enumerate(L.hosts) if root in h)
+        at_root = L.host == src
         if at_root:
-            self._host_step(call, limit, lambda: self._host_broadcast(flat.data_ptr(), flat.numel(), code, limit,
-                                                                      call, self._mine.index(root)))   # (1)
+            self._host_step(job, lambda: self._host_broadcast(flat.data_ptr(), flat.numel(), code, job,
+                                                              L.mine.index(root)))   # (1)
         else:
-            self._host_step(call, limit, lambda: self._host_barrier(limit, call))
-        head = flat[:folded(flat, len(self._hosts))]
-        rows = self._leaders_record(call, limit_at(), as_bytes(head if at_root else head[:0]))   # (the root's alone)
+            self._host_step(job, lambda: self._host_barrier(job))
+        head = flat[:folded(flat, len(L.hosts))]
+        rows = self._leaders_record(job, as_bytes(head if at_root else head[:0]))   # (the root's alone)
         if at_root:
-            self._host_barrier(limit_at(), call)
+            self._host_barrier(job)
         else:
             if rows:
                 head.copy_(rows[src].view(head.dtype))
-            self._host_broadcast(head.data_ptr(), head.numel(), code, limit_at(), call)
+            self._host_broadcast(head.data_ptr(), head.numel(), code, job)
         if flat.numel() > head.numel():
-            Pipe(self, flat[head.numel():], limit_at, call, source=src).run()
+            Pipe(self, flat[head.numel():], job, source=src).run()
 
-    def _lane_send(self, lane: Lane, piece: torch.Tensor, source: int) -> tuple:
+    def lane_send(self, lane: LaneGroup, piece: torch.Tensor, source: int) -> tuple:
         """Starts step (2) of a broadcast for one shard: from the lane's carrier on host `source` to the
-        lane's carriers on the other hosts. (work, piece, None), as _lane_sum."""
+        lane's carriers on the other hosts. (work, piece, None), as lane_sum."""
         opts = BroadcastOptions()
-        opts.rootRank, opts.rootTensor = lane.labels.index(owners(self._hosts, lane.index)[source]), 0
+        opts.rootRank, opts.rootTensor = lane.labels.index(self.layout.owners(lane.index)[source]), 0
         return lane.group.broadcast([piece], opts), piece, None
 
-    def check(self, call: Call, limit: float) -> None:
+    def check(self, job: Job) -> None:
         """(1) the host's ranks agree, (2) the leaders agree, (3) a round in which the host's other ranks
         learn the leader's verdict (it aborts the channel on a mismatch)."""
-        limit_at = Deadline(limit)
-        self._host_step(call, limit, lambda: self._host_barrier(limit, call))
-        self._leaders_record(call, limit_at())
-        self._host_barrier(limit_at(), call)
-
-    def broadcasts_from(self, root: int) -> bool:
-        return 0 <= root < self.world_size
-
-    def divides(self) -> bool:
-        return False
+        self._host_step(job, lambda: self._host_barrier(job))
+        self._leaders_record(job)
+        self._host_barrier(job)
 
     def stalled_on(self) -> str:
         """"": the rank this host's channel waits for may itself be waiting on another host (a leader in its
@@ -295,40 +257,40 @@ class HostsTransport:
         pass
 
     # ------------------------------------------------------------------ within the host
-    def _host_reduce_scatter(self, src: torch.Tensor, out: torch.Tensor, limit: float, call: Optional[Call]) -> None:
+    def host_reduce_scatter(self, src: torch.Tensor, out: torch.Tensor, job: Job) -> None:
         if self._channel is not None:
             self._channel.reduce_scatter_sum(src.data_ptr(), out.data_ptr(), out.numel(), channel_type_code(out.dtype),
-                                             limit, 1.0, 1.0, *tag(call))
+                                             job.channel_limit(), 1.0, 1.0, *tag(job.call))
         else:
             out.copy_(src[:out.numel()])
 
-    def _host_all_gather(self, mine: torch.Tensor, out: torch.Tensor, limit: float, call: Optional[Call]) -> None:
+    def host_all_gather(self, mine: torch.Tensor, out: torch.Tensor, job: Job) -> None:
         if self._channel is not None:
             self._channel.all_gather(mine.data_ptr(), out.data_ptr(), mine.numel(), channel_type_code(mine.dtype),
-                                     limit, *tag(call))
+                                     job.channel_limit(), *tag(job.call))
         else:
             out.copy_(mine)
 
-    def _host_sum(self, ptr: int, n: int, code: int, limit: float, call: Optional[Call]) -> None:
+    def _host_sum(self, ptr: int, n: int, code: int, job: Job) -> None:
         if self._channel is not None:
-            self._channel.all_reduce_sum(ptr, n, code, limit, 1.0, 1.0, *tag(call))
+            self._channel.all_reduce_sum(ptr, n, code, job.channel_limit(), 1.0, 1.0, *tag(job.call))
 
-    def _host_broadcast(self, ptr: int, n: int, code: int, limit: float, call: Optional[Call], root: int = 0) -> None:
+    def _host_broadcast(self, ptr: int, n: int, code: int, job: Job, root: int = 0) -> None:
         """From this host's local rank `root` (its leader unless said)."""
         if self._channel is not None:
-            self._channel.broadcast(ptr, n, code, root, limit, *tag(call))
+            self._channel.broadcast(ptr, n, code, root, job.channel_limit(), *tag(job.call))
 
-    def _host_barrier(self, limit: float, call: Optional[Call]) -> None:
+    def _host_barrier(self, job: Job) -> None:
         if self._channel is not None:
-            self._channel.barrier(limit, *tag(call))
+            self._channel.barrier(job.channel_limit(), *tag(job.call))
 
     # ------------------------------------------------------------------ between the hosts' leaders
-    def _host_step(self, call: Optional[Call], limit: float, step: Callable[[], None]) -> None:
+    def _host_step(self, job: Job, step: Callable[[], None]) -> None:
         """Step (1); a leader whose step failed tells the other leaders at once (its record, ok=False)."""
         try:
             step()
         except Exception:
-            self._tell_leaders(call, limit)
+            self._tell_leaders(job)
             raise
 
     def _start_record(self, call: Optional[Call], payload: Optional[torch.Tensor] = None,
@@ -348,10 +310,10 @@ class HostsTransport:
         return start_record(lead.group, call, lead.me, len(lead.labels), payload, labels=lead.labels,
                             where="between the hosts' leaders", ok=ok, payloads=payloads)
 
-    def _finish_record(self, record: Record, limit: float) -> list:
+    def _finish_record(self, record: Record, job: Job) -> list:
         """The leaders' payloads in their group's order; a mismatch aborts this host's channel with it."""
         try:
-            return record.finish(max(limit - BACKSTOP_S, 1e-3))
+            return record.finish(job.remaining)
         except CallMismatchError as e:
             self.abort(str(e), mismatch=True)
             raise
@@ -359,29 +321,28 @@ class HostsTransport:
             self._failed_between_hosts("the calls' check", e)
             raise   # not reached: _failed_between_hosts raises
 
-    def _leaders_record(self, call: Optional[Call], limit: float, payload: Optional[torch.Tensor] = None,
-                        ok: bool = True, payloads: Optional[list] = None) -> Optional[list]:
+    def _leaders_record(self, job: Job, payload: Optional[torch.Tensor] = None, ok: bool = True,
+                        payloads: Optional[list] = None) -> Optional[list]:
         """_start_record, then its finish (None: no exchange)."""
-        record = self._start_record(call, payload, ok, payloads)
-        return None if record is None else self._finish_record(record, limit)
+        record = self._start_record(job.call, payload, ok, payloads)
+        return None if record is None else self._finish_record(record, job)
 
-    def _tell_leaders(self, call: Optional[Call], limit: float) -> None:
+    def _tell_leaders(self, job: Job) -> None:
         """This host's step (1) failed: its leader says so in the calls' exchange (best effort, bounded)."""
         try:
-            self._leaders_record(call, limit, ok=False)
+            self._leaders_record(job, ok=False)
         except Exception:   # noqa: BLE001 (the host's own error is the one raised)
             pass
 
-    def _between_hosts(self, what: str, work: Any, limit: float) -> None:
-        """Waits for a gloo work until the call's deadline: a primitive's `limit` is the deadline plus
-        BACKSTOP_S (Note [One deadline per call] in runner.py), which only the channel's waits get."""
+    def wait_lane(self, what: str, work: Any, job: Job) -> None:
+        """Waits for a gloo work until the call's deadline (Note [One deadline per call] in runner.py)."""
         try:
-            work.wait(datetime.timedelta(seconds=max(limit - BACKSTOP_S, 1e-3)))
+            job.wait_gloo(work)
         except Exception as e:   # noqa: BLE001 (re-raised, after the host's channel is told)
             self._failed_between_hosts(what, e)
 
     def _failed_between_hosts(self, what: str, e: BaseException) -> None:
-        role = " (the leader of its host)" if self._local == 0 else ""
+        role = " (the leader of its host)" if self.layout.local == 0 else ""
         why = f"rank {self.rank}{role}: {what} between the hosts failed: {e}"
         self.abort(why)
         if is_timeout(e):

@@ -1,15 +1,18 @@
-"""The ways a CPU collective step can move its data, for both faces: `ChannelPaths` through a group's host
-channel (shm.ShmTransport, or hosts.HostsTransport across hosts), `GlooPaths` through a torch.distributed
-process group (gloo in practice), and `Paths`, which holds them in order and picks one per step. Every
-step runs inside a runner's job (runner.py) and gets it: its deadline, its call compared across ranks.
+"""The ways a CPU collective step can move its data, for both faces: `ChannelPaths` through one host's
+channel over the whole group (shm.ShmTransport), `HostsPaths` between hosts (each host's channel and the
+lanes between them: ucx.UcxHostsTransport, else hosts.HostsTransport over gloo), `GlooPaths` through a
+torch.distributed process group (gloo in practice), and `Paths`, which holds them in order and picks one
+per step. Every step runs inside a runner's job (runner.py) and gets it: its one deadline, its call
+compared across ranks.
 
 Note [Implementations in order]
 A collective does what is the same whatever moves the data (complex tensors as real pairs, PREMUL_SUM's
 factor, which reduction a dtype and op need, the pieces of a list, a Communicator's towers), then asks
 `Paths` for one primitive step: `sum`, `reduce`, `sum_scatter`, `all_gather_bytes`, `rows`,
 `broadcast_bytes`, `allgather`, `gather`, `scatter`, `alltoall_single`, `alltoall`, `check`. Each of
-those methods walks the same ordered list, the channel's implementation (when the group has one), then
-gloo's, and runs the first that takes the arguments (its `takes_<step>`): gloo's takes everything.
+those methods walks the same ordered list, the channel's or the hosts' implementation (when the group
+has one), then gloo's, and runs the first that takes the arguments (its `takes_<step>`): gloo's takes
+everything.
 Adding a transport is adding an implementation to the list, not a branch to every collective (as
 Horovod's operation_manager keeps an ordered list of implementations per operation).
 
@@ -23,8 +26,8 @@ Note [Which CPU collectives take the channel]
 - Every other reduction (integers, bool, MIN, MAX, PRODUCT, the bitwise ops): every rank's input is
   gathered through the channel, in pieces of at most GATHER_LIMIT bytes, and reduced here in rank order
   (Note [Reductions of gathered rows] in reductions.py).
-- Without a channel (every process alone on its host, NCCLAVG_SHM=0), alltoall, a broadcast or scatter
-  from a root other than 0 between hosts (the channel's several-hosts path broadcasts from rank 0): gloo.
+- Without a channel (NCCLAVG_SHM=0; every process alone on its host and no UCX lanes) and for alltoall:
+  gloo. Between hosts a broadcast or scatter leaves from any root (HostsPaths.takes_root).
 - Count 0 is a call like any other: it runs a round (or the check below), so that a rank whose tensor
   is empty cannot pair with its peers' next collective.
 
@@ -63,9 +66,13 @@ def _checked(job: Job) -> None:
 
 
 class ChannelPaths:
-    """The steps through a group's host channel `transport` ("shm": one host; "shm+gloo": a channel per
-    host, hosts.py). Each channel call gets the job's channel limit: the runner's watchdog ends it at the
-    job's deadline, the channel's own limit is the backstop (Note [One deadline per call] in runner.py)."""
+    """The steps through one host's channel over every process of the group (`transport`: a
+    shm.ShmTransport). Each primitive is handed the job: the channel's limit is the job's
+    `channel_limit()` (the runner's watchdog ends the step at the job's deadline, the channel's own limit
+    is the backstop: Note [One deadline per call] in runner.py) and the call its rounds compare."""
+
+    # a sum is divided by the ranks or towers in the channel's own pass (the same bits as after it)
+    divides = True
 
     def __init__(self, transport: Any, rank: int, size: int):
         self.transport, self.rank, self.size = transport, rank, size
@@ -73,10 +80,12 @@ class ChannelPaths:
 
     # ------------------------------------------------------------------ which steps it takes
     def takes_sum(self, t: torch.Tensor) -> bool:
+        """The channel sums float32, float64, float16 and bfloat16, contiguous on the CPU."""
         return supports(t)
 
     def takes_root(self, root: int) -> bool:
-        return self.transport.broadcasts_from(root)
+        """Every process reads the root's slot: any root."""
+        return True
 
     # ------------------------------------------------------------------ the steps
     def check(self, job: Job) -> None:
@@ -85,16 +94,15 @@ class ChannelPaths:
         if call is None or call.checked:
             return
         with profiling.step(job, self.kind, "check"):
-            self.transport.check(call, job.channel_limit())
+            self.transport.check(job)
         call.checked = True
 
     def sum(self, job: Job, flat: torch.Tensor, divisor: float = 1.0) -> float:
         """flat = the SUM over the ranks (a channel dtype), divided by `divisor` in the same pass where the
         channel can; returns the division still to do (1.0 or `divisor`)."""
-        fused = divisor != 1.0 and self.transport.divides()
+        fused = divisor != 1.0 and self.divides
         with profiling.step(job, self.kind, "all_reduce_sum"):
-            noted = self.transport.all_reduce_sum(flat, job.channel_limit(), job.call, divisor if fused else 1.0,
-                                                  job.noting)
+            noted = self.transport.all_reduce_sum(flat, job, divisor if fused else 1.0, job.noting)
         # a division after it (by a count of ranks or towers, >= 1) keeps every value finite or not as it was
         job.finite = noted
         _checked(job)
@@ -102,9 +110,9 @@ class ChannelPaths:
 
     def sum_scatter(self, job: Job, out: torch.Tensor, inp: torch.Tensor, divisor: float = 1.0) -> float:
         """out = this rank's slice of the SUM over the ranks of inp; as `sum` for the division."""
-        fused = divisor != 1.0 and self.transport.divides()
+        fused = divisor != 1.0 and self.divides
         with profiling.step(job, self.kind, "reduce_scatter_sum"):
-            self.transport.reduce_scatter_sum(out, inp, job.channel_limit(), job.call, divisor if fused else 1.0)
+            self.transport.reduce_scatter_sum(out, inp, job, divisor if fused else 1.0)
         _checked(job)
         return 1.0 if fused else divisor
 
@@ -135,7 +143,7 @@ class ChannelPaths:
 
     def _all_gather(self, job: Job, out: torch.Tensor, inp: torch.Tensor) -> None:
         with profiling.step(job, self.kind, "all_gather"):
-            self.transport.all_gather(out, inp, job.channel_limit(), job.call)
+            self.transport.all_gather(out, inp, job)
         _checked(job)
 
     def all_gather_typed(self, job: Job, out: torch.Tensor, inp: torch.Tensor) -> None:
@@ -160,7 +168,7 @@ class ChannelPaths:
 
     def _broadcast(self, job: Job, t: torch.Tensor, root: int) -> None:
         with profiling.step(job, self.kind, "broadcast"):
-            self.transport.broadcast(t, root, job.channel_limit(), job.call)
+            self.transport.broadcast(t, root, job)
         _checked(job)
 
     def allgather(self, job: Job, outs: List[torch.Tensor], inp: torch.Tensor) -> None:
@@ -183,6 +191,24 @@ class ChannelPaths:
             whole = torch.empty(self.size * n, dtype=out.dtype)
         self.broadcast_bytes(job, as_bytes(whole), root)
         out.view(-1).copy_(whole[self.rank * n:(self.rank + 1) * n])
+
+
+class HostsPaths(ChannelPaths):
+    """The steps between hosts (`transport`: ucx.UcxHostsTransport, the core's lanes on UCX, "shm+ucx" /
+    "ucx"; or hosts.HostsTransport, gloo's lanes, "shm+gloo"): each host's channel within it, the lanes
+    between the hosts, one job's deadline over both (the transport derives every step's limit from the
+    job). The same steps as one host's channel, and what they take:"""
+
+    # the lanes add the hosts' sums in host order after the channel's; a division goes after them
+    divides = False
+
+    def takes_sum(self, t: torch.Tensor) -> bool:
+        """The lanes sum what the hosts' channels sum (the wire moves the channel's dtypes)."""
+        return supports(t)
+
+    def takes_root(self, root: int) -> bool:
+        """A broadcast leaves from any rank's host (the lanes' carriers there send its shards)."""
+        return 0 <= root < self.size
 
 
 class GlooPaths:
@@ -221,7 +247,7 @@ class GlooPaths:
             self._channel.check(job)
             return None
         with profiling.step(job, "gloo", "check"):
-            return exchange_record(self.gloo, call, self.rank, self.size, job.remaining(), payload,
+            return exchange_record(self.gloo, call, self.rank, self.size, job.remaining, payload,
                                    payloads=payloads)
 
     def _wait(self, job: Job, work: Any) -> None:
@@ -440,12 +466,14 @@ class GlooPaths:
 
 
 class Paths:
-    """One group's implementations of each step, in order (Note [Implementations in order]): the
-    channel's when the group has one, then gloo's. Each method runs the first implementation that takes
-    its arguments."""
+    """One group's implementations of each step, in order (Note [Implementations in order]): one host's
+    channel or the path between hosts when the group has one, then gloo's. Each method runs the first
+    implementation that takes its arguments."""
 
     def __init__(self, transport: Any, gloo: Any, rank: int, size: int, compare: bool = True):
-        self.channel = ChannelPaths(transport, rank, size) if transport is not None else None
+        self.channel: Optional[ChannelPaths] = None
+        if transport is not None:
+            self.channel = (HostsPaths if transport.between_hosts else ChannelPaths)(transport, rank, size)
         self.gloo = GlooPaths(gloo, rank, size, self.channel, compare)
         self.impls: List[Any] = ([self.channel] if self.channel is not None else []) + [self.gloo]
 

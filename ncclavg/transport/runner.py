@@ -30,7 +30,9 @@ here:
 - a channel step is given the limit `Job.channel_limit()`, the deadline plus BACKSTOP_S (the watchdog's
   next look, the naming, and SLACK_S for a loaded machine), so that the watchdog's words, not the
   channel's lower-level ones, are what the peers read; a gloo step waits until the deadline itself
-  (`Job.wait_gloo`);
+  (`Job.wait_gloo`, `Job.remaining`). The transports' primitives are handed the job and take both from
+  it at each step, between hosts too (a lane's wait on gloo, the hosts' leaders' record, the channel's
+  rounds around them), so no step re-derives the deadline from a limit of its own;
 - a waiter: torch's Work.wait(timeout) is the caller's patience and leaves the job running; the public
   API's waits its timeout and SLACK_S more, then fails the runner (work.py);
 - the fast paths run a call whole on the caller's thread: there the channel's own limit is the deadline.
@@ -157,7 +159,8 @@ class Job:
 
 class Runner:
     """Runs the jobs of one channel in order (Note [One runner]) under its `face` (failure.Face).
-    `transport`: the channel (shm.ShmTransport or hosts.HostsTransport) the watchdog aborts, or None;
+    `transport`: the channel (shm.ShmTransport; between hosts ucx.UcxHostsTransport or hosts.HostsTransport)
+    the watchdog aborts, or None;
     `liveness`: the heartbeats (liveness.Liveness: `diagnose()` names the lost rank in words, " (rank 1 stopped
     responding: ...)" or "", and `mark_failed()` tells the slower survivors this rank is not lost). The first
     failure fails the runner for good: the ranks no longer agree on what comes next."""

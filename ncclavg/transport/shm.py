@@ -1,8 +1,9 @@
 """The transport between the processes of one host: the core's shared-memory channel (Note [Shared-memory
 channel] in csrc/transport/shm_channel.cpp). `ShmTransport` holds one host's channel and offers its
 primitives (all_reduce_sum, reduce_scatter_sum, all_gather, broadcast, check), called inside a job of
-the runner that owns the channel (runner.py), which gives each its limit; setup.py's `connect` makes it
-(or, for processes on several hosts, hosts.py's HostsTransport, which has the same primitives).
+the runner that owns the channel (runner.py) and handed that job, whose deadline gives each its limit;
+host_setup.py's `connect` makes it (or, for processes on several hosts, ucx.py's UcxHostsTransport or
+hosts.py's HostsTransport, which have the same primitives).
 
 Note [When the shared-memory channel is used]
 GlooCommunicator groups its processes by host identity: the kernel's boot id and the process's network,
@@ -105,49 +106,44 @@ def tag(call: Optional[Call]) -> tuple:
 
 
 class ShmTransport:
-    """One host's channel over every process of a group: its primitives, called inside a runner's job
-    with the job's `limit` (seconds) and `call`. Each takes flat contiguous CPU tensors of a channel type."""
+    """One host's channel over every process of a group: its primitives, called inside a runner's job,
+    each given the job (`job.channel_limit()` its limit, `job.call` the call the ranks compare: Note [One
+    deadline per call] in runner.py). Each takes flat contiguous CPU tensors of a channel type."""
 
     kind = "shm"
+    between_hosts = False
     names_peers = True   # its errors name the rank that stopped (Note [Failures are told by type] in failure.py)
 
     def __init__(self, channel: Any, rank: int, world_size: int):
         self.channel = channel   # the core's _C.ShmChannel, which the fast paths call directly too
         self.rank, self.world_size = rank, world_size
 
-    def all_reduce_sum(self, t: torch.Tensor, limit: float, call: Optional[Call] = None,
-                       divisor: float = 1.0, check_finite: bool = False) -> Optional[bool]:
+    def all_reduce_sum(self, t: torch.Tensor, job: Any, divisor: float = 1.0,
+                       check_finite: bool = False) -> Optional[bool]:
         """t = the sum over the ranks (divided by `divisor` in the same pass). `check_finite`: returns
         whether every value written is finite, the same on every rank (Note [Finiteness from the pass that
         writes] in csrc/common/finite_math.h); else None."""
-        noted = self.channel.all_reduce_sum(t.data_ptr(), t.numel(), channel_type_code(t.dtype), limit, 1.0,
-                                            float(divisor), *tag(call), bool(check_finite))
+        noted = self.channel.all_reduce_sum(t.data_ptr(), t.numel(), channel_type_code(t.dtype), job.channel_limit(),
+                                            1.0, float(divisor), *tag(job.call), bool(check_finite))
         return noted if check_finite else None
 
-    def reduce_scatter_sum(self, out: torch.Tensor, inp: torch.Tensor, limit: float, call: Optional[Call] = None,
-                           divisor: float = 1.0) -> None:
+    def reduce_scatter_sum(self, out: torch.Tensor, inp: torch.Tensor, job: Any, divisor: float = 1.0) -> None:
         """out = this rank's slice of the sum over the ranks of inp (divided by `divisor` in the same pass)."""
         self.channel.reduce_scatter_sum(inp.data_ptr(), out.data_ptr(), out.numel(), channel_type_code(out.dtype),
-                                        limit, 1.0, float(divisor), *tag(call))
+                                        job.channel_limit(), 1.0, float(divisor), *tag(job.call))
 
-    def all_gather(self, out: torch.Tensor, inp: torch.Tensor, limit: float, call: Optional[Call] = None) -> None:
-        self.channel.all_gather(inp.data_ptr(), out.data_ptr(), inp.numel(), channel_type_code(inp.dtype), limit,
-                                *tag(call))
+    def all_gather(self, out: torch.Tensor, inp: torch.Tensor, job: Any) -> None:
+        self.channel.all_gather(inp.data_ptr(), out.data_ptr(), inp.numel(), channel_type_code(inp.dtype),
+                                job.channel_limit(), *tag(job.call))
 
-    def broadcast(self, t: torch.Tensor, root: int, limit: float, call: Optional[Call] = None) -> None:
-        self.channel.broadcast(t.data_ptr(), t.numel(), channel_type_code(t.dtype), int(root), limit, *tag(call))
+    def broadcast(self, t: torch.Tensor, root: int, job: Any) -> None:
+        self.channel.broadcast(t.data_ptr(), t.numel(), channel_type_code(t.dtype), int(root), job.channel_limit(),
+                               *tag(job.call))
 
-    def check(self, call: Call, limit: float) -> None:
-        """A round that moves nothing and compares `call` across every rank: before a step that moves the
-        call's data another way (gloo)."""
-        self.channel.barrier(limit, *tag(call))
-
-    def broadcasts_from(self, root: int) -> bool:
-        return True
-
-    def divides(self) -> bool:
-        """Does a sum divide in the channel's pass (one host's channel over every process)?"""
-        return True
+    def check(self, job: Any) -> None:
+        """A round that moves nothing and compares the job's call across every rank: before a step that
+        moves the call's data another way (gloo)."""
+        self.channel.barrier(job.channel_limit(), *tag(job.call))
 
     def peers_ready(self, wait_s: float) -> bool:
         """Note [An asynchronous call whose peers wait] in csrc/transport/shm_channel.cpp."""

@@ -25,7 +25,7 @@ from .._ext import _C
 from ..buffers import channel_type_code
 from ..errors import CommError
 from .._ext import devices_for, hosts_interfaces, ucx_load, ucx_setting, ucx_transports
-from .calls import Call
+from .host_layout import HostsLayout
 from .host_pipes import chunk_bytes, depth
 from .shm import tag
 
@@ -66,8 +66,8 @@ def start(hosts: List[List[int]], rank: int, channel: Any, exchange: Callable[[A
         found = ucx_load()
         if not found["loaded"]:
             raise RuntimeError(found["error"])
-        layout = _C.LaneLayout(hosts, rank)
-        mine = layout.lanes_of(layout.local)
+        layout = HostsLayout(hosts, rank)
+        mine = layout.lanes_of[layout.local]
         lanes = _C.HostLanes(hosts, rank, channel, tls, devices_for(mine, nics), chunk, ahead)
     except (RuntimeError, ValueError) as e:
         error = f"rank {rank}: {e}"
@@ -94,6 +94,7 @@ class UcxHostsTransport:
     ShmTransport's, each one call into the core (one native loop, the GIL released)."""
 
     channel = None   # no one channel over every process: the fast paths are off
+    between_hosts = True
     # the lanes' errors name the rank they lost or the peer that said why (Note [Failures are told by type])
     names_peers = True
 
@@ -103,36 +104,30 @@ class UcxHostsTransport:
         self.kind = "shm+ucx" if max(len(h) for h in hosts) > 1 else "ucx"
         self.rank, self.world_size, self.hosts = rank, world_size, hosts
 
-    def all_reduce_sum(self, t: torch.Tensor, limit: float, call: Optional[Call] = None,
-                       divisor: float = 1.0, check_finite: bool = False) -> None:
+    def all_reduce_sum(self, t: torch.Tensor, job: Any, divisor: float = 1.0, check_finite: bool = False) -> None:
         """t = the sum over every rank of every host, the same bits on every rank; `check_finite` is not
         answered between hosts (None: the step's reader scans)."""
         if divisor != 1.0:
             raise ValueError("divisor: between hosts the sum is not divided in the pass")
-        self.lanes.all_reduce_sum(t.data_ptr(), t.numel(), channel_type_code(t.dtype), limit, *tag(call))
+        self.lanes.all_reduce_sum(t.data_ptr(), t.numel(), channel_type_code(t.dtype), job.channel_limit(),
+                                  *tag(job.call))
 
-    def reduce_scatter_sum(self, out: torch.Tensor, inp: torch.Tensor, limit: float, call: Optional[Call] = None,
-                           divisor: float = 1.0) -> None:
+    def reduce_scatter_sum(self, out: torch.Tensor, inp: torch.Tensor, job: Any, divisor: float = 1.0) -> None:
         if divisor != 1.0:
             raise ValueError("divisor: between hosts the sum is not divided in the pass")
-        self.lanes.reduce_scatter_sum(inp.data_ptr(), out.data_ptr(), out.numel(), channel_type_code(out.dtype), limit,
-                                      *tag(call))
+        self.lanes.reduce_scatter_sum(inp.data_ptr(), out.data_ptr(), out.numel(), channel_type_code(out.dtype),
+                                      job.channel_limit(), *tag(job.call))
 
-    def all_gather(self, out: torch.Tensor, inp: torch.Tensor, limit: float, call: Optional[Call] = None) -> None:
-        self.lanes.all_gather(inp.data_ptr(), out.data_ptr(), inp.numel(), channel_type_code(inp.dtype), limit,
-                              *tag(call))
+    def all_gather(self, out: torch.Tensor, inp: torch.Tensor, job: Any) -> None:
+        self.lanes.all_gather(inp.data_ptr(), out.data_ptr(), inp.numel(), channel_type_code(inp.dtype),
+                              job.channel_limit(), *tag(job.call))
 
-    def broadcast(self, t: torch.Tensor, root: int, limit: float, call: Optional[Call] = None) -> None:
-        self.lanes.broadcast(t.data_ptr(), t.numel(), channel_type_code(t.dtype), int(root), limit, *tag(call))
+    def broadcast(self, t: torch.Tensor, root: int, job: Any) -> None:
+        self.lanes.broadcast(t.data_ptr(), t.numel(), channel_type_code(t.dtype), int(root), job.channel_limit(),
+                             *tag(job.call))
 
-    def check(self, call: Call, limit: float) -> None:
-        self.lanes.check(limit, *tag(call))
-
-    def broadcasts_from(self, root: int) -> bool:
-        return 0 <= root < self.world_size
-
-    def divides(self) -> bool:
-        return False
+    def check(self, job: Any) -> None:
+        self.lanes.check(job.channel_limit(), *tag(job.call))
 
     def stalled_on(self) -> str:
         """"": the rank this process waits for may itself wait on another; the heartbeats name the lost one."""

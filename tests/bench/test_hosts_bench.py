@@ -37,7 +37,7 @@ def refused(bench, capsys, *argv: str) -> str:
 # ------------------------------------------------------------------------------------------ arguments
 @pytest.mark.parametrize("argv,named", [
     (["--links", "2500"], "--links"), (["--links", "fast:0.1"], "--links"), (["--links", "0:0.1"], "--links"),
-    (["--links", "2500:5000"], "--links"), (["--links", ","], "--links"),
+    (["--links", "2500:5000"], "--links"), (["--links", ","], "--links"), (["--links", "vethx"], "--links"),
     (["--shapes", "2"], "--shapes"), (["--shapes", "1x2"], "--shapes"), (["--shapes", "2x0"], "--shapes"),
     (["--shapes", "10x1"], "--shapes"),
     (["--sizes", "4X"], "--sizes"), (["--sizes", "6"], "--sizes"), (["--sizes", "2G"], "--sizes"),
@@ -64,6 +64,14 @@ def test_good_arguments_make_the_plan(bench):
     link = bench.net_mod.Link
     assert args.plan == [((2, 2), link(2500, 0.1)), ((3, 1), link(2500, 0.1)),
                          ((2, 2), link(1000, 0.5)), ((3, 1), link(1000, 0.5))]
+
+
+def test_a_veth_link_joins_the_plan(bench):
+    args = bench.parser().parse_args(["--shapes", "2x1", "--links", "veth,2500:0.1"])
+    bench.check(args)
+    link = bench.net_mod.Link
+    assert args.plan == [((2, 1), bench.net_mod.VETH), ((2, 1), link(2500, 0.1))]
+    assert args.plan[0][1].veth and not args.plan[1][1].veth
 
 
 def test_the_default_plan_is_the_baseline(bench):
@@ -100,15 +108,18 @@ def test_a_missing_tool_is_named(bench, monkeypatch, capsys, missing, package):
 
 
 # ----------------------------------------------------------------------------------------- the report
-def launch_file(times_by_rank, tx_calls, tx_syncs, calls):
+def launch_file(times_by_rank, tx_calls, tx_syncs, calls, cpu_calls=None, cpu_syncs=None):
     """A made-up result file: every rank's call times for one size (4096 B), the NIC bytes of local rank
-    0 of each host (one rank per host here)."""
+    0 of each host (one rank per host here), and (when given) each rank's CPU seconds over the calls
+    with their syncs and over the syncs alone."""
     ranks = []
     for r, times in enumerate(times_by_rank):
         ranks.append({"rank": r, "host": r, "local_rank": 0, "sizes": {"4096": {
             "times_s": times, "wrong": 0,
             "calls_bytes": {"nvbhn0": {"tx_bytes": tx_calls[r], "rx_bytes": 0}},
             "syncs_bytes": {"nvbhn0": {"tx_bytes": tx_syncs[r], "rx_bytes": 0}}}}})
+        if cpu_calls is not None:
+            ranks[-1]["sizes"]["4096"].update(calls_cpu_s=cpu_calls[r], syncs_cpu_s=cpu_syncs[r])
     return {"contender": "x", "world": len(ranks), "ranks": ranks}
 
 
@@ -135,6 +146,50 @@ def test_a_call_is_as_slow_as_its_slowest_rank_and_the_median_spans_the_launches
     assert rep.ratio(rep.merge(shape, 3), 4096, "ncclavg", "gloo") == 1.0
     lines = rep.shape_lines(shape, rep.merge(shape, 3))
     assert any("ncclavg #3: exit 1" in x for x in lines)
+
+
+def test_cpu_per_call_sums_the_ranks_less_the_syncs_and_takes_the_median_over_launches(bench):
+    rep = bench.report
+    # 3 calls; the ranks' (calls with syncs - syncs alone) / 3 summed: launch a 0.3 + 0.6 = 0.9 s,
+    # b 0.03 + 0.06 = 0.09 s, c 0.6 + 0.9 = 1.5 s; their median is a's
+    a = launch_file([[1.0] * 3, [1.0] * 3], [0, 0], [0, 0], 3, cpu_calls=[1.2, 2.1], cpu_syncs=[0.3, 0.3])
+    b = launch_file([[1.0] * 3, [1.0] * 3], [0, 0], [0, 0], 3, cpu_calls=[0.19, 0.28], cpu_syncs=[0.1, 0.1])
+    c = launch_file([[1.0] * 3, [1.0] * 3], [0, 0], [0, 0], 3, cpu_calls=[2.1, 3.0], cpu_syncs=[0.3, 0.3])
+    old = launch_file([[1.0] * 3, [1.0] * 3], [0, 0], [0, 0], 3)   # written before ranks measured CPU
+    assert rep.cpu_per_op(a, 4096, 3) == pytest.approx(0.9) and rep.cpu_per_op(old, 4096, 3) is None
+    shape = {"hosts": 2, "procs": 1, "link": {"rate_mbit": 1000, "delay_ms": 0.5}, "sizes": [4096],
+             "contenders": ["gloo", "mpi"],
+             "launches": [{"contender": "gloo", "index": i, "result": r} for i, r in enumerate((a, b, c))] +
+                         [{"contender": "mpi", "index": 3, "result": old}]}
+    rows = {r["contender"]: r for r in rep.merge(shape, calls=3)}
+    assert rows["gloo"]["cpu_s_per_op"] == pytest.approx(0.9)
+    assert rows["mpi"]["cpu_s_per_op"] is None
+    lines = rep.table(shape, rep.merge(shape, 3))
+    head = [x.strip() for x in lines[0].strip("|").split("|")]
+    assert head[-1] == "CPU ms/call gloo / Open MPI"
+    assert lines[2].rstrip(" |").endswith("| 900.0 / -")
+    assert "`CPU ms/call`" in rep.COLUMNS and "delay line" in rep.COLUMNS
+
+
+def test_an_unshaped_veth_link_takes_the_measured_tcp_ceiling_as_its_rate(bench):
+    rep = bench.report
+    a = launch_file([[0.001] * 3, [0.001] * 3], [4096 * 3, 4096 * 3], [0, 0], 3)
+    shape = {"hosts": 2, "procs": 1, "nics": 1, "link": {"rate_mbit": 0.0, "delay_ms": 0.0, "veth": True},
+             "sizes": [4096], "contenders": ["gloo"], "launches": [{"contender": "gloo", "index": 0, "result": a}],
+             "measured": {"tcp_one_way_mbit": 20000.0, "tcp_both_ways_mbit": [9000.0, 11000.0],
+                          "tcp_per_nic_mbit": [20000.0], "rtt_ms": {"min": 0.05, "median": 0.07},
+                          "ucx_perftest": {"tag_bw_mbit": 5000.0, "tag_lat_ms": 0.02}}}
+    assert rep.reference_mbit(shape) == 10000.0                       # each way at once, their mean
+    assert rep.reference_mbit(dict(shape, collective="broadcast")) == 20000.0   # one way
+    row = rep.merge(shape, 3)[0]
+    assert row["t_star_over_t"] == pytest.approx(rep.t_star_s(4096, 2, 10000.0) / 0.001)
+    assert rep.shape_title(shape) == "2 hosts x 1 process, unshaped veth"
+    text = "\n".join(rep.shape_lines(shape, rep.merge(shape, 3)))
+    assert "(no delay configured)" in text and "R = 10000 Mbit/s, the TCP ceiling measured above" in text
+    assert "0.500 of the TCP ceiling" in text and "| size | T* (TCP) ms |" in text
+    unmeasured = {k: v for k, v in shape.items() if k != "measured"}
+    assert rep.merge(unmeasured, 3)[0]["t_star_over_t"] is None       # no rate to compare with
+    assert "| 4 KiB | - |" in "\n".join(rep.table(unmeasured, rep.merge(unmeasured, 3)))
 
 
 def test_t_star_is_two_h_minus_one_over_h_of_the_size_at_the_line_rate(bench):
@@ -184,6 +239,36 @@ def test_the_worker_accepts_what_the_launcher_passes(bench, worker, tmp_path):
         assert got.contender == c and got.sizes == [4096, 8] and got.calls == 3 and got.collective == "broadcast"
         assert got.ifnames == ["nvbhn0", "nvbhn1"] and got.nic_use == "per-rank"
         assert got.hostnames == [h.hostname for h in net.hosts]
+
+
+class BusySide:
+    """A stand-in for a contender in measure(): its call burns CPU, its sync does not; not local rank 0,
+    so no NIC is read."""
+    rank, local_rank, world = 1, 1, 2
+
+    def buffer(self, n):
+        return [0.0] * n
+
+    def op(self, x):
+        t0 = time.process_time()
+        while time.process_time() - t0 < 0.005:
+            pass
+
+    def sync(self):
+        pass
+
+    def check(self, n):
+        return 0
+
+
+def test_each_rank_measures_its_cpu_over_the_calls_and_over_the_syncs_alone(bench, worker):
+    args = worker.parse(["--contender", "gloo", "--sizes", "8,16", "--calls", "4", "--warmup", "0",
+                         "--ifnames", "nvbhn0", "--result", "unused"])
+    got = worker.measure(BusySide(), args)
+    for size in ("8", "16"):
+        s = got[size]
+        assert s["calls_cpu_s"] >= 4 * 0.005 and s["syncs_cpu_s"] < s["calls_cpu_s"]
+        assert s["calls_bytes"] is None
 
 
 def test_torchrun_runs_one_node_per_host_with_a_static_rendezvous(bench):
@@ -267,6 +352,7 @@ def test_a_tiny_run_writes_its_table_and_json(bench, tmp_path, collective):
         # other host's half of an all-gather or reduce-scatter)
         share = row["size"] if collective == "all_reduce" else row["size"] // 2
         assert row["wire_bytes_per_op"] >= share, row
+        assert row["cpu_s_per_op"] is not None, row
     assert shape["measured"]["tcp_one_way_mbit"] > 0 and shape["measured"]["rtt_ms"]["min"] >= 0.2
     assert data["load"]["busy"] == 0 and len(data["load"]["start"]) == 3
     assert bench.net_mod.leftovers() == []

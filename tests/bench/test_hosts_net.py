@@ -1,9 +1,10 @@
 """The emulated hosts of bench/hosts.py for real (bench/hosts_net.py, bench/hosts_delay.c): network
-namespaces joined by the TUN delay line, tbf on each NIC. The delay line holds every packet at least the
-configured delay and passes it intact, the switch ports never send faster than the line rate, tbf is set
-as asked, every byte between two hosts shows in their NICs' counters, and nothing is left behind, by a
-run that ends or by one that is killed. Skipped, with the reason, where namespaces cannot be made (not
-root, no `ip` or `tc`, no /dev/net/tun, no gcc).
+namespaces joined by the TUN delay line, tbf on each NIC, or (the link `veth`) by veth pairs into
+bridges. The delay line holds every packet at least the configured delay and passes it intact, the
+switch ports never send faster than the line rate, tbf is set as asked, every byte between two hosts
+shows in their NICs' counters, and nothing is left behind, by a run that ends or by one that is killed.
+Skipped, with the reason, where namespaces cannot be made (not root, no `ip` or `tc`, no /dev/net/tun,
+no gcc).
 
 Every timing assertion here is a lower bound on a time that the configuration guarantees (a packet
 leaves the delay line no earlier than it is due; a port sends no faster than its rate): a slow or busy
@@ -45,10 +46,10 @@ def tcp(bench):
     return bench.hosts_tcp
 
 
-def up(hn, hosts=2, rate=2500, delay=0.1, net_class=None, **kw):
-    """The network, up; the test is skipped (with the reason) where the kernel refuses a namespace or a
-    TUN device to root."""
-    net = (net_class or hn.Network)(hosts, hn.Link(rate, delay), **kw)
+def up(hn, hosts=2, rate=2500, delay=0.1, net_class=None, link=None, **kw):
+    """The network, up (on `link`, else rate:delay); the test is skipped (with the reason) where the
+    kernel refuses a namespace or a TUN device to root."""
+    net = (net_class or hn.Network)(hosts, link or hn.Link(rate, delay), **kw)
     try:
         net.up()
     except hn.HostsUnavailable as e:
@@ -63,10 +64,11 @@ def nothing_left(hn, tag: str) -> list[str]:
     for base in (hn.ETC_NETNS, Path("/dev/shm"), Path("/tmp")):
         if base.exists():
             left += [str(p) for p in base.iterdir() if hn.names_run(tag, p.name)]
-    # a TUN whose namespace went away while its delay line lived would have moved to this namespace
+    # a TUN whose namespace went away while its delay line lived would have moved to this namespace; and
+    # no veth or bridge of the run may be here either
     links = subprocess.run([hn.tool("ip"), "-o", "link", "show"], capture_output=True, text=True).stdout
     left += [f"device {line.split(':')[1].strip()}" for line in links.splitlines()
-             if line.split(":")[1].strip().startswith(hn.PREFIX + "n")]
+             if line.split(":")[1].strip().startswith(hn.PREFIX)]
     return left
 
 
@@ -75,6 +77,16 @@ def in_host(net, h: int, code: str, *args: str, timeout: float = 60) -> str:
                        timeout=timeout)
     assert r.returncode == 0, r.stderr[-3000:]
     return r.stdout
+
+
+def test_links_are_rate_and_delay_or_veth_and_anything_else_is_refused_naming_links(bench):
+    hn = bench.net_mod   # no namespaces needed: runs everywhere
+    assert hn.parse_links("2500:0.1, veth") == [hn.Link(2500, 0.1), hn.VETH]
+    assert hn.VETH.veth and not hn.Link(2500, 0.1).veth
+    assert [link.label for link in hn.parse_links("veth,1000:0.5")] == ["unshaped veth", "1000 Mbit/s + 0.5 ms"]
+    for bad in ("vethx", "veth:0.1", "Veth", "2500:0.1,veths"):
+        with pytest.raises(ValueError, match="--links"):
+            hn.parse_links(bad)
 
 
 def test_the_delay_line_holds_each_packet_at_least_the_delay_each_way(hn, tcp):
@@ -227,6 +239,34 @@ def test_two_nics_each_carry_the_traffic_to_their_own_addresses(hn, tcp):
     assert c1["nvbhn0"]["tx_bytes"] - c0["nvbhn0"]["tx_bytes"] < 1 << 16
 
 
+def test_a_veth_link_joins_the_hosts_through_bridges_and_every_byte_shows_in_the_counters(hn, tcp):
+    net = up(hn, hosts=2, link=hn.VETH)
+    tag = net.tag
+    try:
+        assert net.forwarders == [] and net.switch_netns in hn.namespaces()   # bridges, no delay line
+        assert net.qdisc(0)["kind"] != "tbf"                                  # unshaped
+        info = json.loads(subprocess.run([net.ip, "-j", "-n", net.hosts[0].netns, "addr", "show", "nvbhn0"],
+                                         capture_output=True, text=True, check=True).stdout)[0]
+        assert info["mtu"] == 65535 and [a["local"] for a in info["addr_info"]] == ["10.233.0.1"]
+        assert len(tcp.rtt(net, 0, 1, count=5)) == 5                        # host 0 reaches host 1 and back
+        before = [net.counters(h) for h in (0, 1)]
+        rx = subprocess.Popen([*net.netns_exec(1), sys.executable, tcp.__file__, "recv", "10.233.0.2", "5701"],
+                              stdout=subprocess.PIPE, text=True)
+        assert rx.stdout.readline().strip() == "listening"
+        subprocess.run([*net.netns_exec(0), sys.executable, tcp.__file__, "send", "10.233.0.2", "5701", "0.3"],
+                       check=True, capture_output=True, timeout=60)
+        n = json.loads(rx.communicate(timeout=60)[0].splitlines()[-1])["bytes"]
+        after = [net.counters(h) for h in (0, 1)]
+    finally:
+        net.down()
+    net.down()                                       # twice is harmless
+    assert n > 1 << 20
+    assert after[0]["nvbhn0"]["tx_bytes"] - before[0]["nvbhn0"]["tx_bytes"] >= n
+    assert after[1]["nvbhn0"]["rx_bytes"] - before[1]["nvbhn0"]["rx_bytes"] >= n
+    assert after[0]["lo"]["tx_bytes"] == before[0]["lo"]["tx_bytes"]   # not a byte over loopback
+    assert nothing_left(hn, tag) == [] and net.forwarders_stats == []
+
+
 def test_down_leaves_nothing(hn):
     net = up(hn, hosts=3, nics=2)
     tag = net.tag
@@ -242,17 +282,20 @@ CHILD = """
 import sys, time
 sys.path.insert(0, sys.argv[1])
 import hosts_net
-net = hosts_net.Network(2, hosts_net.Link(2500, 0.1)).up()
+net = hosts_net.Network(2, hosts_net.parse_links(sys.argv[2])[0]).up()
 print(net.tag, flush=True)
 time.sleep(600)
 """
 
 
-def test_a_killed_run_leaves_what_the_next_one_removes(hn):
+@pytest.mark.parametrize("link", ["2500:0.1", "veth"])
+def test_a_killed_run_leaves_what_the_next_one_removes(hn, link):
     """SIGKILL cannot be caught: the run's delay lines die with it (their parent-death signal) and their
-    TUNs with them; its namespaces stay until clean_leftovers() (the next run, or hosts.py --clean)
-    finds their tag, whose process is gone, and removes everything."""
-    child = subprocess.Popen([sys.executable, "-c", CHILD, str(ROOT / "bench")], stdout=subprocess.PIPE,
+    TUNs with them; its namespaces (a veth link's bridges and pairs are in them) stay until
+    clean_leftovers() (the next run, or hosts.py --clean) finds their tag, whose process is gone, and
+    removes everything."""
+    veth = link == "veth"
+    child = subprocess.Popen([sys.executable, "-c", CHILD, str(ROOT / "bench"), link], stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True)
     try:
         tag = child.stdout.readline().strip()
@@ -261,7 +304,7 @@ def test_a_killed_run_leaves_what_the_next_one_removes(hn):
             if "HostsUnavailable" in err:
                 pytest.skip(f"emulated hosts need network namespaces and TUN devices: {err.splitlines()[-1]}")
         assert tag.startswith(hn.PREFIX), tag
-        assert hn.tagged_pids(tag)
+        assert bool(hn.tagged_pids(tag)) != veth   # the delay lines run; a veth link has none
     finally:
         os.kill(child.pid, signal.SIGKILL)
         child.wait()
@@ -270,6 +313,7 @@ def test_a_killed_run_leaves_what_the_next_one_removes(hn):
         time.sleep(0.05)
     assert hn.tagged_pids(tag) == []
     assert any(hn.names_run(tag, n) for n in hn.namespaces())   # left behind ...
+    assert (f"{tag}-sw" in hn.namespaces()) == veth
     assert tag in hn.leftovers()
     assert tag in hn.clean_leftovers(log=open(os.devnull, "w"))
     assert nothing_left(hn, tag) == []                           # ... and removed

@@ -69,7 +69,7 @@ def spy_between_hosts(pg):
         pg._cpu.paths.gloo.gloo = spy = Spy(pg._cpu.paths.gloo.gloo)
         return [spy]
     spies = []
-    for lane in transport._lanes:
+    for lane in transport.lane_groups:
         lane.group = Spy(lane.group)
         spies.append(lane.group)
     return spies

@@ -10,8 +10,8 @@ import torch
 from _dist_util import run_ranks
 
 from ncclavg.transport import host_pipes
-from ncclavg.transport.host_pipes import Layout
-from ncclavg.transport.hosts import owners, slices
+from ncclavg.transport.host_layout import HostsLayout
+from ncclavg.transport.host_pipes import ShardLayout
 
 
 @pytest.mark.parametrize("lanes_of, chunk", [
@@ -22,7 +22,7 @@ from ncclavg.transport.hosts import owners, slices
 def test_a_chunk_laid_out_by_lanes_comes_back_whole(lanes_of, chunk):
     k = sum(len(x) for x in lanes_of)
     shard = -(-chunk // k)
-    layout = Layout(lanes_of, shard, chunk)
+    layout = ShardLayout(lanes_of, shard, chunk)
     assert layout.direct == (all(len(x) == 1 for x in lanes_of) and shard * k == chunk)
     src = torch.arange(1, chunk + 1, dtype=torch.float32)
     stage = torch.full((len(lanes_of) * layout.region,), -1.0)
@@ -35,6 +35,14 @@ def test_a_chunk_laid_out_by_lanes_comes_back_whole(lanes_of, chunk):
     back = torch.zeros(chunk)
     layout.gather_out(stage, back)
     assert torch.equal(back, src)
+
+
+def owners(hosts, lane):
+    return HostsLayout(hosts, 0).owners(lane)
+
+
+def slices(hosts, lane):
+    return HostsLayout(hosts, 0).slices(lane)
 
 
 def test_every_lane_has_one_carrier_per_host():
@@ -50,6 +58,26 @@ def test_each_lane_carries_the_slices_of_one_local_rank_per_host():
     assert slices([[0, 3], [1, 2]], 1) == [2, 3] and sorted(owners([[0, 3], [1, 2]], 1)) == [2, 3]
 
 
+@pytest.mark.parametrize("hosts, rank, lanes_of, slots", [
+    ([[0, 1], [2, 3]], 1, [[0], [1]], [[0, 2], [1, 3]]),
+    ([[0, 1, 2], [3]], 3, [[0, 1, 2]], [[0, 3, 1, 2]]),          # one process carries every lane
+    ([[0, 2], [1]], 2, [[0], [1]], [[0, 1], [2]]),               # lane 1 has no slice on the second host
+])
+def test_the_layout_both_engines_read_says_what_each_process_carries(hosts, rank, lanes_of, slots):
+    layout = HostsLayout(hosts, rank)
+    mine = next(h for h in hosts if rank in h)
+    assert (layout.mine, layout.local, layout.lanes) == (mine, mine.index(rank), max(map(len, hosts)))
+    assert layout.lanes_of == lanes_of and layout.slots == slots
+    assert layout.world_size == sum(map(len, hosts))
+
+
+@pytest.mark.parametrize("hosts, rank, arg", [([[0, 1]], 0, "hosts"), ([[0], [1]], 5, "rank"),
+                                              ([[0, 1], [1]], 1, "hosts"), ([[0], []], 0, "hosts")])
+def test_a_bad_layout_names_its_argument(hosts, rank, arg):
+    with pytest.raises(ValueError, match=arg):
+        HostsLayout(hosts, rank)
+
+
 @pytest.mark.parametrize("name, value", [("NCCLAVG_HOSTS_CHUNK_KB", "0"), ("NCCLAVG_HOSTS_CHUNK_KB", "x"),
                                          ("NCCLAVG_HOSTS_DEPTH", "0")])
 def test_bad_settings_name_the_variable(monkeypatch, name, value):
@@ -62,16 +90,30 @@ def test_bad_settings_name_the_variable(monkeypatch, name, value):
 # channel at all); chunks of 64 KiB, so that a call just past the most a record carries whole crosses several
 # 3 processes alone on their hosts (no channel: the group's gloo, a sum too large for one record reduce-scattered
 # in it)
-@pytest.mark.parametrize("layout", [(0, 1, 0, 1), (0, 1, 2), pytest.param((0, 0, 1, 2), marks=pytest.mark.slow)])
-def test_every_float_type_sums_exactly_across_hosts(layout):
+# Each on UCX's lanes (the default where libucx loads) and on gloo's (NCCLAVG_UCX=0: the fallback).
+def engine(name, monkeypatch):
+    monkeypatch.setenv("NCCLAVG_UCX", "0" if name == "gloo" else "auto")
+
+
+SLOW = pytest.mark.slow
+
+
+@pytest.mark.parametrize("layout, lanes", [((0, 1, 0, 1), "ucx"), ((0, 1, 2), "ucx"),
+                                           pytest.param((0, 0, 1, 2), "ucx", marks=SLOW), ((0, 1, 0, 1), "gloo"),
+                                           pytest.param((0, 1, 2), "gloo", marks=SLOW),
+                                           pytest.param((0, 0, 1, 2), "gloo", marks=SLOW)])
+def test_every_float_type_sums_exactly_across_hosts(layout, lanes, monkeypatch):
+    engine(lanes, monkeypatch)
     run_ranks(W.across_hosts_job, len(layout), args=(layout, 64), timeout_s=300)
 
 
 # 3 processes on one host and 1 on the other (lanes 1 and 2 carry no slice of the second host's; its one
 # process carries all three); hosts whose ranks interleave so that a lane's group lists the second host first;
 # two processes alone on their hosts (no channel: the group's gloo, the slices in the record or gloo's own)
-@pytest.mark.parametrize("layout", [(0, 0, 0, 1), (0, 1, 1, 0), (0, 1)])
-def test_reduce_scatter_and_all_gather_between_hosts_are_exact(layout):
+@pytest.mark.parametrize("layout, lanes", [((0, 0, 0, 1), "ucx"), ((0, 1, 1, 0), "ucx"), ((0, 1), "ucx"),
+                                           ((0, 0, 0, 1), "gloo"), pytest.param((0, 1, 1, 0), "gloo", marks=SLOW)])
+def test_reduce_scatter_and_all_gather_between_hosts_are_exact(layout, lanes, monkeypatch):
+    engine(lanes, monkeypatch)
     run_ranks(W.slices_job, len(layout), args=(layout, 64), timeout_s=300)
 
 
@@ -115,18 +157,23 @@ def test_the_calls_check_rides_in_the_first_exchange(tmp_path, layout, monkeypat
 
 
 # 3 processes on one host and 1 on the other (the lone one carries all 3 lanes); the root everywhere
-@pytest.mark.parametrize("layout", [(0, 0, 0, 1)])
-def test_a_broadcast_from_any_rank_reaches_every_host_bit_for_bit(layout):
+@pytest.mark.parametrize("layout, lanes", [((0, 0, 0, 1), "ucx"), ((0, 0, 0, 1), "gloo")])
+def test_a_broadcast_from_any_rank_reaches_every_host_bit_for_bit(layout, lanes, monkeypatch):
+    engine(lanes, monkeypatch)
     run_ranks(W.broadcast_job, len(layout), args=(layout, 64), timeout_s=300)
 
 
-@pytest.mark.parametrize("layout, counts, collective", [
-    ((0, 0, 1, 1), (3, 4), "all_reduce"), ((0, 0, 1, 1), (5000, 5001), "all_reduce"),
-    ((0, 1), (5000, 5001), "all_reduce"), ((0, 0, 1, 1), (5000, 5001), "broadcast"),
+@pytest.mark.parametrize("layout, counts, collective, lanes", [
+    ((0, 0, 1, 1), (3, 4), "all_reduce", "ucx"), ((0, 0, 1, 1), (5000, 5001), "all_reduce", "ucx"),
+    ((0, 1), (5000, 5001), "all_reduce", "ucx"), ((0, 0, 1, 1), (5000, 5001), "broadcast", "ucx"),
     # slices: within the record on both sides, past it on both (the lanes' pipe), one on each side of it
-    ((0, 0, 1, 1), (3, 4), "all_gather"), ((0, 0, 1, 1), (5000, 5001), "all_gather"),
-    ((0, 0, 1, 1), (255, 5000), "reduce_scatter"), ((0, 0, 0, 1), (5000, 5001), "reduce_scatter")])
-def test_a_different_count_on_another_host_fails_every_rank_naming_both(tmp_path, layout, counts, collective):
+    ((0, 0, 1, 1), (3, 4), "all_gather", "ucx"), ((0, 0, 1, 1), (5000, 5001), "all_gather", "ucx"),
+    ((0, 0, 1, 1), (255, 5000), "reduce_scatter", "ucx"), ((0, 0, 0, 1), (5000, 5001), "reduce_scatter", "ucx"),
+    ((0, 0, 1, 1), (5000, 5001), "all_reduce", "gloo"), ((0, 0, 0, 1), (255, 5000), "reduce_scatter", "gloo"),
+    pytest.param((0, 0, 1, 1), (5000, 5001), "broadcast", "gloo", marks=SLOW)])
+def test_a_different_count_on_another_host_fails_every_rank_naming_both(tmp_path, layout, counts, collective, lanes,
+                                                                         monkeypatch):
+    engine(lanes, monkeypatch)
     run_ranks(W.host_mismatch_job, len(layout), args=(layout, str(tmp_path), counts, collective), timeout_s=120)
     for rank in range(len(layout)):
         res = json.loads((tmp_path / f"rank{rank}.json").read_text())

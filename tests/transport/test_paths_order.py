@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from ncclavg.process_group.cpu_collectives import CpuCollectives
-from ncclavg.transport.paths import ChannelPaths, GlooPaths, Paths
+from ncclavg.transport.paths import ChannelPaths, GlooPaths, HostsPaths, Paths
 
 
 class Recorder:
@@ -36,6 +36,12 @@ class Recorder:
 
 class FakeShm:
     kind = "shm"
+    between_hosts = False
+
+
+class FakeHosts:
+    kind = "shm+ucx"
+    between_hosts = True
 
 
 def _cpu(log, channel_takes=True):
@@ -49,6 +55,12 @@ def test_the_order_follows_the_transport():
     with_channel = Paths(FakeShm(), object(), 0, 2)
     assert [type(p) for p in with_channel.impls] == [ChannelPaths, GlooPaths]
     assert [type(p) for p in Paths(None, object(), 0, 2).impls] == [GlooPaths]
+    between = Paths(FakeHosts(), object(), 0, 4)
+    assert [type(p) for p in between.impls] == [HostsPaths, GlooPaths]
+    # between hosts a broadcast leaves from any rank, and a sum is divided after the hosts' sums
+    assert all(between.channel.takes_root(r) for r in range(4)) and not between.channel.takes_root(4)
+    assert between.channel.divides is False and with_channel.channel.divides is True
+    assert between.channel.takes_sum(torch.ones(2)) and not between.channel.takes_sum(torch.ones(2, dtype=torch.int8))
 
 
 @pytest.mark.parametrize("call, step, fallback", [
