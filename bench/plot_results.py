@@ -32,8 +32,10 @@ SOURCES = {
     "torch_face": ["torch_face-async-inline-cpu-2026-12-05.md"],
     "stock": ["stock_ddp-cpu-2026-12-05-async-inline.md", "stock_ddp-frameworks-cpu-2026-12-05-async-inline-2proc.md"],
     "cpu_master": ["optim-amd-epyc-2c-2026-12-01.md", "cpu-2026-12-01.md"],
-    "hosts": ["hosts-intel-r-xeon-r-processor-2c-2026-12-07-ucx.md",
-              "hosts-intel-r-xeon-r-processor-2c-2026-12-07-ucx-1000.md"],
+    "hosts": ["hosts-intel-r-xeon-r-processor-2c-2026-12-07-ucx-r2.md",
+              "hosts-intel-r-xeon-r-processor-2c-2026-12-07-ucx-r2-three.md",
+              "hosts-intel-r-xeon-r-processor-2c-2026-12-07-ucx-r2-1000.md",
+              "hosts-intel-r-xeon-r-processor-2c-2026-12-07-ucx-veth.md"],
 }
 MPI_COLUMNS = ("Open MPI 5.0.11 us", "MPICH 4.1.2 us", "MPICH 5.0.2 us", "Intel MPI 2021.19.0 us")
 UNITS = {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
@@ -211,7 +213,8 @@ def cpu_master_table() -> str:
 def hosts_data() -> list[tuple[str, list[dict]]]:
     """[(shape and link, [{size, bytes, ms: ncclavg's, gloo: gloo's time / ncclavg's, mpi: the faster Open
     MPI's / ncclavg's, line: T* / ncclavg's time}])], one per section of the hosts results files, in their
-    order (their own medians; the torch backend's column)."""
+    order (their own medians; the torch backend's column). On an unshaped veth link T* is the time at the
+    TCP ceiling measured in the same run (its column "T* (TCP) ms")."""
     out = []
     for name in SOURCES["hosts"]:
         section = None
@@ -227,7 +230,7 @@ def hosts_data() -> list[tuple[str, list[dict]]]:
                     mpis = [m for m in mpis if m is not None]
                     rows.append({"size": r["size"], "bytes": size_bytes(r["size"]), "ms": ours,
                                  "gloo": number(r["gloo ms"]) / ours, "mpi": min(mpis) / ours if mpis else None,
-                                 "line": number(r["T* ms"]) / ours})
+                                 "line": number(r.get("T* ms", r.get("T* (TCP) ms"))) / ours})
                 out.append((section, rows))
                 section = None
     return out
