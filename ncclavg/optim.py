@@ -27,6 +27,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from ._ext import _C
+from .buffers import torch_code
 
 __all__ = ["CPUAdamW", "CPUAdam", "CPUSGD"]
 
@@ -141,7 +142,6 @@ def clip_coef_f32(norm: float, max_norm: float) -> float:
 # ---- per-step fast path: Buffers without the general checks when a tensor is what the core expects
 
 _F32 = torch.float32
-_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
 
 def _where(gi: int, pi: int) -> str:
@@ -155,7 +155,7 @@ def _param_buffer(p: torch.Tensor, gi: int, pi: int):
 
 
 def _grad_buffer(g: torch.Tensor, numel: int, gi: int, pi: int, keep: list):
-    code = _CODES.get(g.dtype)
+    code = torch_code(g.dtype)   # (the core's code: float32, float16, bfloat16; else None)
     if code is None or not g.is_cpu or g.layout is not torch.strided or g.numel() != numel:
         check_grad(g, numel, _where(gi, pi) + ".grad")  # raises with the precise reason
     if not g.is_contiguous():

@@ -47,9 +47,9 @@ from ..transport.runner import ASYNC_INLINE_BYTES, ASYNC_READY_S, Runner
 from ..transport.shm import supports
 from ..transport.work import done_work
 
-# What the general path sends as one channel all-reduce with the divisor given (cpu_paths.ChannelPaths.sum):
-# SUM of every float type the channel adds; AVG of float32 and float64 with the division in the pass (the
-# 16-bit types average through float32 there, another call).
+# What the general path sends as one channel all-reduce with the divisor given (transport/paths.py's
+# ChannelPaths.sum): SUM of every float type the channel adds; AVG of float32 and float64 with the division
+# in the pass (the 16-bit types average through float32 there, another call).
 _SUM_TYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 _AVG_TYPES = (torch.float32, torch.float64)
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 from .._ext import _C
 
@@ -121,7 +121,3 @@ class LazyText:
 
 def describe_error(e: BaseException) -> str:
     return str(e).strip() or type(e).__name__
-
-
-def first_line(e: Optional[BaseException]) -> str:
-    return "" if e is None else describe_error(e).splitlines()[0]

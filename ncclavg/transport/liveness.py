@@ -94,15 +94,6 @@ class _Beats:
         with self._lock:
             return len(self._entries)
 
-    def mark_failed(self) -> None:
-        """This rank's collective failed: it is alive, and may stop beating soon because it exits with the
-        error (Note [Naming the lost rank]). Bounded: on a helper thread, given up after a moment when
-        the store does not answer."""
-        t = threading.Thread(target=_add_quietly, args=(self._store, self._failed_key(self._rank)),
-                             name="ncclavg-mark-failed", daemon=True)
-        t.start()
-        t.join(PERIOD_S)
-
     def stop(self) -> None:
         """At exit: no thread of ours may touch a store while the interpreter shuts down."""
         self._stop.set()
