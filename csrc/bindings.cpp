@@ -467,6 +467,7 @@ PYBIND11_MODULE(_C, m) {
              py::arg("hosts"), py::arg("rank"), py::arg("channel"), py::arg("tls"), py::arg("devices"),
              py::arg("chunk_bytes"), py::arg("depth"), py::keep_alive<1, 4>(), Release())
         .def_property_readonly("address", [](const cpu::HostLanes& h) { return py::bytes(h.address()); })
+        .def_property_readonly("ucx_settings", &cpu::HostLanes::ucx_settings)
         .def("peers", [](const cpu::HostLanes& h) { return h.layout().peers(); })
         .def("connect",
              [](cpu::HostLanes& h, const std::vector<py::bytes>& addresses, double timeout_s) {

@@ -139,11 +139,19 @@ HostLanes::HostLanes(std::vector<std::vector<int>> hosts, int rank, ShmChannel* 
   ucp_config_t* config = nullptr;
   check_ucx(u.config_read(nullptr, nullptr, &config), "ucp_config_read");
   try {
-    if (!tls.empty()) check_ucx(u.config_modify(config, "TLS", tls.c_str()), "setting UCX_TLS");
-    if (!devices.empty()) check_ucx(u.config_modify(config, "NET_DEVICES", devices.c_str()), "setting UCX_NET_DEVICES");
+    if (!tls.empty()) {
+      check_ucx(u.config_modify(config, "TLS", tls.c_str()), "setting UCX_TLS");
+      ucx_settings_["TLS"] = tls;
+    }
+    if (!devices.empty()) {
+      check_ucx(u.config_modify(config, "NET_DEVICES", devices.c_str()), "setting UCX_NET_DEVICES");
+      ucx_settings_["NET_DEVICES"] = devices;
+    }
     // Note [TCP's receive segment]: larger than UCX's default unless the user chose one (best effort: a
     // UCX without its tcp transport has no such field)
-    if (std::getenv("UCX_TCP_RX_SEG_SIZE") == nullptr) (void)u.config_modify(config, "TCP_RX_SEG_SIZE", kTcpRxSegment);
+    if (std::getenv("UCX_TCP_RX_SEG_SIZE") == nullptr &&
+        u.config_modify(config, "TCP_RX_SEG_SIZE", kTcpRxSegment) == UCS_OK)
+      ucx_settings_["TCP_RX_SEG_SIZE"] = kTcpRxSegment;
     ucp_params_t params{};
     params.field_mask = UCP_PARAM_FIELD_FEATURES;
     params.features = UCP_FEATURE_TAG | UCP_FEATURE_WAKEUP;

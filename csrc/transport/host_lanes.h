@@ -6,6 +6,7 @@
 #include <chrono>
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -99,6 +100,8 @@ class HostLanes {
   uint64_t messages_sent() const { return sent_; }
   int64_t chunk_bytes() const { return chunk_bytes_; }
   int depth() const { return depth_; }
+  // The UCX settings the engine gave its context (name without "UCX_" -> value), beside the environment's.
+  const std::map<std::string, std::string>& ucx_settings() const { return ucx_settings_; }
 
  private:
   friend struct LaneCall;
@@ -132,6 +135,7 @@ class HostLanes {
   ShmChannel* channel_;
   int64_t chunk_bytes_;
   int depth_;
+  std::map<std::string, std::string> ucx_settings_;
   int pid_;   // the process that made the lanes: the only one that may use them
   ucp_context_h context_ = nullptr;
   ucp_worker_h worker_ = nullptr;

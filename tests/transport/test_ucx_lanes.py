@@ -64,6 +64,18 @@ def test_one_call_is_a_hello_and_its_data_per_peer(tmp_path):
         assert res["sent"][str((64 << 10) // 4 * 3)] == 4 * peers, res
 
 
+# Note [TCP's receive segment] in csrc/transport/host_lanes.cpp: the lanes' own choice, unless the user set one
+@pytest.mark.parametrize("user_segment", [None, "128K"])
+def test_the_lanes_say_which_ucx_settings_they_chose(tmp_path, monkeypatch, user_segment):
+    if user_segment is not None:
+        monkeypatch.setenv("UCX_TCP_RX_SEG_SIZE", user_segment)
+    layout = (0, 1)
+    run_ranks(W.messages_job, len(layout), args=(layout, str(tmp_path), 64), timeout_s=120)
+    for res in _reports(tmp_path, len(layout)):
+        assert res["ucx"]["TLS"] == "tcp", res
+        assert res["ucx"].get("TCP_RX_SEG_SIZE") == (None if user_segment else "256K"), res
+
+
 @pytest.mark.parametrize("strict", [False, True])
 def test_ucx_that_does_not_start_leaves_gloo_in_charge(tmp_path, monkeypatch, strict):
     # "rc": InfiniBand, which this machine lacks: UCX loads, and its context finds no transport
