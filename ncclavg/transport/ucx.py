@@ -41,6 +41,10 @@ _warned: set = set()
 # wire) shrink with them, down to where a chunk's channel rounds and messages start to show (256 KiB).
 # Four in flight keep every lane's connection busy while a chunk's host steps run; more bought nothing.
 # NCCL's proxy (512 KiB steps) and Open MPI's HAN (512 KiB segments) landed on the same size.
+# Swept again after the waits began to yield and TCP's receive segment grew (ms at 4 MiB / 32 MiB, 2 x 2,
+# one launch pair each): 2500 Mbit/s + 0.1 ms 512 KiB x 4 14.99 / 109.9, 256 KiB x 4 14.78 / 110.9, 256 KiB
+# x 8 15.01 / 110.0 (all within the runs' spread, 0.88-0.91 of the line rate at 4 MiB); on the unshaped veth
+# link, where a chunk's CPU shows, 4.56 / 34.8 against 5.20 / 40.3 and 4.90 / 38.8: 512 KiB x 4 stays.
 # NCCLAVG_HOSTS_CHUNK_KB and NCCLAVG_HOSTS_DEPTH override them (for both kinds of lanes).
 CHUNK_BYTES = 512 << 10
 DEPTH = 4
