@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Any
+from typing import Any, Callable
 
 from ..errors import UsageError
 
@@ -182,22 +182,13 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from . import checkpoint as ckpt
-    from .callbacks import CheckpointCallback, MetricsLogger, OutputsReport, PlotCallback
+    """`ncclavg train`: everything validated and built before the first file is written, then the fit."""
     from .data import TensorLoader
-    from .distributed import check_same_start
-    from .fit_report import nothing_left
     from .models import build_model
-    from .trainer import TowerTrainer
 
-    # ---- everything is validated and built before the first file is written
-    for flag, v in (("--epochs", args.epochs), ("--batch-size", args.batch_size), ("--max-steps", args.max_steps),
-                    ("--checkpoint-every", args.checkpoint_every), ("--keep", args.keep), ("--threads", args.threads)):
-        UsageError.check_at_least(flag, v)
-    restarted = _elastic_resume(args)   # See Note [Elastic restart]
+    restarted = _checked_args(args)
     devices = _resolve_devices(args, resuming=bool(restarted or args.resume))
-    seed = _value(args, "seed")
-    batch_size = _value(args, "batch_size")
+    seed, batch_size = _value(args, "seed"), _value(args, "batch_size")
     if devices is not None and batch_size < len(devices):
         raise UsageError(f"--batch-size: {batch_size} is smaller than the number of towers ({len(devices)}); "
                           "every tower needs at least one sample")
@@ -207,6 +198,51 @@ def _run(args: argparse.Namespace) -> int:
     train_loader = TensorLoader(split.x_train, split.y_train, batch_size=batch_size, shuffle=True, seed=seed)
     test_loader = TensorLoader(split.x_test, split.y_test, batch_size=max(256, batch_size), shuffle=False)
     epochs = _value(args, "epochs")
+    trainer, resume_path = _trainer(args, model, devices, seed, restarted, batch_size)
+
+    # Under torchrun rank 0 alone prints and writes; every process saves (rank 0 writes the file).
+    # See Note [Towers of several processes].
+    say = print if trainer.is_main else (lambda *a, **k: None)
+    metrics, saver, plot = _callbacks(args, trainer, split, resumed=resume_path is not None)
+    _say_setup(say, args, trainer, split)
+    if resume_path and _said_nothing_left(say, args, trainer, resume_path, restarted, epochs):
+        return _finish(trainer)
+    # See Note [Schedules over a resumed run]: what this run's schedule is, and what changed.
+    note = trainer.plan_schedule(len(train_loader), epochs, args.max_steps, log_note=False)
+    say(note if note else f"lr schedule: {trainer.schedule!r}")
+    sys.stdout.flush()
+
+    from .callbacks import OutputsReport
+
+    outputs = OutputsReport(say, metrics, saver, plot, args.checkpoint_dir)
+    # --progress: the bar; --no-progress: epoch lines; neither: the bar on a terminal, else epoch lines.
+    # fit() ends with the summary line (Note [Progress of fit] in fit_report.py), after `outputs`.
+    progress = None if args.progress is None else ("bar" if args.progress else "lines")
+    callbacks = [c for c in (metrics, saver, plot) if c]
+    trainer.fit(train_loader, epochs=epochs, eval_loader=test_loader, callbacks=callbacks + [outputs],
+                max_steps=args.max_steps, progress=progress)
+    return _finish(trainer)
+
+
+def _checked_args(args: argparse.Namespace) -> str | None:
+    """The flags' bounds checked; the checkpoint a torchrun restart resumes from (Note [Elastic restart]),
+    or None."""
+    for flag, v in (("--epochs", args.epochs), ("--batch-size", args.batch_size), ("--max-steps", args.max_steps),
+                    ("--checkpoint-every", args.checkpoint_every), ("--keep", args.keep), ("--threads", args.threads)):
+        UsageError.check_at_least(flag, v)
+    if args.keep_schedule and not args.resume:
+        raise UsageError("--keep-schedule: only applies with --resume")
+    return _elastic_resume(args)
+
+
+def _trainer(args: argparse.Namespace, model: Any, devices: Any, seed: int, restarted: str | None,
+             batch_size: int) -> tuple:
+    """(the TowerTrainer, the checkpoint it resumed from or None): built from the flags, or loaded from
+    --resume (or a torchrun restart's checkpoint) with the flags given overriding; every process checked to
+    start from the same step (a collective, before anything else can fail alone)."""
+    from . import checkpoint as ckpt
+    from .distributed import check_same_start
+    from .trainer import TowerTrainer
 
     # threads: See Note [Threads of CPU towers] in towers.py (the trainer applies the rule)
     overrides = {k: getattr(args, k) for k in ("optimizer", "lr", "weight_decay", "momentum", "nesterov",
@@ -214,8 +250,6 @@ def _run(args: argparse.Namespace) -> int:
                  if getattr(args, k) is not None}
     if args.amp is not None:
         overrides["amp"] = None if args.amp == "none" else args.amp
-    if args.keep_schedule and not args.resume:
-        raise UsageError("--keep-schedule: only applies with --resume")
     if args.keep_schedule:
         overrides["replan_schedule"] = False
     if restarted or args.resume:
@@ -231,28 +265,29 @@ def _run(args: argparse.Namespace) -> int:
                "lr_schedule": _value(args, "lr_schedule")}
         cfg.update(overrides)
         trainer = TowerTrainer(model, devices=devices, **cfg)   # devices is None only when resuming
-    check_same_start(trainer.comm, trainer.step, resume_path)   # a collective: before anything else can fail alone
+    check_same_start(trainer.comm, trainer.step, resume_path)
     if batch_size < trainer.total_towers:
         raise UsageError(f"--batch-size: {batch_size} is smaller than the number of towers of all processes "
                          f"({trainer.total_towers}); every tower needs at least one sample")
+    return trainer, resume_path
 
-    # Under torchrun rank 0 alone prints and writes; every process saves (rank 0 writes the file).
-    # See Note [Towers of several processes].
+
+def _callbacks(args: argparse.Namespace, trainer: Any, split: Any, resumed: bool) -> tuple:
+    """(metrics logger, checkpoint saver, plot), each None when its flag is off; the logger and the plot on
+    the main process only (every process saves: rank 0 writes the file)."""
+    from .callbacks import CheckpointCallback, MetricsLogger, PlotCallback
+
     main = trainer.is_main
-    say = print if main else (lambda *a, **k: None)
-    callbacks: list = []
-    metrics = MetricsLogger(args.metrics, append=resume_path is not None) if args.metrics and main else None
-    if metrics:
-        callbacks.append(metrics)
+    metrics = MetricsLogger(args.metrics, append=resumed) if args.metrics and main else None
     saver = (CheckpointCallback(args.checkpoint_dir, every_epochs=_value(args, "checkpoint_every"),
                                 keep=_value(args, "keep")) if args.checkpoint_dir else None)
-    if saver:
-        callbacks.append(saver)
     title = f"ncclavg train: {split.name}, {trainer.total_towers} towers"
     plot = PlotCallback(args.plot, title=title) if args.plot and main else None
-    if plot:
-        callbacks.append(plot)
+    return metrics, saver, plot
 
+
+def _say_setup(say: Callable[..., None], args: argparse.Namespace, trainer: Any, split: Any) -> None:
+    """The data and the towers' lines."""
     info = trainer.describe()
     say(f"data: {split.name} ({len(split.y_train)} train / {len(split.y_test)} test samples, "
         f"{'x'.join(map(str, split.input_shape))}, {split.num_classes} classes)")
@@ -265,30 +300,25 @@ def _run(args: argparse.Namespace) -> int:
         f"optimizer={info['optimizer']} lr={trainer.config['lr']:g}; amp={info['amp'] or 'none'}; "
         f"model={_value(args, 'model')} ({info['params']} params, {info['buckets']} bucket"
         f"{'s' if info['buckets'] != 1 else ''})")
-    if resume_path:
-        how = f" after torchrun restart {os.environ.get('TORCHELASTIC_RESTART_COUNT')}" if restarted else ""
-        say(f"resumed{how}: {resume_path} (step {trainer.step}, epoch {trainer.epoch})")
-        if trainer.resume_note:
-            say(trainer.resume_note)
-        done = nothing_left(trainer, epochs, args.max_steps)
-        if done is not None:   # every process decides alike: same checkpoint, same flags
-            more = (f"--max-steps above {trainer.step}" if args.max_steps is not None and trainer.step >= args.max_steps
-                    else f"--epochs {trainer.epoch + 1} or more")
-            say(f"nothing to train: the checkpoint is at epoch {trainer.epoch} (step {trainer.step}) and the run "
-                f"asks for {_asked(epochs, args.max_steps)}; pass {more} to train on", flush=True)
-            return _finish(trainer)
-    # See Note [Schedules over a resumed run]: what this run's schedule is, and what changed.
-    note = trainer.plan_schedule(len(train_loader), epochs, args.max_steps, log_note=False)
-    say(note if note else f"lr schedule: {trainer.schedule!r}")
-    sys.stdout.flush()
 
-    outputs = OutputsReport(say, metrics, saver, plot, args.checkpoint_dir)
-    # --progress: the bar; --no-progress: epoch lines; neither: the bar on a terminal, else epoch lines.
-    # fit() ends with the summary line (Note [Progress of fit] in fit_report.py), after `outputs`.
-    progress = None if args.progress is None else ("bar" if args.progress else "lines")
-    trainer.fit(train_loader, epochs=epochs, eval_loader=test_loader, callbacks=callbacks + [outputs],
-                max_steps=args.max_steps, progress=progress)
-    return _finish(trainer)
+
+def _said_nothing_left(say: Callable[..., None], args: argparse.Namespace, trainer: Any, resume_path: str,
+                       restarted: str | None, epochs: int) -> bool:
+    """The resume's lines; True (after saying so) when the checkpoint already holds what the run asks for
+    (every process decides alike: same checkpoint, same flags)."""
+    from .fit_report import nothing_left
+
+    how = f" after torchrun restart {os.environ.get('TORCHELASTIC_RESTART_COUNT')}" if restarted else ""
+    say(f"resumed{how}: {resume_path} (step {trainer.step}, epoch {trainer.epoch})")
+    if trainer.resume_note:
+        say(trainer.resume_note)
+    if nothing_left(trainer, epochs, args.max_steps) is None:
+        return False
+    more = (f"--max-steps above {trainer.step}" if args.max_steps is not None and trainer.step >= args.max_steps
+            else f"--epochs {trainer.epoch + 1} or more")
+    say(f"nothing to train: the checkpoint is at epoch {trainer.epoch} (step {trainer.step}) and the run "
+        f"asks for {_asked(epochs, args.max_steps)}; pass {more} to train on", flush=True)
+    return True
 
 
 def _asked(epochs: int, max_steps: int | None) -> str:
