@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import statistics
 
+from hosts_net import Link
+
 LABELS = {"gloo": "gloo", "ncclavg": "ncclavg", "ncclavg-gloo": "ncclavg, gloo lanes", "ncclavg-api": "ncclavg API",
           "mpi": "Open MPI",
           "mpi-tcp": "Open MPI tcp"}
@@ -51,7 +53,8 @@ def reference_mbit(shape: dict) -> float | None:
 
 
 def link_label(link: dict) -> str:
-    return "unshaped veth" if link.get("veth") else f"{link['rate_mbit']:g} Mbit/s + {link['delay_ms']:g} ms"
+    """A results file's link in the words of hosts_net.Link.label (files before veth links lack "veth")."""
+    return Link(link["rate_mbit"], link["delay_ms"], bool(link.get("veth"))).label
 
 
 def call_samples(launch: dict, size: int) -> list[float]:

@@ -43,6 +43,3 @@ class HostsLayout:
         them) carries: local rank `lane` of the member's host, None where that host has no such process."""
         by_rank = sorted(range(len(self.hosts)), key=lambda h: self.core.carrier(h, lane))
         return [o if (o := self.core.slice_owner(h, lane)) >= 0 else None for h in by_rank]
-
-    def carries(self, lane: int) -> bool:
-        return lane in self.lanes_of[self.local]

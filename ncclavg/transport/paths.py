@@ -201,10 +201,7 @@ class HostsPaths(ChannelPaths):
 
     # the lanes add the hosts' sums in host order after the channel's; a division goes after them
     divides = False
-
-    def takes_sum(self, t: torch.Tensor) -> bool:
-        """The lanes sum what the hosts' channels sum (the wire moves the channel's dtypes)."""
-        return supports(t)
+    # takes_sum: ChannelPaths's (the lanes sum what the hosts' channels sum: the wire moves their dtypes)
 
     def takes_root(self, root: int) -> bool:
         """A broadcast leaves from any rank's host (the lanes' carriers there send its shards)."""

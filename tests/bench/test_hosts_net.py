@@ -220,17 +220,22 @@ def test_a_full_switch_port_drops_and_tcp_still_delivers(hn, tcp):
     assert stats["ports"][2]["drop_queue"] > 0, stats
 
 
+def stream_to_host1(net, tcp, addr, port, seconds):
+    """Bytes one TCP stream carried from host 0 to host 1's address `addr` in `seconds` (bench/hosts_tcp.py)."""
+    rx = subprocess.Popen([*net.netns_exec(1), sys.executable, tcp.__file__, "recv", addr, port],
+                          stdout=subprocess.PIPE, text=True)
+    assert rx.stdout.readline().strip() == "listening"
+    subprocess.run([*net.netns_exec(0), sys.executable, tcp.__file__, "send", addr, port, str(seconds)],
+                   check=True, capture_output=True, timeout=60)
+    return json.loads(rx.communicate(timeout=60)[0].splitlines()[-1])["bytes"]
+
+
 def test_two_nics_each_carry_the_traffic_to_their_own_addresses(hn, tcp):
     net = up(hn, hosts=2, nics=2)
     try:
         assert [h.addrs for h in net.hosts] == [("10.233.0.1", "10.233.1.1"), ("10.233.0.2", "10.233.1.2")]
         c0 = net.counters(0)
-        rx = subprocess.Popen([*net.netns_exec(1), sys.executable, tcp.__file__, "recv", "10.233.1.2", "5501"],
-                              stdout=subprocess.PIPE, text=True)
-        assert rx.stdout.readline().strip() == "listening"
-        subprocess.run([*net.netns_exec(0), sys.executable, tcp.__file__, "send", "10.233.1.2", "5501", "0.5"],
-                       check=True, capture_output=True, timeout=60)
-        n = json.loads(rx.communicate(timeout=60)[0].splitlines()[-1])["bytes"]
+        n = stream_to_host1(net, tcp, "10.233.1.2", "5501", 0.5)
         c1 = net.counters(0)
     finally:
         net.down()
@@ -250,12 +255,7 @@ def test_a_veth_link_joins_the_hosts_through_bridges_and_every_byte_shows_in_the
         assert info["mtu"] == 65535 and [a["local"] for a in info["addr_info"]] == ["10.233.0.1"]
         assert len(tcp.rtt(net, 0, 1, count=5)) == 5                        # host 0 reaches host 1 and back
         before = [net.counters(h) for h in (0, 1)]
-        rx = subprocess.Popen([*net.netns_exec(1), sys.executable, tcp.__file__, "recv", "10.233.0.2", "5701"],
-                              stdout=subprocess.PIPE, text=True)
-        assert rx.stdout.readline().strip() == "listening"
-        subprocess.run([*net.netns_exec(0), sys.executable, tcp.__file__, "send", "10.233.0.2", "5701", "0.3"],
-                       check=True, capture_output=True, timeout=60)
-        n = json.loads(rx.communicate(timeout=60)[0].splitlines()[-1])["bytes"]
+        n = stream_to_host1(net, tcp, "10.233.0.2", "5701", 0.3)
         after = [net.counters(h) for h in (0, 1)]
     finally:
         net.down()
