@@ -17,7 +17,7 @@
 #include "transport/ucx_api.h"
 #include "cpu/simd.h"
 #include "python/group_allreduce.h"
-#include "python/shm_fast_average.h"
+#include "python/fast_all_reduce.h"
 #include "cuda/nccl_api.h"
 #ifdef NCCLAVG_WITH_CUDA
 #include "cuda/comm.h"
@@ -353,7 +353,7 @@ PYBIND11_MODULE(_C, m) {
   {
     using cpu::ShmChannel;
     using Release = py::call_guard<py::gil_scoped_release>;
-    // The small-message fast path (ncclavg/comm/shm_fast.py): the GIL is held unless the call has to wait.
+    // The small-message fast path (ncclavg/comm/fast_average.py): the GIL is held unless the call has to wait.
     py::class_<py_glue::ShmExec>(m, "ShmExec")
         .def(py::init<>())
         .def("acquire", &py_glue::ShmExec::acquire, py::arg("blocking") = true)
@@ -363,18 +363,21 @@ PYBIND11_MODULE(_C, m) {
         .def("add_outstanding", &py_glue::ShmExec::add_outstanding, py::arg("delta"))
         .def_property_readonly("outstanding", &py_glue::ShmExec::outstanding);
     // Note [An asynchronous call whose peers wait] in csrc/transport/shm_channel.cpp
-    m.attr("SHM_ASYNC_INLINE_BYTES") = py_glue::ShmFastAverage::kAsyncInlineBytes;
-    py::class_<py_glue::ShmFastAverage>(m, "ShmFastAverage")
+    m.attr("SHM_ASYNC_INLINE_BYTES") = py_glue::FastAllReduce::kAsyncInlineBytes;
+    py::class_<py_glue::FastAllReduce>(m, "FastAllReduce")
         .def(py::init<ShmChannel*, py_glue::ShmExec*, py::object>(), py::arg("channel"), py::arg("exec"),
              py::arg("prepare"), py::keep_alive<1, 2>(), py::keep_alive<1, 3>())
-        .def("run", [](py_glue::ShmFastAverage& f, py::handle tensors, double timeout_s) { return f.run(tensors, timeout_s); },
+        .def(py::init<cpu::HostLanes*, py_glue::ShmExec*, py::object>(), py::arg("lanes"), py::arg("exec"),
+             py::arg("prepare"), py::keep_alive<1, 2>(), py::keep_alive<1, 3>())
+        .def("run", [](py_glue::FastAllReduce& f, py::handle tensors, double timeout_s) { return f.run(tensors, timeout_s); },
              py::arg("tensors"), py::arg("timeout_s"),
-             "all_reduce_avg of tensors[0] through the channel: True when done, False for the general path")
-        .def("disable", &py_glue::ShmFastAverage::disable)
-        .def_property_readonly("cached", &py_glue::ShmFastAverage::cached);
+             "the all-reduce of tensors[0] (through the channel or the lanes): True when done, False for the "
+             "general path")
+        .def("disable", &py_glue::FastAllReduce::disable)
+        .def_property_readonly("cached", &py_glue::FastAllReduce::cached);
     // The torch backend's allreduce for the calls the fast path takes (ncclavg/process_group/fast_path.py)
     py::class_<py_glue::GroupAllreduce>(m, "GroupAllreduce")
-        .def(py::init<py_glue::ShmFastAverage*, py_glue::ShmFastAverage*, py::handle>(), py::arg("sum"), py::arg("avg"),
+        .def(py::init<py_glue::FastAllReduce*, py_glue::FastAllReduce*, py::handle>(), py::arg("sum"), py::arg("avg"),
              py::arg("hooks"), py::keep_alive<1, 2>(), py::keep_alive<1, 3>())
         .def("__call__", &py_glue::GroupAllreduce::call, py::arg("tensors"), py::arg("opts") = py::none())
         .def("disable", &py_glue::GroupAllreduce::disable);
@@ -478,9 +481,11 @@ PYBIND11_MODULE(_C, m) {
              py::arg("addresses"), py::arg("timeout_s"))
         .def("all_reduce_sum",
              [](cpu::HostLanes& h, uintptr_t data, int64_t count, int type, double timeout_s, uint64_t tag,
-                int64_t tag_count) { h.all_reduce_sum(data, count, type, timeout_s, call_tag(tag, tag_count)); },
+                int64_t tag_count, double div) {
+               h.all_reduce_sum(data, count, type, timeout_s, call_tag(tag, tag_count), div);
+             },
              py::arg("data"), py::arg("count"), py::arg("type"), py::arg("timeout_s"), py::arg("tag") = 0,
-             py::arg("tag_count") = 0, Release())
+             py::arg("tag_count") = 0, py::arg("div") = 1.0, Release())
         .def("broadcast",
              [](cpu::HostLanes& h, uintptr_t data, int64_t count, int type, int root, double timeout_s, uint64_t tag,
                 int64_t tag_count) { h.broadcast(data, count, type, root, timeout_s, call_tag(tag, tag_count)); },

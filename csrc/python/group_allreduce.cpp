@@ -27,7 +27,7 @@ bool truthy(const py::object& value) {
 }
 }  // namespace
 
-GroupAllreduce::GroupAllreduce(ShmFastAverage* sum, ShmFastAverage* avg, py::handle hooks)
+GroupAllreduce::GroupAllreduce(FastAllReduce* sum, FastAllReduce* avg, py::handle hooks)
     : sum_(sum),
       avg_(avg),
       group_(hooks.attr("group")),
@@ -54,7 +54,7 @@ GroupAllreduce::GroupAllreduce(ShmFastAverage* sum, ShmFastAverage* avg, py::han
   // is a new object each call, whose release from the ring would cost more than the record)
   sum_what_ = py::make_tuple(s_all_reduce_, hooks.attr("sum_kind"), py::none());
   avg_what_ = py::make_tuple(s_all_reduce_, hooks.attr("avg_kind"), py::none());
-  if (py::len(errors_) != 3) throw std::invalid_argument("hooks.errors: expected 3 exception types");
+  if (py::len(errors_) != 4) throw std::invalid_argument("hooks.errors: expected 4 exception types");
 }
 
 // The group's general path: the group is alive while torch calls this (it holds the group), so a
@@ -65,7 +65,8 @@ py::object GroupAllreduce::general(py::handle tensors, py::handle opts) {
   return group.attr(s_general_)(tensors, opts);
 }
 
-// The failed Work of a round that failed with the channel's error `which` (an index into errors_).
+// The failed Work of a round that failed with error `which` (an index into errors_: mismatch, peer, the
+// channel's timeout, the lanes' timeout).
 py::object GroupAllreduce::failed(py::handle tensors, py::handle op, double limit, const char* what, int which) {
   py::object error = errors_[py::int_(which)](py::str(what));
   py::object group = group_();
@@ -89,7 +90,7 @@ py::object GroupAllreduce::call(py::handle tensors, py::handle opts) {
   py::object op = attr(opts, s_reduce_op_);
   Py_hash_t h = PyObject_Hash(op.ptr());
   if (h == -1) throw py::error_already_set();
-  ShmFastAverage* path = h == sum_hash_ ? sum_ : h == avg_hash_ ? avg_ : nullptr;
+  FastAllReduce* path = h == sum_hash_ ? sum_ : h == avg_hash_ ? avg_ : nullptr;
   if (path == nullptr) return general(tensors, opts);
   // the call's timeout as group.py's call_limit reads it: torch's per-call option when set, else the group's
   double limit = default_s_;
@@ -107,8 +108,10 @@ py::object GroupAllreduce::call(py::handle tensors, py::handle opts) {
     return failed(tensors, op, limit, e.what(), 0);
   } catch (const cpu::ShmPeerError& e) {
     return failed(tensors, op, limit, e.what(), 1);
-  } catch (const TimeoutError& e) {
+  } catch (const cpu::ShmTimeoutError& e) {   // the channel's: it names the rank that stopped
     return failed(tensors, op, limit, e.what(), 2);
+  } catch (const TimeoutError& e) {           // the lanes': it names none (HostLanes::throw_failure)
+    return failed(tensors, op, limit, e.what(), 3);
   }
   if (!record_.is_none()) {   // Note [A ring of plain lists] in ncclavg/transport/flight.py
     PyObject* t = PyList_GET_ITEM(tensors.ptr(), 0);   // run() took it: a list of one tensor

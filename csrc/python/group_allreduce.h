@@ -7,7 +7,7 @@
 
 #include <cstdint>
 
-#include "shm_fast_average.h"
+#include "fast_all_reduce.h"
 
 namespace ncclavg {
 namespace py_glue {
@@ -29,7 +29,7 @@ class GroupAllreduce {
   //   sum_hash, avg_hash   hash() of ReduceOp SUM and AVG (distinct from every other op: the group checks)
   //   sum_kind, avg_kind   RedOpType SUM and AVG, what the record names
   //   errors      the channel's failures, most derived first: (ShmMismatchError, ShmPeerError, CommTimeoutError)
-  GroupAllreduce(ShmFastAverage* sum, ShmFastAverage* avg, py::handle hooks);
+  GroupAllreduce(FastAllReduce* sum, FastAllReduce* avg, py::handle hooks);
   py::object call(py::handle tensors, py::handle opts);
   // For good, when the group fails or shuts down: every call then takes the general path.
   void disable();
@@ -39,8 +39,8 @@ class GroupAllreduce {
   py::object work(py::handle tensors);
   py::object failed(py::handle tensors, py::handle op, double limit, const char* what, int which);
 
-  ShmFastAverage* sum_;
-  ShmFastAverage* avg_;
+  FastAllReduce* sum_;
+  FastAllReduce* avg_;
   py::object group_, done_work_, record_, profiler_, unset_, errors_;
   double default_s_, async_ready_s_;
   bool enabled_ = true;

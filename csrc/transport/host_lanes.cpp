@@ -47,8 +47,21 @@ namespace cpu {
 //   and the longer window keeps a rank off the event fd, whose wakeup costs tens of microseconds, for
 //   about one round trip of a fast link.
 // - The first failure of a process (a broken endpoint, a timeout, a mismatch, a failed channel step, an
-//   abort) is sent to every peer in an abort message and put into this host's channel, so that every
-//   rank of every host fails at once, naming it; the engine then refuses every call.
+//   abort) is sent to every peer in an abort message and put into this host's channel (a timeout: not
+//   the channel, Note [A timeout between the hosts]), so that every rank of every host fails at once,
+//   naming it; the engine then refuses every call.
+//
+// Note [A timeout between the hosts]
+// A rank that waits for a lane past the call's deadline cannot tell whether the rank it waits for is lost
+// or itself waits on another, and the host's other ranks, waiting for it in a channel step, see it stop
+// though it is alive. So a timeout here names no rank: it is a TimeoutError (ncclavg.CommTimeoutError),
+// not the channel's ShmTimeoutError, a channel step's timeout inside a call is said in the same words
+// (the channel's would name the host's rank that waits on the wire), and this host's channel is not
+// aborted with it. The caller names the lost rank: the runner's failure asks the heartbeats and then
+// aborts the channel and the lanes with those words (ncclavg/transport/runner.py). On the general path the
+// runner's watchdog does this at the deadline, before the lanes' limit (the deadline plus a backstop);
+// on the fast path (ncclavg/comm/fast_average.py) the lanes' limit is the deadline, and every rank, on
+// the wire or in a channel step, times out at its own deadline and asks the heartbeats itself.
 
 namespace {
 using Clock = std::chrono::steady_clock;
@@ -510,7 +523,8 @@ void HostLanes::fail(LaneCall& c, const std::string& why, int kind) {
     tell_peers(kind, why);
     close_endpoints();
   }
-  if (channel_ != nullptr) channel_->abort(why, kind == kFailMismatch);
+  // a timeout leaves this host's channel to the caller (Note [A timeout between the hosts])
+  if (channel_ != nullptr && kind != kFailTimeout) channel_->abort(why, kind == kFailMismatch);
   throw_failure();
 }
 
@@ -530,7 +544,9 @@ void HostLanes::throw_failure() const {
     kind = failure_kind_;
   }
   if (kind == kFailMismatch) throw ShmMismatchError(why);
-  if (kind == kFailTimeout) throw ShmTimeoutError(why);
+  // not ShmTimeoutError: the rank a lane waited for may itself wait on another, so this names no lost
+  // rank (the heartbeats do: Note [Failures are told by type] in ncclavg/transport/failure.py)
+  if (kind == kFailTimeout) throw TimeoutError(why);
   throw ShmPeerError(why);
 }
 
@@ -624,10 +640,15 @@ void HostLanes::run_checked(LaneCall& c, const std::function<void()>& body) {
     if (!c.failed) fail_from_channel(c, e.what(), kFailMismatch);
     release(c);
     throw;
-  } catch (const ShmTimeoutError& e) {
-    if (!c.failed) fail_from_channel(c, e.what(), kFailTimeout);
+  } catch (const ShmTimeoutError&) {   // Note [A timeout between the hosts]: the channel's words name a rank
+    if (!c.failed) {
+      std::ostringstream os;
+      os << "between the hosts: " << c.what() << " timed out after " << c.timeout_s << " s in a step within host "
+         << layout_.host;
+      fail_from_channel(c, os.str(), kFailTimeout);
+    }
     release(c);
-    throw;
+    throw_failure();
   } catch (const std::exception& e) {
     if (!c.failed) fail_from_channel(c, e.what(), kFailPeer);
     release(c);

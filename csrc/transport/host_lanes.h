@@ -81,7 +81,9 @@ class HostLanes {
 
   // The collectives, every rank of every host calling them in the same order. Element types and tags as
   // ShmChannel's; sums in host order with fp32 accumulation (fp64 for float64): every rank gets the same bits.
-  void all_reduce_sum(uintptr_t data, int64_t count, int type, double timeout_s, ShmCallTag tag);
+  // div != 1: each rank then divides its result by div (not on the wire: any rank may pass 1 and divide
+  // after, with the same bits).
+  void all_reduce_sum(uintptr_t data, int64_t count, int type, double timeout_s, ShmCallTag tag, double div = 1.0);
   void broadcast(uintptr_t data, int64_t count, int type, int root, double timeout_s, ShmCallTag tag);
   // in: count elements; out: world x count, rank r's at r * count.
   void all_gather(uintptr_t in, uintptr_t out, int64_t count, int type, double timeout_s, ShmCallTag tag);

@@ -1,5 +1,6 @@
 // The collectives between hosts: each one native loop over chunks (Note [The lanes' pipeline]).
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 
 #include "../common/check.h"
@@ -542,11 +543,20 @@ void HostLanes::run_shards(LaneCall& c, uintptr_t data, int root_host, int root_
   ShardPipe pipe(*this, c, p, root_host, root_local);
   run_checked(c, [&] { pipe.run(pipe.chunks()); });
 }
-void HostLanes::all_reduce_sum(uintptr_t data, int64_t count, int type, double timeout_s, ShmCallTag tag) {
+void HostLanes::all_reduce_sum(uintptr_t data, int64_t count, int type, double timeout_s, ShmCallTag tag,
+                               double div) {
   checked_type(type);
   check_span(data, count, "data");
+  NCCLAVG_CHECK_ARG(std::isfinite(div) && div != 0, "div", "must be finite and not 0, got ", div);
   LaneCall c(*this, LaneOp::kAllReduce, type, count, -1, timeout_s, tag);
   run_shards(c, data, -1, -1);
+  if (div == 1.0 || count == 0) return;
+  // Each rank divides its own copy after the wire: the messages are those of an undivided sum, and the
+  // pass is the channel's element step with one source (Note [Pack scale modes]), the same bits as the
+  // core's unpack scale or torch's div_ after the sum.
+  auto* p = reinterpret_cast<unsigned char*>(data);
+  const unsigned char* const srcs[1] = {p};
+  sum_into(static_cast<ShmType>(type), p, nullptr, srcs, 1, count, 1.0, div, nullptr);
 }
 
 void HostLanes::broadcast(uintptr_t data, int64_t count, int type, int root, double timeout_s, ShmCallTag tag) {

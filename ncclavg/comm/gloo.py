@@ -42,7 +42,7 @@ from ..transport.shm import host_identity, supports as shm_supports
 from ..transport.work import JobWork
 from .base import Communicator, check_count, check_timeout
 from .dist import allgather_object, debug_allgather
-from .shm_fast import fast_average
+from .fast_average import fast_average
 
 
 class GlooCommunicator(Communicator):
@@ -94,9 +94,10 @@ class GlooCommunicator(Communicator):
         # so this depends only on what every rank shares: the transport, and the dtype and the call.
         self._channel = transport.channel if transport is not None else None
         self._fuses_division = self._channel is not None
-        # one tower here and one host's channel over every process: Note [Small-message fast path]
-        self._fast = (fast_average(self._fast_plan, self._channel, self._runner.order)
-                      if self._fuses_division and towers == 1 else None)
+        # one tower here, and one host's channel over every process or the lanes between the hosts (the
+        # lanes divide after their sum, as the general path's unpack scale does): Note [Small-message fast path]
+        target = transport.fast_target if transport is not None else None
+        self._fast = fast_average(self._fast_plan, target, self._runner.order) if target is not None and towers == 1 else None
         self._fast_run = self._fast.run if self._fast is not None else None
         if self._fast is not None:
             self._runner.fast_paths.append(self._fast)
@@ -132,7 +133,7 @@ class GlooCommunicator(Communicator):
     # communicator whose processes share one channel, is one channel round made on the caller's thread when
     # the runner is idle: no Job, no Work, no flight record, as the torch face's FastCalls
     # (process_group/fast_path.py) and the native all_reduce_avg (Note [Small-message fast path] in
-    # shm_fast.py) do. Each round is exactly the one the general path's job would make (the same channel
+    # fast_average.py) do. Each round is exactly the one the general path's job would make (the same channel
     # primitive, wire type, count and call signature), so ranks that take different ways still meet in
     # it. Measured: a runner job costs a small call 4-8 us more (bench/results/torch_face-one-runner-*.md).
     def _channel_now(self, what: Any, call: Any, limit: float, channel_round: Callable[[], None]) -> bool:

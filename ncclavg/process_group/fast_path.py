@@ -1,6 +1,7 @@
 """The torch backend's small-message fast path: a synchronous `dist.all_reduce` of one dense CPU tensor
-(SUM, or AVG of float32 / float64) on a group whose processes share one channel; and the same, written in
-Python (FastCalls), for synchronous broadcast, all_gather_into_tensor and reduce_scatter_tensor.
+(SUM, or AVG of float32 / float64) on a group whose processes share one channel, or whose hosts are joined
+by the core's lanes on UCX; and the same, written in Python (FastCalls), for synchronous broadcast,
+all_gather_into_tensor and reduce_scatter_tensor on one channel.
 
 Note [The backend's fast path]
 Below ~1 MiB the cost of `dist.all_reduce` on this backend was the Python around the channel, not the
@@ -8,8 +9,8 @@ channel: a Job with its Future and Event, the runner, the call's description, th
 ~40 us against the channel's ~1 us round. torch's own part (dist.all_reduce, the dispatcher, the call
 into this ProcessGroup and the Work handed back) costs ~2 us and cannot be avoided from a Python
 backend. So for the commonest call, the one a training loop makes for a loss, a metric or a flag, the
-group does what the public API does (Note [Small-message fast path] in shm_fast.py): one native object
-per reduction (_C.ShmFastAverage: the channel's all-reduce with a divisor) that checks the tensor it
+group does what the public API does (Note [Small-message fast path] in fast_average.py): one native object
+per reduction (_C.FastAllReduce: the channel's all-reduce with a divisor) that checks the tensor it
 has seen before (identity, version counter, data pointer) and runs the channel's round at once when the
 group's runner is idle: the runner holds the same native lock while its jobs run and counts its queued
 jobs where the fast path looks (Note [One runner] in transport/runner.py), so a fast call never
@@ -55,10 +56,11 @@ _AVG_TYPES = (torch.float32, torch.float64)
 
 
 def fast_paths(pg: Any, runner: Runner) -> Dict[Any, Any]:
-    """{RedOpType: _C.ShmFastAverage} for the group `pg` over its runner; empty when its processes do not
-    share one channel (several hosts, or none)."""
+    """{RedOpType: _C.FastAllReduce} for the group `pg` over its runner, on its one channel or its lanes
+    between hosts (the transport's `fast_target`); empty when it has neither (gloo's lanes, or no channel)."""
     transport = runner.transport
-    if transport is None or transport.channel is None:
+    target = transport.fast_target if transport is not None else None
+    if target is None:
         return {}
     size = pg.size()
     owner = weakref.ref(pg)   # not the group itself: the native object holds `prepare` (no cycle to collect)
@@ -79,8 +81,8 @@ def fast_paths(pg: Any, runner: Runner) -> Dict[Any, Any]:
         return prepare
 
     paths = {
-        R.SUM: _C.ShmFastAverage(transport.channel, runner.order, preparer(R.SUM, _SUM_TYPES, 1.0)),
-        R.AVG: _C.ShmFastAverage(transport.channel, runner.order, preparer(R.AVG, _AVG_TYPES, float(size))),
+        R.SUM: _C.FastAllReduce(target, runner.order, preparer(R.SUM, _SUM_TYPES, 1.0)),
+        R.AVG: _C.FastAllReduce(target, runner.order, preparer(R.AVG, _AVG_TYPES, float(size))),
     }
     return paths
 
@@ -107,7 +109,7 @@ def native_allreduce(pg: Any, paths: Dict[Any, Any], recorder: Any, default_s: f
         done_work=done_work, record=recorder.done if recorder is not None else None, profiler=_torch_profiler,
         unset=unset, default_s=float(default_s), async_ready_s=ASYNC_READY_S,
         sum_hash=hashes[0], avg_hash=hashes[1], sum_kind=R.SUM, avg_kind=R.AVG,
-        errors=(_C.ShmMismatchError, _C.ShmPeerError, _C.ShmTimeoutError))
+        errors=(_C.ShmMismatchError, _C.ShmPeerError, _C.ShmTimeoutError, _C.CommTimeoutError))
     return _C.GroupAllreduce(paths[R.SUM], paths[R.AVG], hooks)
 
 

@@ -84,7 +84,7 @@ def make(collective: str, dtype: Optional[torch.dtype] = None, op: Any = None, r
 
 
 def average_call(t: torch.Tensor) -> Call:
-    """Communicator.all_reduce_avg of `t`: the same call on its fast path (shm_fast.py) and its general one."""
+    """Communicator.all_reduce_avg of `t`: the same call on its fast path (fast_average.py) and its general one."""
     return make("Communicator.all_reduce_avg", t.dtype, count=t.numel())
 
 

@@ -94,7 +94,8 @@ class HostsTransport:
     runner.py). The pipelines (host_pipes.py) drive it through `layout`, `lane_groups` and its step methods."""
 
     kind = "shm+gloo"
-    channel = None   # no one channel over every process: the fast paths are off
+    channel = None   # no one channel over every process: the channel's fast paths are off
+    fast_target = None   # and the native fast all-reduce (comm/fast_average.py): gloo's steps are Python
     # a host's channel may carry a leader's abort about a failure between the hosts, which names nobody:
     # the heartbeats are asked then (runner.py)
     names_peers = False

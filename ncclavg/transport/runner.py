@@ -11,10 +11,10 @@ A collective issued asynchronously returns at once and runs later on the worker;
 at once runs on the caller's thread when nothing is pending, so the small synchronous calls of a training
 loop make no thread hop. Either way a job runs holding the runner's `order` (a native lock, _C.ShmExec,
 which also counts the jobs outstanding), so jobs never overlap and complete in submission order. The
-fast paths (the native all_reduce of process_group/fast_path.py, the Communicator's in comm/shm_fast.py,
+fast paths (the native all_reduce of process_group/fast_path.py, the Communicator's in comm/fast_average.py,
 the Python FastCalls) run a call without a job: only through `acquire_idle`, when the lock is free and
 nothing is outstanding, so they never overtake a queued job nor run beside a running one (the native ones
-check the same two facts in C++: ShmFastAverage::run). A job leaves the count before it completes, so
+check the same two facts in C++: FastAllReduce::run). A job leaves the count before it completes, so
 that the waiter's next synchronous call finds the runner idle, as after a call of its own.
 An asynchronous call whose peers are already in it (`ready`) runs on the caller's thread too, when it is
 small (Note [An asynchronous call whose peers wait] in csrc/transport/shm_channel.cpp).

@@ -286,3 +286,76 @@ def host_mismatch_job(rank, world, port, layout, outdir, counts, collective="all
     from ncclavg.comm import end_process
 
     end_process(0)   # the group failed: no teardown
+
+
+def fast_path_job(rank, world, port, layout, lanes):
+    """The small all-reduces between hosts on the native fast path (Note [Small-message fast path] in
+    ncclavg/comm/fast_average.py), through both faces, with ranks that take it and ranks that take the general
+    path in the same call (an asynchronous call always takes the general path there): the same bits on every
+    rank, SUM within the float64 bound of any order, AVG the general path's division of that sum; on gloo's
+    lanes (`lanes` "gloo") there is no fast path and every call is the general one."""
+    init_backend(rank, world, port, timeout_s=60, layout=layout)
+    pg = dist.group.WORLD
+    from ncclavg import Communicator
+    import ncclavg.comm.gloo as gloo_backend
+
+    gloo_backend.host_identity = lambda: f"test-host-{layout[rank]}"
+    comm = Communicator.from_torch_distributed(device="cpu", timeout=60)
+    assert pg.transport == comm.transport == between_hosts(alone=len(set(layout)) == world), pg.transport
+    native = lanes == "ucx"
+    assert (set(pg._fast) == {R.SUM, R.AVG}) == native and (comm._fast is not None) == native
+    calls = 0
+    for seed, dtype in enumerate(FLOATS):
+        for n in (1, 7, 1000, 5000, 70_000):   # within one exchange (16 KiB) and past it, in chunks
+            for op in (R.SUM, R.AVG):
+                if op == R.AVG and dtype in (torch.float16, torch.bfloat16):
+                    continue   # AVG of a 16-bit type: an fp32 sum first, never the fast path
+                xs = [torch.randn(n, generator=torch.Generator().manual_seed(100 * seed + r)).to(dtype)
+                      for r in range(world)]
+                t = xs[rank].clone()
+                fast = (calls + rank) % 2 == 0   # half the ranks on each path, alternating
+                calls += 1
+                if fast:
+                    dist.all_reduce(t, op=op)
+                else:
+                    dist.all_reduce(t, op=op, async_op=True).wait()
+                rows = [torch.empty_like(t) for _ in range(world)]
+                dist.all_gather(rows, t)
+                assert all(torch.equal(r, t) for r in rows), (dtype, n, op)
+                total = sum(x.double() for x in xs)
+                # the bound of summing `world` terms in any order (Higham, ch. 3) at the accumulation's unit
+                # roundoff (float64's, else float32's), plus for the 16-bit types one rounding to the type per
+                # host (each host's sum crosses the wire in it) and one at the end, each within its unit
+                # roundoff of a partial sum no larger than sum|x|
+                mag = sum(x.double().abs() for x in xs)
+                u = 2.0 ** -53 if dtype == torch.float64 else 2.0 ** -24
+                k = world - 1
+                bound = k * u / (1 - k * u) * mag
+                if dtype in (torch.float16, torch.bfloat16):
+                    bound = bound + (len(set(layout)) + 1) * mag * (2.0 ** -11 if dtype == torch.float16 else 2.0 ** -8)
+                if op == R.SUM:
+                    assert bool(((t.double() - total).abs() <= bound).all()), (dtype, n)
+                else:   # the general path's division of the sum: one correctly rounded quotient
+                    s = xs[rank].clone()
+                    dist.all_reduce(s, op=R.SUM, async_op=True).wait()
+                    assert torch.equal(t, s.div_(world)), (dtype, n)
+    # the public API's all_reduce_avg: the same, its towers' dtypes
+    for seed, dtype in enumerate((torch.float32, torch.bfloat16, torch.float16)):
+        for n in (1, 1000, 70_000):
+            xs = [torch.randn(n, generator=torch.Generator().manual_seed(7 + 100 * seed + r)).to(dtype)
+                  for r in range(world)]
+            t = xs[rank].clone()
+            if (calls + rank) % 2 == 0:
+                comm.all_reduce_avg([t])
+            else:
+                comm.all_reduce_avg_async([t]).wait()
+            calls += 1
+            rows = [torch.empty_like(t) for _ in range(world)]
+            dist.all_gather(rows, t)
+            assert all(torch.equal(r, t) for r in rows), ("api", dtype, n)
+            s = xs[rank].clone()
+            dist.all_reduce(s, op=R.SUM, async_op=True).wait()
+            assert torch.equal(t, (s.float() / world).to(dtype)), ("api", dtype, n)
+    if native:   # the fast paths ran (they keep what they saw of each tensor they took)
+        assert pg._fast[R.SUM].cached > 0 and pg._fast[R.AVG].cached > 0 and comm._fast.cached > 0
+    dist.barrier()

@@ -117,6 +117,13 @@ def test_reduce_scatter_and_all_gather_between_hosts_are_exact(layout, lanes, mo
     run_ranks(W.slices_job, len(layout), args=(layout, 64), timeout_s=300)
 
 
+# 2 + 1 processes (the host of one carries both lanes; AVG divides by 3, an inexact quotient) and 2 x 2
+@pytest.mark.parametrize("layout, lanes", [((0, 0, 1), "ucx"), ((0, 1, 0, 1), "ucx"), ((0, 0, 1), "gloo")])
+def test_small_all_reduces_on_the_fast_path_meet_the_general_path_bit_for_bit(layout, lanes, monkeypatch):
+    engine(lanes, monkeypatch)
+    run_ranks(W.fast_path_job, len(layout), args=(layout, lanes), timeout_s=300)
+
+
 # gloo's lanes (UCX's: test_ucx_lanes.py)
 @pytest.mark.parametrize("layout", [(0, 0, 1, 1), (0, 1)])
 def test_the_calls_check_rides_in_the_first_exchange(tmp_path, layout, monkeypatch):

@@ -230,7 +230,7 @@ def test_fast_average_refuses_when_busy_or_disabled():
         seen.append(t)
         return (t.data_ptr(), t.numel(), 0, 2.0, 0) if t.dtype == torch.float32 else None
 
-    fast = _C.ShmFastAverage(ch, ex, prepare)
+    fast = _C.FastAllReduce(ch, ex, prepare)
     x = torch.full((5,), 3.0)
     assert fast.run([x], 5.0) and torch.equal(x, torch.full((5,), 1.5))   # one rank: the sum, halved
     assert fast.run([x], 5.0) and len(seen) == 1 and fast.cached == 1     # the second call from the cache

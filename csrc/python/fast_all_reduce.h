@@ -1,6 +1,6 @@
-// The small-message fast path of the gloo backend's all_reduce_avg (Note [Small-message fast path] in
-// ncclavg/comm/shm_fast.py), in terms of Python objects: the part of the library that has to look at
-// a torch tensor without linking libtorch (its Python attributes only).
+// The small-message fast path of an all-reduce (Note [Small-message fast path] in ncclavg/comm/fast_average.py:
+// the public API's all_reduce_avg, the torch backend's all_reduce), in terms of Python objects: the part of
+// the library that has to look at a torch tensor without linking libtorch (its Python attributes only).
 #pragma once
 #include <pybind11/pybind11.h>
 
@@ -10,6 +10,7 @@
 #include <mutex>
 #include <vector>
 
+#include "../transport/host_lanes.h"
 #include "../transport/shm_channel.h"
 
 namespace ncclavg {
@@ -51,19 +52,22 @@ class ShmExec {
   std::condition_variable cv_;
 };
 
-// comm.all_reduce_avg([t]) through `channel`, for tensors it has seen before. `prepare(t)` (Python:
+// An all-reduce of [t] with a divisor through one host's `channel`, or through `lanes` between hosts (the
+// core's lanes on UCX; their channels inside the hosts), for tensors it has seen before. `prepare(t)` (Python:
 // the general path's checks) returns (data_ptr, numel, type code, divisor, call tag) or None for a
 // tensor the fast path must not take (the tag: the user call the channel checks, Note [Call
 // signatures] in csrc/transport/shm_calls.cpp; its count is numel). Nothing may be outstanding on `exec` and its lock must be free, and the
 // communicator must not have disabled it (a failure or close()), else the call returns False and the
 // general path runs it in order (or says why it refuses).
-class ShmFastAverage {
+class FastAllReduce {
  public:
-  ShmFastAverage(cpu::ShmChannel* channel, ShmExec* exec, py::object prepare);
+  FastAllReduce(cpu::ShmChannel* channel, ShmExec* exec, py::object prepare);
+  FastAllReduce(cpu::HostLanes* lanes, ShmExec* exec, py::object prepare);
   // True: done (and *count, when given, is the element count). False: the general path must run it.
-  // Raises what the channel raises. ready_wait_s >= 0: an asynchronous call, run here only when it is at
-  // most kAsyncInlineBytes and every peer has announced or posted its round within ready_wait_s (Note [An
-  // asynchronous call whose peers wait] in csrc/transport/shm_channel.cpp); < 0: a synchronous call.
+  // Raises what the channel (or the lanes) raise. ready_wait_s >= 0: an asynchronous call, run here only on
+  // a channel, when it is at most kAsyncInlineBytes and every peer has announced or posted its round within
+  // ready_wait_s (Note [An asynchronous call whose peers wait] in csrc/transport/shm_channel.cpp); < 0: a
+  // synchronous call.
   bool run(py::handle tensors, double timeout_s, int64_t* count = nullptr, double ready_wait_s = -1.0);
   // The largest asynchronous call run on the caller's thread. A 256 KiB all-reduce of two processes takes
   // ~30 us on a 2-core VM, less than handing a call to a worker costs there (a burst of queued 1 MiB
@@ -89,7 +93,10 @@ class ShmFastAverage {
   };
   const Entry* lookup(PyObject* t);
 
-  cpu::ShmChannel* channel_;
+  void all_reduce(uintptr_t data, int64_t count, int type, double div, uint64_t word, double timeout_s);
+
+  cpu::ShmChannel* channel_ = nullptr;   // exactly one of the two
+  cpu::HostLanes* lanes_ = nullptr;
   ShmExec* exec_;
   py::object prepare_;
   py::object name_version_, name_data_ptr_;
