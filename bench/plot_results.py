@@ -32,10 +32,10 @@ SOURCES = {
     "torch_face": ["torch_face-async-inline-cpu-2026-12-05.md"],
     "stock": ["stock_ddp-cpu-2026-12-05-async-inline.md", "stock_ddp-frameworks-cpu-2026-12-05-async-inline-2proc.md"],
     "cpu_master": ["optim-amd-epyc-2c-2026-12-01.md", "cpu-2026-12-01.md"],
-    "hosts": ["hosts-intel-r-xeon-r-processor-2c-2026-12-07-ucx-r2.md",
-              "hosts-intel-r-xeon-r-processor-2c-2026-12-07-ucx-r2-three.md",
-              "hosts-intel-r-xeon-r-processor-2c-2026-12-07-ucx-r2-1000.md",
-              "hosts-intel-r-xeon-r-processor-2c-2026-12-07-ucx-veth.md"],
+    "hosts": ["hosts-intel-r-xeon-r-processor-2c-2026-12-07-ucx-r3.md",
+              "hosts-intel-r-xeon-r-processor-2c-2026-12-07-ucx-r3-three.md",
+              "hosts-intel-r-xeon-r-processor-2c-2026-12-07-ucx-r3-1000.md",
+              "hosts-intel-r-xeon-r-processor-2c-2026-12-07-ucx-r3-veth.md"],
 }
 MPI_COLUMNS = ("Open MPI 5.0.11 us", "MPICH 4.1.2 us", "MPICH 5.0.2 us", "Intel MPI 2021.19.0 us")
 UNITS = {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
