@@ -46,19 +46,20 @@ namespace cpu {
 //   4 KiB 0.80-0.88 ms before, 0.75-0.81 after). A yield costs nothing when no one else wants the core,
 //   and the longer window keeps a rank off the event fd, whose wakeup costs tens of microseconds, for
 //   about one round trip of a fast link.
-// - The first failure of a process (a broken endpoint, a timeout, a mismatch, a failed channel step, an
-//   abort) is sent to every peer in an abort message and put into this host's channel (a timeout: not
-//   the channel, Note [A timeout between the hosts]), so that every rank of every host fails at once,
-//   naming it; the engine then refuses every call.
+// - The first failure of a process (a broken endpoint, a mismatch, a failed channel step, an abort; not a
+//   timeout: Note [A timeout between the hosts]) is sent to every peer in an abort message and put into
+//   this host's channel, so that every rank of every host fails at once, naming it; the engine then
+//   refuses every call.
 //
 // Note [A timeout between the hosts]
 // A rank that waits for a lane past the call's deadline cannot tell whether the rank it waits for is lost
 // or itself waits on another, and the host's other ranks, waiting for it in a channel step, see it stop
 // though it is alive. So a timeout here names no rank: it is a TimeoutError (ncclavg.CommTimeoutError),
 // not the channel's ShmTimeoutError, a channel step's timeout inside a call is said in the same words
-// (the channel's would name the host's rank that waits on the wire), and this host's channel is not
-// aborted with it. The caller names the lost rank: the runner's failure asks the heartbeats and then
-// aborts the channel and the lanes with those words (ncclavg/transport/runner.py). On the general path the
+// (the channel's would name the host's rank that waits on the wire), and neither the peers nor this
+// host's channel are told it (they would take its words for a rank's loss, and stop asking). The caller
+// names the lost rank: the runner's failure asks the heartbeats and then aborts this host's channel with
+// those words (ncclavg/transport/runner.py); the other hosts' ranks reach their own deadlines. On the general path the
 // runner's watchdog does this at the deadline, before the lanes' limit (the deadline plus a backstop);
 // on the fast path (ncclavg/comm/fast_average.py) the lanes' limit is the deadline, and every rank, on
 // the wire or in a channel step, times out at its own deadline and asks the heartbeats itself.
@@ -518,13 +519,14 @@ void HostLanes::fail(LaneCall& c, const std::string& why, int kind) {
     }
   }
   c.failed = true;
+  // a timeout leaves the peers and this host's channel to the caller (Note [A timeout between the hosts])
+  if (kind == kFailTimeout) throw_failure();
   if (!told_peers_) {   // once: the first failure is what every rank hears
     told_peers_ = true;
     tell_peers(kind, why);
     close_endpoints();
   }
-  // a timeout leaves this host's channel to the caller (Note [A timeout between the hosts])
-  if (channel_ != nullptr && kind != kFailTimeout) channel_->abort(why, kind == kFailMismatch);
+  if (channel_ != nullptr) channel_->abort(why, kind == kFailMismatch);
   throw_failure();
 }
 

@@ -35,7 +35,9 @@ here:
   rounds around them), so no step re-derives the deadline from a limit of its own;
 - a waiter: torch's Work.wait(timeout) is the caller's patience and leaves the job running; the public
   API's waits its timeout and SLACK_S more, then fails the runner (work.py);
-- the fast paths run a call whole on the caller's thread: there the channel's own limit is the deadline.
+- the fast paths run a call whole on the caller's thread: there the channel's own limit (or the lanes'
+  between hosts) is the deadline; a timeout of the lanes names no rank, and `failed` asks the heartbeats
+  as the watchdog would have (Note [A timeout between the hosts] in csrc/transport/host_lanes.cpp).
 """
 from __future__ import annotations
 
