@@ -170,3 +170,38 @@ def forked_child_job(rank, world, port, outdir):
     lanes.all_reduce_sum(t.data_ptr(), t.numel(), 0, 30.0)
     res["sum_ok"] = bool((t == 3).all())
     _report(outdir, rank, res)
+
+
+def lanes_timeout_job(rank, world, port, layout, outdir, absent):
+    """The ranks in `absent` never make the call; the others call the lanes directly with a 1 s limit: a
+    lane's wait (or a channel step inside the call) past its deadline is a plain timeout that names no rank
+    (Note [A timeout between the hosts] in csrc/transport/host_lanes.cpp)."""
+    from ncclavg._ext import _C
+    from ncclavg.transport.calls import make
+    from ncclavg.transport.shm import tag
+
+    init_backend(rank, world, port, timeout_s=60, layout=layout)
+    lanes = dist.group.WORLD._runner.transport.lanes
+    t = torch.ones(1024)
+    dist.all_reduce(t)   # connected, and every rank past its first call
+    res = {"transport": dist.group.WORLD.transport}
+    if rank in absent:
+        time.sleep(4.0)   # until the others have timed out and reported
+    else:
+        t0 = time.monotonic()
+        try:
+            lanes.all_reduce_sum(t.data_ptr(), t.numel(), 0, 1.0, *tag(make("all_reduce", t.dtype, count=t.numel())))
+            res["error"] = None
+        except Exception as e:   # noqa: BLE001 (reported for the test to judge)
+            res.update(error=str(e), type=type(e).__name__, comm_timeout=isinstance(e, _C.CommTimeoutError),
+                       shm_timeout=isinstance(e, _C.ShmTimeoutError))
+        res["elapsed"] = time.monotonic() - t0
+        res["refused"] = None
+        try:
+            lanes.all_reduce_sum(t.data_ptr(), t.numel(), 0, 1.0, *tag(make("all_reduce", t.dtype, count=t.numel())))
+        except Exception as e:   # noqa: BLE001
+            res["refused"] = str(e)
+    _report(outdir, rank, res)
+    from ncclavg.comm import end_process
+
+    end_process(0)   # the lanes failed: no teardown

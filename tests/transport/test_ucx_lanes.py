@@ -40,6 +40,24 @@ def test_a_call_that_differs_between_hosts_fails_every_rank_naming_both(tmp_path
         assert res["after"] is not None and "refused" in res["after"], res["after"]
 
 
+# a rank of the other host absent: its lane's carriers time out on the wire; a rank of one's own host absent
+# too: the one left times out in the call's channel step
+@pytest.mark.parametrize("absent, where", [((2,), "waited 1 s for rank 2 (host 1) without an answer"),
+                                           ((1, 2), "timed out after 1 s in a step within host 0")])
+def test_a_timeout_between_the_hosts_names_no_rank(tmp_path, absent, where):
+    layout = (0, 0, 1)
+    run_ranks(W.lanes_timeout_job, len(layout), args=(layout, str(tmp_path), absent), timeout_s=120)
+    for rank, res in enumerate(_reports(tmp_path, len(layout))):
+        if rank in absent:
+            continue
+        # a CommTimeoutError, not the channel's ShmTimeoutError (which names the rank that stopped): the rank
+        # waited for may itself wait on another, so the runner asks the heartbeats (failure.NAMES_ITSELF)
+        assert res["comm_timeout"] and not res["shm_timeout"], res
+        assert where in res["error"] and "stopped responding" not in res["error"], res
+        assert 1.0 <= res["elapsed"] < 5.0, res
+        assert res["refused"] is not None and where in res["refused"], res   # the engine refuses, saying why
+
+
 def test_a_late_peer_is_waited_for_without_spinning(tmp_path):
     layout, late = (0, 1, 1), 3.0
     run_ranks(W.late_peer_job, len(layout), args=(layout, str(tmp_path), late), timeout_s=120)
