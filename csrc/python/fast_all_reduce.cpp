@@ -128,9 +128,9 @@ bool FastAllReduce::run(py::handle tensors, double timeout_s, int64_t* count, do
       e = &scratch;
     }
   }
-  if (ready_wait_s >= 0 && (lanes_ != nullptr || e->count * static_cast<int64_t>(cpu::type_size(
-                                                     static_cast<cpu::ShmType>(e->type))) > kAsyncInlineBytes)) {
-    return false;
+  if (ready_wait_s >= 0) {   // asynchronous: here only on a channel, and small (the header's rule)
+    const int64_t bytes = e->count * static_cast<int64_t>(cpu::type_size(static_cast<cpu::ShmType>(e->type)));
+    if (lanes_ != nullptr || bytes > kAsyncInlineBytes) return false;
   }
   // Nothing may be queued on the channel or running: the general path then runs this call in order.
   // The rule of Runner.acquire_idle (ncclavg/transport/runner.py), here in C++: the runner's order lock
