@@ -6,7 +6,7 @@ gloo.py (CPU towers of several processes through torch.distributed, Note [Hierar
 over the transport's shared-memory channel where processes share a host), nccl.py (the core's NCCL
 communicator); dist.py (the bounded torch.distributed exchanges, as jobs of the runner), devices.py (the
 one parser of device arguments, for every backend and the trainer), fast_average.py (the native fast path of
-a small host average on the channel) and debug.py (NCCLAVG_DEBUG's cross-rank sequence check). `Work` is
+a small average, on one host's channel or the lanes between hosts) and debug.py (NCCLAVG_DEBUG's cross-rank sequence check). `Work` is
 the transport's (ncclavg/transport/work.py). Two old addresses stay as aliases: flight.py (ncclavg.transport.flight)
 and backend_lane.py (the torch backend's errors, now in ncclavg.errors).
 What it may import: the core (`ncclavg.ops`, `buffers`, `_ext`, `errors`, ...), `ncclavg.transport`
