@@ -59,10 +59,10 @@ namespace cpu {
 // (the channel's would name the host's rank that waits on the wire), and neither the peers nor this
 // host's channel are told it (they would take its words for a rank's loss, and stop asking). The caller
 // names the lost rank: the runner's failure asks the heartbeats and then aborts this host's channel with
-// those words (ncclavg/transport/runner.py); the other hosts' ranks reach their own deadlines. On the general path the
-// runner's watchdog does this at the deadline, before the lanes' limit (the deadline plus a backstop);
-// on the fast path (ncclavg/comm/fast_average.py) the lanes' limit is the deadline, and every rank, on
-// the wire or in a channel step, times out at its own deadline and asks the heartbeats itself.
+// those words (ncclavg/transport/runner.py); the other hosts' ranks reach their own deadlines. On the
+// general path the runner's watchdog does this at the deadline, before the lanes' limit (the deadline
+// plus a backstop); on the fast path (ncclavg/comm/fast_average.py) the lanes' limit is the deadline, and
+// every rank, on the wire or in a channel step, times out at its own deadline and asks the heartbeats.
 
 namespace {
 using Clock = std::chrono::steady_clock;

@@ -97,7 +97,8 @@ class GlooCommunicator(Communicator):
         # one tower here, and one host's channel over every process or the lanes between the hosts (the
         # lanes divide after their sum, as the general path's unpack scale does): Note [Small-message fast path]
         target = transport.fast_target if transport is not None else None
-        self._fast = fast_average(self._fast_plan, target, self._runner.order) if target is not None and towers == 1 else None
+        self._fast = (fast_average(self._fast_plan, target, self._runner.order)
+                      if target is not None and towers == 1 else None)
         self._fast_run = self._fast.run if self._fast is not None else None
         if self._fast is not None:
             self._runner.fast_paths.append(self._fast)

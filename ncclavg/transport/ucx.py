@@ -98,14 +98,13 @@ class UcxHostsTransport:
     ShmTransport's, each one call into the core (one native loop, the GIL released)."""
 
     channel = None   # no one channel over every process: the channel's fast paths are off
-    # the native fast all-reduce (comm/fast_average.py) runs on the lanes: one call into the core
     between_hosts = True
     # the lanes' errors name the rank they lost or the peer that said why (Note [Failures are told by type])
     names_peers = True
 
     def __init__(self, channel: Any, rank: int, world_size: int, hosts: List[List[int]], lanes: Any):
         self._channel, self.lanes = channel, lanes
-        self.fast_target = lanes
+        self.fast_target = lanes   # the native fast all-reduce (comm/fast_average.py): one call into the lanes
         # "ucx": every process alone on its host (no channel anywhere)
         self.kind = "shm+ucx" if max(len(h) for h in hosts) > 1 else "ucx"
         self.rank, self.world_size, self.hosts = rank, world_size, hosts
