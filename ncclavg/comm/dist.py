@@ -33,11 +33,11 @@ from __future__ import annotations
 import os
 import pickle
 import sys
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
-from ..transport.runner import Job
+from .jobs import GlooAllGather
 
 
 def end_process(code: int = 0) -> None:
@@ -55,11 +55,12 @@ def end_process(code: int = 0) -> None:
     os._exit(int(code))
 
 
-def run_job(comm: Any, what: Any, timeout: float, body: Callable[[Job], None], call: Any = None) -> None:
-    """Runs `body(job)` as a job of `comm`'s runner on this thread (after the ones queued before it) and
-    waits for it: bounded by `timeout`, a failure fails the communicator and raises its error."""
-    job = Job(body, what, timeout, call, own_timeout=timeout != comm.timeout)
-    comm._runner.submit(job, inline=True).wait(timeout)
+def _gather(comm: Any, dist: Any, group: Any, outs: list, inp: torch.Tensor, what: Any, timeout: float) -> None:
+    """A torch.distributed all_gather of `inp` into `outs` as a job of `comm`'s runner on this thread
+    (after the ones queued before it), waited for: bounded by `timeout`, a failure fails the communicator
+    and raises its error."""
+    job = GlooAllGather(dist, group, outs, inp, what, timeout, own_timeout=timeout != comm.timeout)
+    comm._runner.call(job, timeout)
 
 
 def allgather_object(comm: Any, dist: Any, group: Any, obj: Any, timeout: float, device: Any = "cpu") -> list:
@@ -70,8 +71,7 @@ def allgather_object(comm: Any, dist: Any, group: Any, obj: Any, timeout: float,
     world = comm.world_size
     size = torch.tensor([len(payload)], dtype=torch.int64, device=device)
     sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(world)]
-    run_job(comm, what + " (sizes)", timeout,
-            lambda job: job.wait_gloo(dist.all_gather(sizes, size, group=group, async_op=True)))
+    _gather(comm, dist, group, sizes, size, what + " (sizes)", timeout)
     counts = [int(x.item()) for x in sizes]
     longest = max(counts)
     mine = torch.zeros(longest, dtype=torch.uint8)
@@ -79,8 +79,7 @@ def allgather_object(comm: Any, dist: Any, group: Any, obj: Any, timeout: float,
         mine[:len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
     mine = mine.to(device)
     outs = [torch.empty(longest, dtype=torch.uint8, device=device) for _ in range(world)]
-    run_job(comm, what + " (payload)", timeout,
-            lambda job: job.wait_gloo(dist.all_gather(outs, mine, group=group, async_op=True)))
+    _gather(comm, dist, group, outs, mine, what + " (payload)", timeout)
     return [pickle.loads(o[:n].cpu().numpy().tobytes()) for o, n in zip(outs, counts)]
 
 
@@ -89,6 +88,5 @@ def debug_allgather(comm: Any, dist: Any, group: Any, record: torch.Tensor, time
     """Every process's debug record (Note [Collective sequence check] in debug.py), bounded."""
     what = f"{comm.backend} debug sequence check (rank {comm.rank} of {comm.world_size})"
     rows = [torch.empty_like(record, device=device) for _ in range(comm.world_size)]
-    run_job(comm, what, timeout, lambda job: job.wait_gloo(dist.all_gather(rows, record.to(device), group=group,
-                                                                          async_op=True)))
+    _gather(comm, dist, group, rows, record.to(device), what, timeout)
     return torch.stack([r.cpu() for r in rows])

@@ -37,9 +37,10 @@ from ..transport.liveness import Liveness
 from ..transport.paths import Paths
 from ..transport.profiling import enabled as _profiling
 from ..transport.reductions import as_bytes, byte_wire
-from ..transport.runner import ASYNC_INLINE_BYTES, Job
+from ..transport.runner import ASYNC_INLINE_BYTES
 from ..transport.shm import host_identity, supports as shm_supports
 from ..transport.work import JobWork
+from . import jobs as J
 from .base import Communicator, check_count, check_timeout
 from .dist import allgather_object, debug_allgather
 from .fast_average import fast_average
@@ -104,30 +105,28 @@ class GlooCommunicator(Communicator):
             self._runner.fast_paths.append(self._fast)
 
     # ------------------------------------------------------------------ jobs
-    def _submit(self, what: Any, body: Callable[[Job], None], call: Any, timeout: Optional[float], sync: bool,
+    def _submit(self, what: Any, job: J.CommJob, call: Any, timeout: Optional[float], sync: bool,
                 like: Sequence[torch.Tensor], inline_bytes: int = -1) -> JobWork:
-        """`body(job)` as a job of this communicator's runner: run now when `sync` and nothing is pending,
-        else queued; an asynchronous call of at most `inline_bytes` bytes runs now too when its peers are in
-        it already (Note [One runner] in transport/runner.py). `like`: the tensors its flight record
-        describes (Note [What a job records] in process_group/lane.py)."""
+        """`job` (jobs.py) described as `what` and run on this communicator's runner: now when `sync` and
+        nothing is pending, else queued; an asynchronous call of at most `inline_bytes` bytes runs now too
+        when its peers are in it already (Note [One runner] in transport/runner.py). `like`: the tensors its
+        flight record describes (Note [What a job records] in process_group/lane.py)."""
         limit = self.timeout if timeout is None else timeout
-        job = self._job(what, body, call, limit, like)
+        self._describe_job(job, what, call, limit, like)
         ready = None
         if not sync and 0 <= inline_bytes <= ASYNC_INLINE_BYTES and self._channel is not None:
             ready = self._runner.transport.peers_ready
         return self._runner.submit(job, inline=sync, ready=ready)
 
-    def _job(self, what: Any, body: Callable[[Job], None], call: Any, limit: float,
-             like: Sequence[torch.Tensor]) -> Job:
-        job = Job(body, what, limit, call, own_timeout=limit != self.timeout)
+    def _describe_job(self, job: J.CommJob, what: Any, call: Any, limit: float, like: Sequence[torch.Tensor]) -> None:
+        job.describe(what, limit, call, own_timeout=limit != self.timeout)
         if self._runner.recorder is not None and call is not None:
             job.rec = self._runner.recorder.issue(call, like)
-        return job
 
-    def _run(self, what: Any, body: Callable[[Job], None], call: Any, limit: float,
-             like: Sequence[torch.Tensor]) -> None:
-        """A synchronous collective: `body` as a job, waited for (bounded by `limit`)."""
-        self._runner.call(self._job(what, body, call, limit, like), limit)
+    def _run(self, what: Any, job: J.CommJob, call: Any, limit: float, like: Sequence[torch.Tensor]) -> None:
+        """A synchronous collective: `job` described as `what` and run, waited for (bounded by `limit`)."""
+        self._describe_job(job, what, call, limit, like)
+        self._runner.call(job, limit)
 
     # Note [The public API's other fast calls]
     # A synchronous broadcast_tensors, all_gather or reduce_scatter_avg with one tower per process, on a
@@ -219,24 +218,8 @@ class GlooCommunicator(Communicator):
         fused = self._fuses_division and not defer_scale and shm_supports(tensors[0])
         defer = defer_scale and self.local_size == 1
         flat = tensors[0].view(-1)
-
-        def body(job: Job, tensors: list = tensors) -> None:   # holds the tensors: the Buffers are only pointers
-            if self.local_size > 1:
-                _C.average_(bufs, 0)
-            self._scale(bufs[0], scale, pre_div)
-            job.noting = True   # Work.finite: the channel's sum notes what it writes, and so do the scales
-            self._paths.sum(job, flat, post_div if fused else 1.0)
-            if defer:
-                return
-            left = 1.0 if fused else post_div
-            # every tower ends with the same values, so either pass's answer is the bucket's
-            copied = self._scale(bufs[0], 1.0, left, dsts=bufs[1:]) if len(bufs) > 1 else None
-            scaled = self._scale(bufs[0], 1.0, left)   # the other towers first: tower 0's buffer is their source
-            noted = scaled if scaled is not None else copied
-            if noted is not None:
-                job.finite = noted
-
-        work = self._submit(what, body, average_call(tensors[0]), timeout, sync, tensors[:1],
+        job = J.Average(self, list(tensors), bufs, flat, (scale, pre_div, post_div), fused, defer)
+        work = self._submit(what, job, average_call(tensors[0]), timeout, sync, tensors[:1],
                             inline_bytes=flat.numel() * flat.element_size() if shm_supports(flat) else -1)
         if defer:
             work.divisor = 1.0 if fused else post_div
@@ -260,32 +243,14 @@ class GlooCommunicator(Communicator):
         call = calls.make("Communicator.reduce_scatter_avg", inputs[0].dtype, count=inputs[0].numel())
         shard = outputs[0].numel()
         if self.local_size == 1 and self._uniform and shm_supports(outputs[0]) and shm_supports(inputs[0]):
-            out, inp = outputs[0], inputs[0]   # the body's first branch, its channel step as ShmTransport's
+            out, inp = outputs[0], inputs[0]   # ReduceScatterAvg's first branch, its channel step as ShmTransport's
             if self._channel_now(what, call, limit, lambda: self._channel.reduce_scatter_sum(
                     inp.data_ptr(), out.data_ptr(), shard, channel_type_code(out.dtype), limit, 1.0, 1.0,
                     call.tag, call.count)):
                 self._scale(as_buffer(out, "outputs[0]"), 1.0, float(self.size))
                 return
 
-        def body(job: Job) -> None:
-            if self.local_size == 1 and self._uniform:   # one tower per process: straight into the output
-                out = outputs[0].view(-1)
-                self._paths.sum_scatter(job, out, inputs[0].reshape(-1))
-                self._scale(as_buffer(out, "outputs[0]"), 1.0, float(self.size))
-                return
-            acc = self._local_sum(inputs)
-            if self._uniform:   # this process's towers' shards are one contiguous chunk of the same size
-                mine = torch.empty(shard * self.local_size, dtype=torch.float32)
-                self._paths.sum_scatter(job, mine, acc)
-                first = 0
-            else:               # chunks of different sizes: reduce everything, keep this process's part
-                self._paths.sum(job, acc)
-                mine, first = acc, self.tower_offset * shard
-            for t, out in enumerate(outputs):
-                lo = first + t * shard
-                out.view(-1).copy_(mine[lo:lo + shard].div_(self.size))
-
-        self._run(what, body, call, limit, inputs[:1])
+        self._run(what, J.ReduceScatterAvg(self, inputs, outputs, shard), call, limit, inputs[:1])
 
     @profiling.ranged("all_gather")
     def all_gather(self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], *,
@@ -299,28 +264,12 @@ class GlooCommunicator(Communicator):
         call = calls.make("Communicator.all_gather", inputs[0].dtype, count=n)
         widest = max(self.tower_counts)
         if self.local_size == 1 and self._uniform and shm_supports(outputs[0]) and shm_supports(inputs[0]):
-            out, inp = outputs[0], inputs[0]   # the body's typed all-gather, as ShmTransport's
+            out, inp = outputs[0], inputs[0]   # AllGather's typed all-gather, as ShmTransport's
             if self._channel_now(what, call, limit, lambda: self._channel.all_gather(
                     inp.data_ptr(), out.data_ptr(), n, channel_type_code(inp.dtype), limit, call.tag, call.count)):
                 return
 
-        def body(job: Job) -> None:
-            local = inputs[0].reshape(-1) if self.local_size == 1 else torch.cat([x.reshape(-1) for x in inputs])
-            if self._uniform:
-                self._paths.all_gather_typed(job, outputs[0].view(-1), local)
-            else:   # gloo gathers equal sizes only: every process sends `widest` towers' worth, padded
-                padded = torch.zeros(widest * n, dtype=local.dtype)
-                padded[:local.numel()] = local
-                gathered = torch.empty(self.world_size * widest * n, dtype=local.dtype)
-                self._paths.all_gather_typed(job, gathered, padded)
-                out, pos = outputs[0].view(-1), 0
-                for p, count in enumerate(self.tower_counts):
-                    out[pos:pos + count * n] = gathered[p * widest * n:(p * widest + count) * n]
-                    pos += count * n
-            for out in outputs[1:]:
-                out.view(-1).copy_(outputs[0].view(-1))
-
-        self._run(what, body, call, limit, inputs[:1])
+        self._run(what, J.AllGather(self, inputs, outputs, n, widest), call, limit, inputs[:1])
 
     # ------------------------------------------------------------------ process-level shards (ZeRO-1)
     def reduce_scatter_processes(self, tensors: Sequence[torch.Tensor], out: torch.Tensor, *,
@@ -342,15 +291,7 @@ class GlooCommunicator(Communicator):
         what = self._what("reduce_scatter_processes", tensors, tag)
         call = calls.make("Communicator.reduce_scatter_processes", tensors[0].dtype, count=n)
 
-        def body(job: Job) -> None:
-            if self.local_size > 1:
-                _C.average_(bufs, 0)
-            scale, pre_div, post_div = self._sum_factors()
-            self._scale(bufs[0], scale, pre_div)
-            self._paths.sum_scatter(job, out.view(-1), tensors[0].reshape(-1))
-            self._scale(as_buffer(out.view(-1), "out"), 1.0, post_div)
-
-        self._run(what, body, call, limit, tensors[:1])
+        self._run(what, J.ReduceScatterProcesses(self, tensors, bufs, out), call, limit, tensors[:1])
 
     def all_gather_processes(self, shard: torch.Tensor, outputs: Sequence[torch.Tensor], *,
                              tag: Optional[str] = None, timeout: Optional[float] = None) -> None:
@@ -372,13 +313,7 @@ class GlooCommunicator(Communicator):
         what = self._what("all_gather_processes", [shard], tag)
         call = calls.make("Communicator.all_gather_processes", shard.dtype, count=shard.numel())
 
-        def body(job: Job) -> None:
-            # the shard may be a view of an output (a tower's own slice): gather from a copy
-            self._paths.all_gather_typed(job, outputs[0].view(-1), shard.reshape(-1).clone())
-            for o in outputs[1:]:
-                o.view(-1).copy_(outputs[0].view(-1))
-
-        self._run(what, body, call, limit, [shard])
+        self._run(what, J.AllGatherProcesses(self, shard, outputs), call, limit, [shard])
 
     # ------------------------------------------------------------------ small exchanges
     def sum_over_processes(self, values: Sequence[float], *, timeout: Optional[float] = None) -> list:
@@ -394,7 +329,7 @@ class GlooCommunicator(Communicator):
         what = f"{self.transport} sum_over_processes of {buf.numel()} values (rank {self.rank} of {self.world_size})"
         call = calls.make("Communicator.sum_over_processes", buf.dtype, count=buf.numel())
         # overlaps the caller's work until finish()
-        work = self._submit(what, lambda job: self._paths.sum(job, buf), call, limit, False, [buf],
+        work = self._submit(what, J.SumOverProcesses(self, buf), call, limit, False, [buf],
                             inline_bytes=buf.numel() * 8)
 
         def finish() -> list:
@@ -422,7 +357,7 @@ class GlooCommunicator(Communicator):
             wire = byte_wire(data, data.numel()) if data.numel() % 2 == 0 else None
             if wire is None or not self._channel_now(what, call, limit, lambda wire=wire: self._channel.broadcast(
                     wire.data_ptr(), wire.numel(), channel_type_code(wire.dtype), 0, limit, call.tag, call.count)):
-                self._run(what, lambda job, data=data: self._paths.broadcast_bytes(job, data, 0), call, limit, [flat])
+                self._run(what, J.BroadcastBytes(self, data), call, limit, [flat])
             pos = 0
             with torch.no_grad():
                 for t in group_tensors:

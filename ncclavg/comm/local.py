@@ -41,6 +41,7 @@ from ..transport import profiling
 from ..transport.runner import Job
 from ..transport.work import JobWork, Work
 from .base import Communicator, CompletedWork, check_count, check_timeout
+from .jobs import LocalAverage
 from .devices import device_of, present_cuda_device
 
 INLINE_BYTES = 64 * 1024   # per tower; See Note [Small averages run inline]
@@ -154,17 +155,10 @@ class LocalCommunicator(Communicator):
             event = torch.cuda.Event()
             event.record(stream)
             return _CudaEventWork(self, event, self._what("all_reduce_avg", tensors, tag), list(tensors))
-        keep_alive = list(tensors)   # the Buffers hold raw pointers only: the tensors live until the job ran
-
-        def average(job: Job) -> None:
-            # the host average notes whether a mean it wrote is inf/NaN (Work.finite): a compare per vector
-            # in the same pass (Note [Finiteness from the pass that writes] in csrc/common/finite_math.h)
-            job.finite = _C.average_(bufs, 0, True)
-            del keep_alive[:]
-
+        # the Buffers hold raw pointers only: the job holds the tensors until it ran
+        job = LocalAverage(bufs, list(tensors), self._what("all_reduce_avg", tensors, tag), self.timeout)
         small = tensors[0].numel() * tensors[0].element_size() <= INLINE_BYTES   # Note [Small averages run inline]
-        return self._runner.submit(Job(average, self._what("all_reduce_avg", tensors, tag), self.timeout),
-                                   inline=small)
+        return self._runner.submit(job, inline=small)
 
     @profiling.ranged("reduce_scatter_avg")
     def reduce_scatter_avg(self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], *,

@@ -40,21 +40,18 @@ class CpuCollectives:
             _premultiply(t, premul_factor(op))
             kind = R.SUM
         flat = t.view(-1)
-        if t.dtype in GLOO_FLOATS and kind in (R.SUM, R.AVG):
-            self._sum(job, flat, kind == R.AVG)
-        else:
+        if t.dtype not in GLOO_FLOATS or kind not in (R.SUM, R.AVG):
             self.paths.reduce(job, flat, kind)
-
-    def _sum(self, job: Job, flat: torch.Tensor, average: bool) -> None:
-        if average and flat.dtype in HALF:   # an fp32 sum, one rounding
+        elif kind == R.AVG and flat.dtype in HALF:   # an fp32 sum, one rounding
             acc = flat.to(torch.float32)
-            self.paths.sum(job, acc)
+            self.paths.taking_sum(acc).sum(job, acc)
             flat.copy_(acc.div_(self.size))
             job.finite = None   # the rounding to 16 bits may overflow what the sum noted as finite
-            return
-        left = self.paths.sum(job, flat, float(self.size) if average else 1.0)
-        if left != 1.0:
-            flat.div_(left)
+        else:   # the commonest call: its sum one frame down (Note [Frames of a call] in jobs.py)
+            divisor = float(self.size) if kind == R.AVG else 1.0
+            left = self.paths.taking_sum(flat).sum(job, flat, divisor)
+            if left != 1.0:
+                flat.div_(left)
 
     def sparse_allreduce(self, job: Job, t: torch.Tensor) -> None:
         """SUM of sparse COO tensors, as gloo's: every rank's indices and values gathered (padded to the

@@ -35,6 +35,7 @@ from ..transport import calls
 from ..transport.reductions import R
 from ..transport.runner import Job
 from .cpu_collectives import CpuCollectives
+from .jobs import TorchJob
 from .group import NAME, ProcessGroupNcclavg
 
 _WIRES = {None: None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
@@ -100,8 +101,22 @@ def allreduce_hook(state, bucket):  # no annotations: DDP checks them, and this 
         return _cuda_average(state, buf)
     call = calls.make("all_reduce", buf.dtype, dist.ReduceOp.AVG, count=buf.numel())   # DDP's bucket, averaged
     index = bucket.index()
-    return state.engine.submit_custom("ddp hook average", [buf], buf,
-                                      lambda cpu, job: _cpu_average(state, cpu, job, buf, index), call).get_future()
+    engine = state.engine
+    return engine.submit_custom(HookAverage(engine.cpu, state, buf, index), "ddp hook average", [buf], buf,
+                                call).get_future()
+
+
+class HookAverage(TorchJob):
+    """The comm hook's job: DDP's bucket `buf` (number `index`) averaged over the group, on the group's
+    runner as its collectives are."""
+    __slots__ = ARGS = ("state", "buf", "index")
+
+    def __init__(self, cpu: CpuCollectives, state: HookState, buf: torch.Tensor, index: int):
+        super().__init__(cpu)
+        self.state, self.buf, self.index = state, buf, index
+
+    def run(self) -> None:
+        _cpu_average(self.state, self.cpu, self, self.buf, self.index)
 
 
 def _cpu_average(state: HookState, cpu: CpuCollectives, job: Job, buf: torch.Tensor, index: int = 0) -> None:

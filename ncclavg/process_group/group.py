@@ -39,8 +39,9 @@ from ..transport.failure import CHANNEL_ERRORS, LazyText
 from ..transport.reductions import R, red_kind
 from ..transport.runner import Job, Runner
 from ..transport.work import DoneWork, JobWork, done_work
+from . import jobs as J
 from .cpu_collectives import CpuCollectives
-from .device_table import routed
+from .devices import NcclCollectives, first_list, flat, has_cuda
 from .fast_path import fast_calls, fast_paths, native_allreduce
 from .lane import profiled_p2p
 
@@ -74,7 +75,6 @@ def _describe(count: int, dtype: Optional[torch.dtype]) -> str:
     return "no tensors" if dtype is None else f"{count} x {str(dtype).replace('torch.', '')}"
 
 
-@routed   # Note [The device table]: CUDA tensors go to the inner NCCL group; the methods are the CPU path
 class ProcessGroupNcclavg(dist.ProcessGroup):
     """One process group of the `ncclavg` backend. Built by torch through the creator registered for
     the name "ncclavg" (init_process_group, new_group, DeviceMesh); see the module's notes."""
@@ -98,6 +98,7 @@ class ProcessGroupNcclavg(dist.ProcessGroup):
         self._cpu = CpuCollectives(self._runner.transport, self._gloo, rank, size)
         self._store = store
         self._nccl = self._nccl_options(timeout, backend_options)
+        self._devices = {"cuda": NcclCollectives(self)}   # device type -> its collectives (Note [Device types])
         self._shut = False
         self._fast = fast_paths(self, self._runner)   # Note [The backend's fast path]
         self._runner.fast_paths.extend(self._fast.values())
@@ -169,8 +170,8 @@ class ProcessGroupNcclavg(dist.ProcessGroup):
                 f"{self._size}, {self.transport})")
 
     def _kind(self, tensors: List[torch.Tensor], argname: str) -> str:
-        """'cpu' or 'cuda' for the tensors of one call; raises naming the argument otherwise (Note [The
-        device table] in device_table.py)."""
+        """'cpu' or 'cuda' for the tensors of one call; raises naming the argument otherwise (Note [Device
+        types] in devices.py)."""
         kinds = set()
         for i, t in enumerate(tensors):
             if not isinstance(t, torch.Tensor):
@@ -187,7 +188,7 @@ class ProcessGroupNcclavg(dist.ProcessGroup):
 
     def _check_cpu(self, tensors: List[torch.Tensor], argname: str) -> None:
         """The tensors of a call on the CPU path are dense contiguous CPU tensors; raises naming the argument."""
-        if self._kind(tensors, argname) != "cpu":   # CUDA tensors beside the ones the device table looked at
+        if self._kind(tensors, argname) != "cpu":   # CUDA tensors beside the ones _device looked at
             raise ValueError(f"{argname}: expected CPU tensors like the call's other tensors, got CUDA tensors")
         for i, t in enumerate(tensors):
             if t.layout != torch.strided:
@@ -221,27 +222,44 @@ class ProcessGroupNcclavg(dist.ProcessGroup):
                 raise ValueError(f"{argname}[{i}]: expected {like.numel()} elements of {like.dtype}, got "
                                  f"{t.numel()} of {t.dtype}")
 
-    def _submit(self, op: str, opts: Any, tensors: List[torch.Tensor], result: Any, body: Any,
+    def _device(self, argname: str, *tensors: Any) -> Any:
+        """Note [Device types]: the collectives registered for the device type of a call's deciding
+        `tensors` (each a tensor or a list of them) when they are CUDA tensors, all of them (else a
+        ValueError naming `argname`); None for CPU tensors: the method's own path follows."""
+        if self._nccl is None or not has_cuda(tensors):
+            return None
+        self._kind(flat(tensors), argname)   # all CUDA, or an error naming the argument
+        return self._devices["cuda"]
+
+    def _submit(self, job: J.TorchJob, op: str, opts: Any, tensors: List[torch.Tensor], result: Any,
                 call: Optional[Call]) -> JobWork:
+        """`job` described (what `op` on `tensors` is, its limit from `opts`, `call`, its Work's `result`),
+        recorded and run on the group's runner: at once when the caller waits (asyncOp False) and nothing
+        is pending, else queued (Note [One runner] in transport/runner.py)."""
         if self._shut:
             raise BackendError(f"ncclavg {op}: the process group was shut down")
         limit = call_limit(opts, self._timeout)
-        job = Job(body, self._what(op, tensors), limit, call, result, own_timeout=limit != self._timeout, future=True)
+        job.describe(self._what(op, tensors), limit, call, result, own_timeout=limit != self._timeout)
         if self._flight is not None and call is not None:   # Note [What a job records] in lane.py
             job.rec = self._flight.issue(call, tensors)
         if _profiling():   # Note [Profiler ranges of a Python backend] in profiling.py: on the worker
             with profiling.dispatched(op, tensors):
                 job.prof = profiling.begin(op, tensors)
-                return self._runner.submit(job, inline=False)
-        return self._runner.submit(job, inline=not getattr(opts, "asyncOp", True))
+                self._runner.start(job, inline=False)
+        else:
+            self._runner.start(job, inline=not getattr(opts, "asyncOp", True))
+        return JobWork(job)
 
-    def submit_custom(self, op: str, tensors: List[torch.Tensor], result: Any, body: Any, call: Call) -> JobWork:
-        """A collective of this package's own (the DDP comm hook's average) run as the group's collectives
-        are: in the group's order on its runner, under its timeout, recorded and profiled, compared across
-        ranks as `call`. `body(cpu, job)` runs it with the group's CpuCollectives; the work's result is
-        `result`."""
-        cpu = self._cpu
-        return self._submit(op, None, tensors, result, lambda job: body(cpu, job), call)
+    def submit_custom(self, job: J.TorchJob, op: str, tensors: List[torch.Tensor], result: Any, call: Call) -> JobWork:
+        """A collective of this package's own (the DDP comm hook's average: a TorchJob made over
+        `self.cpu`) run as the group's collectives are: in the group's order on its runner, under its
+        timeout, recorded and profiled, compared across ranks as `call`; the work's result is `result`."""
+        return self._submit(job, op, None, tensors, result, call)
+
+    @property
+    def cpu(self) -> CpuCollectives:
+        """The group's CPU collectives, which its jobs run (jobs.py)."""
+        return self._cpu
 
     def _profiled_p2p(self, op: str, tensors: List[torch.Tensor], issue: Any) -> Any:
         """A point-to-point call while the profiler runs: gloo's work wrapped so that the call records its
@@ -266,13 +284,16 @@ class ProcessGroupNcclavg(dist.ProcessGroup):
     def allreduce(self, tensors: List[torch.Tensor], opts: Any = None) -> Any:
         """The general path; a group whose processes share a channel answers `allreduce` with its native
         fast path first (fast_path.native_allreduce), which hands here every call it does not take."""
+        device = self._device("tensors", tensors)
+        if device is not None:
+            return device.allreduce(tensors, opts)
         opts = opts if opts is not None else AllreduceOptions()
         t = self._one(tensors, "tensors")
         if isinstance(t, torch.Tensor) and t.layout == torch.sparse_coo:
             return self._sparse_allreduce(t, tensors, opts)
         self._check_cpu([t], "tensors")
         op = self._op(opts.reduceOp, t)
-        return self._submit("allreduce", opts, [t], tensors, lambda job: self._cpu.allreduce(job, t, op),
+        return self._submit(J.AllReduce(self._cpu, t, op), "allreduce", opts, [t], tensors,
                             calls.make("all_reduce", t.dtype, op, count=t.numel()))
 
     _allreduce = allreduce   # what the native fast path calls for the general path
@@ -289,36 +310,43 @@ class ProcessGroupNcclavg(dist.ProcessGroup):
                                                                          limit != self._timeout, e))
 
     def _sparse_allreduce(self, t: torch.Tensor, tensors: List[torch.Tensor], opts: Any) -> Any:
-        if self._kind([t], "tensors") != "cpu":   # the device table sent sparse CUDA tensors to NCCL
+        if self._kind([t], "tensors") != "cpu":   # _device sent sparse CUDA tensors to NCCL
             raise ValueError("tensors: expected a CPU tensor")
         if red_kind(opts.reduceOp) != R.SUM:
             raise ValueError(f"op: sparse all_reduce supports SUM only (as gloo's), got {red_kind(opts.reduceOp).name}")
         dense = 1
         for d in t.shape:
             dense *= d
-        return self._submit("sparse allreduce", opts, [t], tensors,
-                            lambda job: self._cpu.sparse_allreduce(job, t),
+        return self._submit(J.SparseAllReduce(self._cpu, t), "sparse allreduce", opts, [t], tensors,
                             calls.make("sparse all_reduce", t.dtype, opts.reduceOp, count=dense))
 
     def allreduce_coalesced(self, tensors: List[torch.Tensor], opts: Any = None) -> Any:
+        device = self._device("tensors", tensors)
+        if device is not None:
+            return device.allreduce_coalesced(tensors, opts)
         opts = opts if opts is not None else AllreduceCoalescedOptions()
         self._check_cpu(tensors, "tensors")
         for t in tensors:
             self._op(opts.reduceOp, t)
         op = opts.reduceOp
-        return self._submit("allreduce_coalesced", opts, tensors, tensors,
-                            lambda job: self._cpu.allreduce_coalesced(job, list(tensors), op),
-                            _list_call("all_reduce_coalesced", tensors, op))
+        return self._submit(J.AllReduceCoalesced(self._cpu, tensors, op), "allreduce_coalesced", opts, tensors,
+                            tensors, _list_call("all_reduce_coalesced", tensors, op))
 
     def reduce(self, tensors: List[torch.Tensor], opts: Any = None) -> Any:
+        device = self._device("tensors", tensors)
+        if device is not None:
+            return device.reduce(tensors, opts)
         opts = opts if opts is not None else ReduceOptions()
         t = self._one(tensors, "tensors")
         self._check_cpu([t], "tensors")
         root, op = self._root(opts.rootRank), self._op(opts.reduceOp, t)
-        return self._submit("reduce", opts, [t], tensors, lambda job: self._cpu.reduce(job, t, root, op),
+        return self._submit(J.Reduce(self._cpu, t, root, op), "reduce", opts, [t], tensors,
                             calls.make("reduce", t.dtype, op, root, t.numel()))
 
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:
+        device = self._device("output_tensor, input_tensor", output, input)
+        if device is not None:
+            return device.reduce_scatter_single(output, input, opts)
         if self._calls is not None and opts is not None and not _profiling():
             rop = opts.reduceOp   # Note [The backend's fast path]
             kind = R.SUM if rop == R.SUM else R.AVG if rop == R.AVG else None
@@ -336,9 +364,8 @@ class ProcessGroupNcclavg(dist.ProcessGroup):
         self._check_cpu([output, input], "output_tensor, input_tensor")
         self._check_scatter_sizes(output, input)
         op = self._op(opts.reduceOp, output)
-        return self._submit("reduce_scatter_single", opts, [input], output,
-                            lambda job: self._cpu.reduce_scatter_single(job, output, input, op),
-                            calls.make("reduce_scatter_tensor", output.dtype, op, count=output.numel()))
+        return self._submit(J.ReduceScatterSingle(self._cpu, output, input, op), "reduce_scatter_single", opts,
+                            [input], output, calls.make("reduce_scatter_tensor", output.dtype, op, count=output.numel()))
 
     _reduce_scatter_base = reduce_scatter_single
 
@@ -351,6 +378,9 @@ class ProcessGroupNcclavg(dist.ProcessGroup):
 
     def reduce_scatter_single_coalesced(self, outputs: List[torch.Tensor], inputs: List[torch.Tensor],
                                         opts: Any = None) -> Any:
+        device = self._device("outputs, inputs", outputs, inputs)
+        if device is not None:
+            return device.reduce_scatter_single_coalesced(outputs, inputs, opts)
         opts = opts if opts is not None else ReduceScatterOptions()
         if len(outputs) != len(inputs):
             raise ValueError(f"inputs: expected {len(outputs)} tensors like outputs, got {len(inputs)}")
@@ -359,19 +389,15 @@ class ProcessGroupNcclavg(dist.ProcessGroup):
             self._check_scatter_sizes(o, i)
             self._op(opts.reduceOp, o)
         op = opts.reduceOp
-
-        def body(job: Job) -> None:
-            for o, i in zip(outputs, inputs):
-                self._cpu.reduce_scatter_single(job, o, i, op)
-            if not outputs:
-                self._cpu.barrier(job)
-
-        return self._submit("reduce_scatter_single_coalesced", opts, list(inputs), list(outputs), body,
-                            _list_call("reduce_scatter_tensor_coalesced", outputs, op))
+        return self._submit(J.ReduceScatterSingleCoalesced(self._cpu, outputs, inputs, op),
+                            "reduce_scatter_single_coalesced", opts, list(inputs), list(outputs), _list_call("reduce_scatter_tensor_coalesced", outputs, op))
 
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 
     def reduce_scatter(self, outputs: List[torch.Tensor], input_lists: List[List[torch.Tensor]], opts: Any = None) -> Any:
+        device = self._device("input_list", outputs, first_list(input_lists))
+        if device is not None:
+            return device.reduce_scatter(outputs, input_lists, opts)
         opts = opts if opts is not None else ReduceScatterOptions()
         out = self._one(outputs, "output")
         if len(input_lists) != 1:
@@ -383,12 +409,14 @@ class ProcessGroupNcclavg(dist.ProcessGroup):
         if inputs[self._rank].numel() != out.numel() or any(x.dtype != out.dtype for x in inputs):
             raise ValueError(f"input_list[{self._rank}]: expected {out.numel()} elements of {out.dtype} like output")
         op = self._op(opts.reduceOp, out)
-        return self._submit("reduce_scatter", opts, inputs, outputs,
-                            lambda job: self._cpu.reduce_scatter(job, out, inputs, op),
+        return self._submit(J.ReduceScatter(self._cpu, out, inputs, op), "reduce_scatter", opts, inputs, outputs,
                             calls.make("reduce_scatter", out.dtype, op, count=sum(x.numel() for x in inputs)))
 
     # ------------------------------------------------------------------ data movement
     def broadcast(self, tensors: List[torch.Tensor], opts: Any = None) -> Any:
+        device = self._device("tensors", tensors)
+        if device is not None:
+            return device.broadcast(tensors, opts)
         if self._calls is not None and opts is not None and type(tensors) is list \
                 and len(tensors) == 1 and not _profiling():   # Note [The backend's fast path]
             root = opts.rootRank
@@ -408,10 +436,13 @@ class ProcessGroupNcclavg(dist.ProcessGroup):
         t = self._one(tensors, "tensors")
         self._check_cpu([t], "tensors")
         root = self._root(opts.rootRank, "src")
-        return self._submit("broadcast", opts, [t], tensors, lambda job: self._cpu.broadcast(job, t, root),
+        return self._submit(J.Broadcast(self._cpu, t, root), "broadcast", opts, [t], tensors,
                             calls.make("broadcast", t.dtype, None, root, t.numel()))
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:
+        device = self._device("output_tensor, input_tensor", output, input)
+        if device is not None:
+            return device.all_gather_single(output, input, opts)
         if self._calls is not None and opts is not None and not _profiling():
             limit = call_limit(opts, self._timeout)   # Note [The backend's fast path]
             try:
@@ -425,8 +456,7 @@ class ProcessGroupNcclavg(dist.ProcessGroup):
         opts = opts if opts is not None else AllgatherOptions()
         self._check_cpu([output, input], "output_tensor, input_tensor")
         self._check_gather_sizes(output, input)
-        return self._submit("all_gather_single", opts, [input], output,
-                            lambda job: self._cpu.all_gather_single(job, output, input),
+        return self._submit(J.AllGatherSingle(self._cpu, output, input), "all_gather_single", opts, [input], output,
                             calls.make("all_gather_into_tensor", input.dtype, count=input.numel()))
 
     _allgather_base = all_gather_single
@@ -440,25 +470,24 @@ class ProcessGroupNcclavg(dist.ProcessGroup):
 
     def all_gather_single_coalesced(self, outputs: List[torch.Tensor], inputs: List[torch.Tensor],
                                     opts: Any = None) -> Any:
+        device = self._device("outputs, inputs", outputs, inputs)
+        if device is not None:
+            return device.all_gather_single_coalesced(outputs, inputs, opts)
         opts = opts if opts is not None else AllgatherOptions()
         if len(outputs) != len(inputs):
             raise ValueError(f"inputs: expected {len(outputs)} tensors like outputs, got {len(inputs)}")
         self._check_cpu(list(outputs) + list(inputs), "outputs, inputs")
         for o, i in zip(outputs, inputs):
             self._check_gather_sizes(o, i)
-
-        def body(job: Job) -> None:
-            for o, i in zip(outputs, inputs):
-                self._cpu.all_gather_single(job, o, i)
-            if not inputs:
-                self._cpu.barrier(job)
-
-        return self._submit("all_gather_single_coalesced", opts, list(inputs), list(outputs), body,
-                            _list_call("all_gather_into_tensor_coalesced", inputs))
+        return self._submit(J.AllGatherSingleCoalesced(self._cpu, outputs, inputs), "all_gather_single_coalesced",
+                            opts, list(inputs), list(outputs), _list_call("all_gather_into_tensor_coalesced", inputs))
 
     allgather_into_tensor_coalesced = all_gather_single_coalesced
 
     def allgather(self, output_lists: List[List[torch.Tensor]], inputs: List[torch.Tensor], opts: Any = None) -> Any:
+        device = self._device("tensor_list", inputs, first_list(output_lists))
+        if device is not None:
+            return device.allgather(output_lists, inputs, opts)
         opts = opts if opts is not None else AllgatherOptions()
         inp = self._one(inputs, "tensor")
         if len(output_lists) != 1 or len(output_lists[0]) != self._size:
@@ -467,11 +496,14 @@ class ProcessGroupNcclavg(dist.ProcessGroup):
         self._check_cpu([inp] + outs, "tensor_list")
         # every output like the input, as gloo requires (an uneven all_gather is refused before anything moves)
         self._same_size(outs, inp, "tensor_list")
-        return self._submit("allgather", opts, [inp], outs, lambda job: self._cpu.allgather(job, outs, inp),
+        return self._submit(J.AllGather(self._cpu, outs, inp), "allgather", opts, [inp], outs,
                             calls.make("all_gather", inp.dtype, count=inp.numel()))
 
     def allgather_coalesced(self, output_lists: List[List[torch.Tensor]], inputs: List[torch.Tensor],
                             opts: Any = None) -> Any:
+        device = self._device("input_tensor_list", inputs)
+        if device is not None:
+            return device.allgather_coalesced(output_lists, inputs, opts)
         opts = opts if opts is not None else AllgatherOptions()
         if len(output_lists) != self._size or any(len(o) != len(inputs) for o in output_lists):
             raise ValueError(f"output_tensor_lists: expected {self._size} lists of {len(inputs)} tensors")
@@ -482,17 +514,13 @@ class ProcessGroupNcclavg(dist.ProcessGroup):
                 if o.dtype != i.dtype or o.numel() != i.numel():
                     raise ValueError(f"output_tensor_lists[{r}][{k}]: expected {i.numel()} elements of {i.dtype} "
                                      f"like input_tensor_list[{k}], got {o.numel()} of {o.dtype}")
-
-        def body(job: Job) -> None:
-            for k, inp in enumerate(inputs):
-                self._cpu.allgather(job, [output_lists[r][k] for r in range(self._size)], inp)
-            if not inputs:
-                self._cpu.barrier(job)
-
-        return self._submit("allgather_coalesced", opts, list(inputs), output_lists, body,
-                            _list_call("all_gather_coalesced", inputs))
+        return self._submit(J.AllGatherCoalesced(self._cpu, output_lists, inputs), "allgather_coalesced", opts,
+                            list(inputs), output_lists, _list_call("all_gather_coalesced", inputs))
 
     def gather(self, output_lists: List[List[torch.Tensor]], inputs: List[torch.Tensor], opts: Any = None) -> Any:
+        device = self._device("gather_list", inputs, first_list(output_lists))
+        if device is not None:
+            return device.gather(output_lists, inputs, opts)
         opts = opts if opts is not None else GatherOptions()
         inp = self._one(inputs, "tensor")
         root = self._root(opts.rootRank, "dst")
@@ -501,10 +529,13 @@ class ProcessGroupNcclavg(dist.ProcessGroup):
             raise ValueError(f"gather_list: expected {self._size} tensors on the destination rank, got {len(outs)}")
         self._check_cpu([inp] + outs, "gather_list")
         self._same_size(outs, inp, "gather_list")
-        return self._submit("gather", opts, [inp], outs, lambda job: self._cpu.gather(job, outs, inp, root),
+        return self._submit(J.Gather(self._cpu, outs, inp, root), "gather", opts, [inp], outs,
                             calls.make("gather", inp.dtype, None, root, inp.numel()))
 
     def scatter(self, outputs: List[torch.Tensor], input_lists: List[List[torch.Tensor]], opts: Any = None) -> Any:
+        device = self._device("scatter_list", outputs, first_list(input_lists))
+        if device is not None:
+            return device.scatter(outputs, input_lists, opts)
         opts = opts if opts is not None else ScatterOptions()
         out = self._one(outputs, "tensor")
         root = self._root(opts.rootRank, "src")
@@ -513,35 +544,38 @@ class ProcessGroupNcclavg(dist.ProcessGroup):
             raise ValueError(f"scatter_list: expected {self._size} tensors on the source rank, got {len(inputs)}")
         self._check_cpu([out] + inputs, "scatter_list")
         self._same_size(inputs, out, "scatter_list")
-        return self._submit("scatter", opts, [out], outputs,
-                            lambda job: self._cpu.scatter(job, out, inputs if self._rank == root else None, root),
-                            calls.make("scatter", out.dtype, None, root, out.numel()))
+        return self._submit(J.Scatter(self._cpu, out, inputs if self._rank == root else None, root), "scatter", opts,
+                            [out], outputs, calls.make("scatter", out.dtype, None, root, out.numel()))
 
     def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, output_splits: List[int],
                           input_splits: List[int], opts: Any = None) -> Any:
+        device = self._device("output, input", output, input)
+        if device is not None:
+            return device.all_to_all_single(output, input, output_splits, input_splits, opts)
         opts = opts if opts is not None else AllToAllOptions()
         self._check_cpu([output, input], "output, input")
         if input.dtype != output.dtype:
             raise TypeError(f"output: expected {input.dtype} like input, got {output.dtype}")
         even = not output_splits and not input_splits   # then every rank moves as much as the others
-        return self._submit("all_to_all_single", opts, [input], output, lambda job: self._cpu.alltoall_single(
-            job, output, input, list(output_splits), list(input_splits)),
-            calls.make("all_to_all_single", input.dtype, count=input.numel() if even else 0))
+        return self._submit(J.AllToAllSingle(self._cpu, output, input, output_splits, input_splits),
+                            "all_to_all_single", opts, [input], output, calls.make("all_to_all_single", input.dtype, count=input.numel() if even else 0))
 
     alltoall_base = all_to_all_single
 
     def alltoall(self, outputs: List[torch.Tensor], inputs: List[torch.Tensor], opts: Any = None) -> Any:
+        device = self._device("output_tensor_list, input_tensor_list", outputs, inputs)
+        if device is not None:
+            return device.alltoall(outputs, inputs, opts)
         opts = opts if opts is not None else AllToAllOptions()
         if len(outputs) != self._size or len(inputs) != self._size:
             raise ValueError(f"output_tensor_list, input_tensor_list: expected {self._size} tensors each")
         self._check_cpu(list(outputs) + list(inputs), "output_tensor_list, input_tensor_list")
-        return self._submit("alltoall", opts, list(inputs), list(outputs),
-                            lambda job: self._cpu.alltoall(job, list(outputs), list(inputs)),
+        return self._submit(J.AllToAll(self._cpu, outputs, inputs), "alltoall", opts, list(inputs), list(outputs),
                             calls.make("all_to_all", inputs[0].dtype if inputs else None))
 
     def barrier(self, opts: Any = None) -> Any:
         opts = opts if opts is not None else BarrierOptions()
-        return self._submit("barrier", opts, [], [], lambda job: self._cpu.barrier(job), calls.make("barrier"))
+        return self._submit(J.Barrier(self._cpu), "barrier", opts, [], [], calls.make("barrier"))
 
     def monitored_barrier(self, timeout: Any = None, wait_all_ranks: bool = False) -> None:
         """gloo's monitored barrier on this group's inner gloo, once the queued collectives have finished.
@@ -553,6 +587,9 @@ class ProcessGroupNcclavg(dist.ProcessGroup):
 
     # ------------------------------------------------------------------ point to point: straight to gloo
     def send(self, tensors: List[torch.Tensor], dst: int, tag: int = 0) -> Any:
+        device = self._device("tensor", tensors)
+        if device is not None:
+            return device.send(tensors, dst, tag)
         t = self._one(tensors, "tensor")
         self._check_cpu([t], "tensor")
         peer = self._root(dst, "dst")
@@ -561,6 +598,9 @@ class ProcessGroupNcclavg(dist.ProcessGroup):
         return self._gloo.send(tensors, peer, tag)
 
     def recv(self, tensors: List[torch.Tensor], src: int, tag: int = 0) -> Any:
+        device = self._device("tensor", tensors)
+        if device is not None:
+            return device.recv(tensors, src, tag)
         t = self._one(tensors, "tensor")
         self._check_cpu([t], "tensor")
         peer = self._root(src, "src")
@@ -569,6 +609,9 @@ class ProcessGroupNcclavg(dist.ProcessGroup):
         return self._gloo.recv(tensors, peer, tag)
 
     def recv_anysource(self, tensors: List[torch.Tensor], tag: int = 0) -> Any:
+        device = self._device("tensor", tensors)
+        if device is not None:
+            return device.recv_anysource(tensors, tag)
         t = self._one(tensors, "tensor")
         self._check_cpu([t], "tensor")
         if _profiling():
@@ -586,7 +629,7 @@ class ProcessGroupNcclavg(dist.ProcessGroup):
 
     def barrier_free_marker(self) -> JobWork:
         """A Work complete once every collective issued before it is (nothing is sent)."""
-        return self._submit("coalesced collectives", None, [], [], lambda job: None, None)
+        return self._submit(J.Marker(self._cpu), "coalesced collectives", None, [], [], None)
 
     def _made_nccl(self) -> Any:
         """The inner ProcessGroupNCCL if a CUDA tensor made it, else None."""

@@ -477,11 +477,15 @@ class Paths:
     def check(self, job: Job) -> None:
         self.impls[0].check(job)
 
-    def sum(self, job: Job, flat: torch.Tensor, divisor: float = 1.0) -> float:
+    def taking_sum(self, flat: torch.Tensor) -> Any:
+        """The first implementation that sums `flat` (gloo's takes every sum)."""
         for impl in self.impls:   # (a loop, not next(genexpr): this is on every small call's path)
             if impl.takes_sum(flat):
-                return impl.sum(job, flat, divisor)
+                return impl
         raise AssertionError("the gloo path takes every sum")
+
+    def sum(self, job: Job, flat: torch.Tensor, divisor: float = 1.0) -> float:
+        return self.taking_sum(flat).sum(job, flat, divisor)
 
     def sum_scatter(self, job: Job, out: torch.Tensor, inp: torch.Tensor, divisor: float = 1.0) -> float:
         impl = next(i for i in self.impls if i.takes_sum(out) and i.takes_sum(inp))

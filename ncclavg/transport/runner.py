@@ -81,8 +81,8 @@ class Job:
 
     def __init__(self, body: Optional[Callable[["Job"], None]], what: Any, timeout: float, call: Any = None,
                  result: Any = None, own_timeout: bool = False, future: bool = False):
-        self.body, self.what, self.timeout, self.call, self.result = body, what, float(timeout), call, result
-        self.own_timeout = own_timeout
+        self.body = body
+        self.describe(what, timeout, call, result, own_timeout)
         self.started: Optional[float] = None    # monotonic, when the runner starts it
         self.deadline: Optional[float] = None   # started + timeout
         self.ended: Optional[float] = None      # monotonic, once complete
@@ -101,6 +101,23 @@ class Job:
         self.ran_inline = False                 # it ran on the thread that submitted it
         self.noting = False
         self.finite: Optional[bool] = None
+
+    def describe(self, what: Any, timeout: float, call: Any = None, result: Any = None,
+                 own_timeout: bool = False) -> None:
+        """What the runner and the errors need of the job, besides what it does: its description, its
+        deadline's length, its call, its Work's result (a typed job gets them from its face after it is made)."""
+        self.what, self.timeout, self.call, self.result = what, float(timeout), call, result
+        self.own_timeout = own_timeout
+
+    def run(self) -> None:
+        """What the job does: `body(job)`; a typed job (process_group/jobs.py) is a subclass that holds its
+        arguments and overrides this, so that a reader finds what runs by its name."""
+        self.body(self)
+
+    def drop(self) -> None:
+        """Lets go of what the job works on once complete (a Work may outlive it): a typed job clears its
+        arguments too."""
+        self.body = None
 
     # ------------------------------------------------------------------ the deadline, for its steps
     def remaining(self) -> float:
@@ -152,7 +169,7 @@ class Job:
                 self.future.set_result(self.result)
             else:
                 self.future.set_exception(error)
-        self.body = None   # drops the closure's tensors
+        self.drop()   # the closure's or the typed job's tensors
 
     def _face_error(self, kind: F.Kind, text: str) -> BaseException:
         runner = self.runner
@@ -258,10 +275,31 @@ class Runner:
             self._execute(job)
 
     def _execute(self, job: Job, locked: bool = False) -> None:
+        """Runs `job` under the order lock (taken here unless `locked`) and completes it. One frame between
+        the caller and the job's `run` (Note [Frames of a call] in process_group/jobs.py)."""
         if not locked:
             self.order.acquire()   # free, or held for a moment by a fast path
+        error: Optional[BaseException] = None
         try:
-            error = self._run(job)
+            job.started = time.monotonic()
+            job.deadline = job.started + job.timeout
+            if job.rec is not None:
+                flight.start(job.rec)
+            if self.failure is not None and not self.alone:   # failed while this job waited in the queue
+                error = self.face.error(F.refusal(job.what, self.failure, self.face.noun))
+            else:
+                if self.transport is not None and self._watchdog is None:
+                    self._start_watchdog()
+                self._current = job
+                grad = torch.is_grad_enabled()   # off for the in-place steps on the user's tensors (an
+                torch._C._set_grad_enabled(False)  # nn.Parameter too); by hand: torch.no_grad() costs us
+                try:
+                    job.run()
+                except BaseException as e:   # noqa: BLE001 (handed to the waiter)
+                    error = self.failed(job, e)
+                finally:
+                    torch._C._set_grad_enabled(grad)
+                    self._current = None
         finally:
             self.order.release()
         self.order.add_outstanding(-1)
@@ -272,27 +310,6 @@ class Runner:
                 with self._lock:
                     if self.order.outstanding == 0:
                         self._idle.notify_all()
-
-    def _run(self, job: Job) -> Optional[BaseException]:
-        job.started = time.monotonic()
-        job.deadline = job.started + job.timeout
-        if job.rec is not None:
-            flight.start(job.rec)
-        if self.failure is not None and not self.alone:   # failed while this job waited in the queue
-            return self.face.error(F.refusal(job.what, self.failure, self.face.noun))
-        if self.transport is not None and self._watchdog is None:
-            self._start_watchdog()
-        self._current = job
-        grad = torch.is_grad_enabled()   # off for the in-place steps on the user's tensors (an nn.Parameter
-        torch._C._set_grad_enabled(False)  # too); by hand: torch.no_grad() costs microseconds a call
-        try:
-            job.body(job)
-        except BaseException as e:   # noqa: BLE001 (handed to the waiter)
-            return self.failed(job, e)
-        finally:
-            torch._C._set_grad_enabled(grad)
-            self._current = None
-        return None
 
     # ------------------------------------------------------------------ failing
     def failed(self, job: Job, e: BaseException) -> BaseException:

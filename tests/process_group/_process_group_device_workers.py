@@ -1,6 +1,6 @@
-"""Bodies of tests/process_group/test_backend_device_table.py: the `ncclavg` backend's device table (Note [The device
-table] in ncclavg/process_group/device_table.py), on a machine without CUDA: tensors that say they are
-CUDA tensors, and an inner NCCL group that records what it is asked."""
+"""Bodies of tests/process_group/test_backend_device_table.py: the `ncclavg` backend's collectives by device type
+(Note [Device types] in ncclavg/process_group/devices.py), on a machine without CUDA: tensors that say they
+are CUDA tensors, and an inner NCCL group that records what it is asked."""
 import torch
 import torch.distributed as dist
 
@@ -8,7 +8,7 @@ from _process_group_workers import init_backend
 
 
 class SaysCuda(torch.Tensor):
-    """A CPU tensor that answers as a CUDA tensor where the device table and the group look."""
+    """A CPU tensor that answers as a CUDA tensor where the group looks."""
 
     @property
     def is_cuda(self):
@@ -45,7 +45,7 @@ def cuda(n=4):
 
 
 def calls(world):
-    """(method of the group, its arguments, the NCCL method expected, how many NCCL calls) per table entry."""
+    """(method of the group, its arguments, the NCCL method expected, how many NCCL calls) per collective."""
     from torch._C._distributed_c10d import (AllgatherOptions, AllreduceCoalescedOptions, AllreduceOptions,
                                             AllToAllOptions, BroadcastOptions, GatherOptions, ReduceOptions,
                                             ReduceScatterOptions, ScatterOptions)
@@ -79,10 +79,12 @@ def calls(world):
 
 
 def routes_job(rank, world, port):
-    """Every collective of the table hands its CUDA tensors to the inner NCCL group's method, with the
-    caller's own arguments; mixed devices and receiving from any source are refused naming the argument;
-    CPU tensors never reach NCCL."""
-    from ncclavg.process_group.device_table import TABLE
+    """Every collective of NcclCollectives hands its CUDA tensors to the inner NCCL group's method, with
+    the caller's own arguments; mixed devices and receiving from any source are refused naming the
+    argument; CPU tensors never reach NCCL."""
+    from ncclavg.process_group.devices import NcclCollectives
+
+    table = {n for n in vars(NcclCollectives) if not n.startswith("_")}
 
     init_backend(rank, world, port)
     g = dist.group.WORLD
@@ -97,7 +99,7 @@ def routes_job(rank, world, port):
             got = nccl.log[0][1]
             assert len(got) == len(args) and all(x is y for x, y in zip(got, args)), (method, got)
         seen.add(getattr(type(g), method).__name__)
-    assert seen == set(TABLE) - {"recv_anysource"}, set(TABLE) - seen
+    assert seen == table - {"recv_anysource"}, table - seen
 
     try:
         g.recv_anysource([cuda()], 0)
