@@ -37,13 +37,16 @@ from ..transport.liveness import Liveness
 from ..transport.paths import Paths
 from ..transport.profiling import enabled as _profiling
 from ..transport.reductions import as_bytes, byte_wire
-from ..transport.runner import ASYNC_INLINE_BYTES
+from ..transport.runner import ASYNC_INLINE_BYTES, CallNow
 from ..transport.shm import host_identity, supports as shm_supports
 from ..transport.work import JobWork
 from . import jobs as J
 from .base import Communicator, check_count, check_timeout
 from .dist import allgather_object, debug_allgather
 from .fast_average import fast_average
+
+
+_AVERAGE = ("Communicator.all_reduce_avg", None, None)   # the flight record's (collective, op, root)
 
 
 class GlooCommunicator(Communicator):
@@ -130,29 +133,25 @@ class GlooCommunicator(Communicator):
 
     # Note [The public API's other fast calls]
     # A synchronous broadcast_tensors, all_gather or reduce_scatter_avg with one tower per process, on a
-    # communicator whose processes share one channel, is one channel round made on the caller's thread when
-    # the runner is idle: no Job, no Work, no flight record, as the torch face's FastCalls
-    # (process_group/fast_path.py) and the native all_reduce_avg (Note [Small-message fast path] in
-    # fast_average.py) do. Each round is exactly the one the general path's job would make (the same channel
-    # primitive, wire type, count and call signature), so ranks that take different ways still meet in
-    # it. Measured: a runner job costs a small call 4-8 us more (bench/results/torch_face-one-runner-*.md).
-    def _channel_now(self, what: Any, call: Any, limit: float, channel_round: Callable[[], None]) -> bool:
-        """Note [The public API's other fast calls]: `channel_round()` run at once when this communicator's
-        processes share one channel and its runner is idle (Runner.acquire_idle, the one inline rule), with
-        `limit` as the channel's own; False (nothing done) sends the call down the general path. A failed
-        round fails the communicator as the runner's job would have."""
-        if self._channel is None or _profiling() or not self._runner.acquire_idle():
+    # communicator whose processes share one channel, is the channel transport's primitive called on the
+    # caller's thread through Runner.now (Note [Calls run now] in transport/runner.py: when the runner is
+    # idle; no Job, no Work; recorded), as the torch face's FastCalls (process_group/fast_path.py) and the
+    # native all_reduce_avg (Note [Small-message fast path] in fast_average.py) do. It is the primitive the
+    # general path's job calls (the same wire type, count and call signature), with the call's own limit
+    # instead of the job's (CallNow), so ranks that take different ways still meet in it. Measured: a
+    # runner job costs a small call 4-8 us more (bench/results/torch_face-one-runner-*.md).
+    def _channel_now(self, what: Any, call: Any, limit: float, step: Callable[[Any], None], like: torch.Tensor) -> bool:
+        """Note [The public API's other fast calls]: `step(transport)` run now when this communicator's
+        processes share one channel (Runner.now decides when; `like` is the tensor its record describes);
+        False (nothing done) sends the call down the general path. A failed round fails the communicator as
+        the runner's job would have."""
+        if self._channel is None:
             return False
-        error: Optional[BaseException] = None
+        transport = self._runner.transport
         try:
-            channel_round()
+            return self._runner.now(lambda: step(transport, CallNow(call, limit)), call, like.dtype, like.numel())
         except CHANNEL_ERRORS as e:
-            error = e
-        finally:
-            self._runner.order.release()
-        if error is not None:
-            raise self._runner.failed_without_job(what, limit, call, limit != self.timeout, error) from None
-        return True
+            raise self._runner.failed_without_job(what, limit, call, limit != self.timeout, e) from None
 
     def _scale(self, buf: Any, scale: float, divisor: float, dsts: Optional[list] = None) -> Optional[bool]:
         """dsts (default [buf]) = buf * scale / divisor in one fused pass (the core's unpack). Returns
@@ -197,6 +196,10 @@ class GlooCommunicator(Communicator):
         if fast is not None:   # Note [Small-message fast path]
             try:
                 if fast(tensors, limit):
+                    recorder = self._runner.recorder   # Note [Calls run now]: recorded as a job would be
+                    if recorder is not None:
+                        t = tensors[0]
+                        recorder.done(_AVERAGE, t.dtype, t.numel())
                     return
             except CHANNEL_ERRORS as e:   # the communicator fails as the runner's job would have
                 raise self._runner.failed_without_job(self._what("all_reduce_avg", tensors, tag), limit,
@@ -244,9 +247,7 @@ class GlooCommunicator(Communicator):
         shard = outputs[0].numel()
         if self.local_size == 1 and self._uniform and shm_supports(outputs[0]) and shm_supports(inputs[0]):
             out, inp = outputs[0], inputs[0]   # ReduceScatterAvg's first branch, its channel step as ShmTransport's
-            if self._channel_now(what, call, limit, lambda: self._channel.reduce_scatter_sum(
-                    inp.data_ptr(), out.data_ptr(), shard, channel_type_code(out.dtype), limit, 1.0, 1.0,
-                    call.tag, call.count)):
+            if self._channel_now(what, call, limit, lambda tr, now: tr.reduce_scatter_sum(out, inp, now), inp):
                 self._scale(as_buffer(out, "outputs[0]"), 1.0, float(self.size))
                 return
 
@@ -265,8 +266,7 @@ class GlooCommunicator(Communicator):
         widest = max(self.tower_counts)
         if self.local_size == 1 and self._uniform and shm_supports(outputs[0]) and shm_supports(inputs[0]):
             out, inp = outputs[0], inputs[0]   # AllGather's typed all-gather, as ShmTransport's
-            if self._channel_now(what, call, limit, lambda: self._channel.all_gather(
-                    inp.data_ptr(), out.data_ptr(), n, channel_type_code(inp.dtype), limit, call.tag, call.count)):
+            if self._channel_now(what, call, limit, lambda tr, now: tr.all_gather(out, inp, now), inp):
                 return
 
         self._run(what, J.AllGather(self, inputs, outputs, n, widest), call, limit, inputs[:1])
@@ -355,8 +355,8 @@ class GlooCommunicator(Communicator):
             data = as_bytes(flat)
             # the bytes as ChannelPaths.broadcast_bytes puts them on the channel (an odd count: its padding)
             wire = byte_wire(data, data.numel()) if data.numel() % 2 == 0 else None
-            if wire is None or not self._channel_now(what, call, limit, lambda wire=wire: self._channel.broadcast(
-                    wire.data_ptr(), wire.numel(), channel_type_code(wire.dtype), 0, limit, call.tag, call.count)):
+            if wire is None or not self._channel_now(what, call, limit,
+                                                     lambda tr, now, wire=wire: tr.broadcast(wire, 0, now), flat):
                 self._run(what, J.BroadcastBytes(self, data), call, limit, [flat])
             pos = 0
             with torch.no_grad():

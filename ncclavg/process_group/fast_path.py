@@ -44,7 +44,7 @@ from .._ext import _C
 from ..buffers import channel_type_code
 from ..transport.calls import make
 from ..transport.reductions import R
-from ..transport.runner import ASYNC_INLINE_BYTES, ASYNC_READY_S, Runner
+from ..transport.runner import ASYNC_READY_S, Runner
 from ..transport.shm import supports
 from ..transport.work import done_work
 
@@ -140,21 +140,13 @@ class FastCalls:
 
     def __init__(self, runner: Runner, size: int):
         self._runner, self._channel, self._size = runner, runner.transport.channel, size
-        self._ready = runner.transport.peers_ready
-        self._enabled = True
         self._bytes_calls: Dict[tuple, tuple] = {}   # (collective, dtype, numel, root) -> wire + signature
         self._sum_calls: Dict[tuple, tuple] = {}     # (dtype, numel, op) -> signature
 
-    def disable(self) -> None:
-        self._enabled = False
-
-    def _idle(self, async_op: bool = False, nbytes: int = 0) -> bool:
-        """The runner's order lock when the runner is idle (runner.acquire_idle; release() after); for an
-        asynchronous call of `nbytes`, only when its peers are in it too."""
-        if not self._enabled or (async_op and nbytes > ASYNC_INLINE_BYTES):
-            return False
-        return self._runner.acquire_idle(self._ready if async_op else None)
-
+    # Each call below goes through Runner.now (Note [Calls run now] in transport/runner.py: the idle check,
+    # the small-async gate, the flight record) and calls the channel's binding by pointer with the wire
+    # cached per shape: the transport's primitives take tensors, and the byte view a broadcast or an
+    # all-gather would need costs ~1 us a call (t.view(uint8).view(float32), timeit on this machine)
     def _bytes_call(self, collective: str, t: torch.Tensor, root: Optional[int]) -> Optional[tuple]:
         key = (collective, t.dtype, t.numel(), root)
         got = self._bytes_calls.get(key)
@@ -174,25 +166,17 @@ class FastCalls:
         if not _plain(t):
             return False
         got = self._bytes_call("broadcast", t, root)
-        if got is None or not self._idle(async_op, t.nbytes):
-            return False
-        try:
-            self._channel.broadcast(t.data_ptr(), got[1], got[0], root, limit, got[2], got[3])
-        finally:
-            self._runner.order.release()
-        return True
+        return got is not None and self._runner.now(
+            lambda: self._channel.broadcast(t.data_ptr(), got[1], got[0], root, limit, got[2], got[3]),
+            ("broadcast", None, root), t.dtype, t.numel(), t.nbytes if async_op else -1)
 
     def all_gather(self, out: Any, inp: Any, limit: float, async_op: bool = False) -> bool:
         if not (_plain(out) and _plain(inp) and out.dtype == inp.dtype and out.numel() == inp.numel() * self._size):
             return False
         got = self._bytes_call("all_gather_into_tensor", inp, None)
-        if got is None or not self._idle(async_op, out.nbytes):
-            return False
-        try:
-            self._channel.all_gather(inp.data_ptr(), out.data_ptr(), got[1], got[0], limit, got[2], got[3])
-        finally:
-            self._runner.order.release()
-        return True
+        return got is not None and self._runner.now(
+            lambda: self._channel.all_gather(inp.data_ptr(), out.data_ptr(), got[1], got[0], limit, got[2], got[3]),
+            ("all_gather_into_tensor", None, None), inp.dtype, inp.numel(), out.nbytes if async_op else -1)
 
     def reduce_scatter(self, out: Any, inp: Any, op: Any, limit: float, async_op: bool = False) -> bool:
         """op: R.SUM (every channel type) or R.AVG (float32 and float64: divided in the channel's pass, as
@@ -209,14 +193,11 @@ class FastCalls:
             got = (channel_type_code(out.dtype), call.tag, call.count)
             if len(self._sum_calls) < 256:
                 self._sum_calls[key] = got
-        if not self._idle(async_op, inp.nbytes):
-            return False
-        try:
-            self._channel.reduce_scatter_sum(inp.data_ptr(), out.data_ptr(), out.numel(), got[0], limit, 1.0,
-                                             float(self._size) if op == R.AVG else 1.0, got[1], got[2])
-        finally:
-            self._runner.order.release()
-        return True
+        divisor = float(self._size) if op == R.AVG else 1.0
+        return self._runner.now(
+            lambda: self._channel.reduce_scatter_sum(inp.data_ptr(), out.data_ptr(), out.numel(), got[0], limit, 1.0,
+                                                     divisor, got[1], got[2]),
+            ("reduce_scatter_tensor", op, None), out.dtype, out.numel(), inp.nbytes if async_op else -1)
 
 
 def fast_calls(runner: Runner, size: int) -> Optional[FastCalls]:

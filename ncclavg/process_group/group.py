@@ -103,8 +103,6 @@ class ProcessGroupNcclavg(dist.ProcessGroup):
         self._fast = fast_paths(self, self._runner)   # Note [The backend's fast path]
         self._runner.fast_paths.extend(self._fast.values())
         self._calls = fast_calls(self._runner, size)   # the same, for broadcast, all-gather, reduce-scatter
-        if self._calls is not None:
-            self._runner.fast_paths.append(self._calls)
         # Note [What a job records] in lane.py; the fast paths record with Recorder.done
         self._flight = flight.for_group(self._name, rank, size, self.global_ranks[rank], self.transport)
         self._runner.recorder = self._flight
@@ -347,15 +345,13 @@ class ProcessGroupNcclavg(dist.ProcessGroup):
         device = self._device("output_tensor, input_tensor", output, input)
         if device is not None:
             return device.reduce_scatter_single(output, input, opts)
-        if self._calls is not None and opts is not None and not _profiling():
+        if self._calls is not None and opts is not None:
             rop = opts.reduceOp   # Note [The backend's fast path]
             kind = R.SUM if rop == R.SUM else R.AVG if rop == R.AVG else None
             if kind is not None:
                 limit = call_limit(opts, self._timeout)
                 try:
                     if self._calls.reduce_scatter(output, input, kind, limit, opts.asyncOp):
-                        if self._flight is not None:
-                            self._flight.done(("reduce_scatter_tensor", kind, None), output.dtype, output.numel())
                         return done_work([output])
                 except CHANNEL_ERRORS as e:
                     return self._fast_failed("reduce_scatter_single", [input], calls.make(
@@ -418,15 +414,12 @@ class ProcessGroupNcclavg(dist.ProcessGroup):
         if device is not None:
             return device.broadcast(tensors, opts)
         if self._calls is not None and opts is not None and type(tensors) is list \
-                and len(tensors) == 1 and not _profiling():   # Note [The backend's fast path]
+                and len(tensors) == 1:   # Note [The backend's fast path]
             root = opts.rootRank
             if type(root) is int and 0 <= root < self._size:
                 limit = call_limit(opts, self._timeout)
                 try:
                     if self._calls.broadcast(tensors[0], root, limit, opts.asyncOp):
-                        if self._flight is not None:
-                            t = tensors[0]
-                            self._flight.done(("broadcast", None, root), t.dtype, t.numel())
                         return done_work(tensors)
                 except CHANNEL_ERRORS as e:
                     t = tensors[0]
@@ -443,12 +436,10 @@ class ProcessGroupNcclavg(dist.ProcessGroup):
         device = self._device("output_tensor, input_tensor", output, input)
         if device is not None:
             return device.all_gather_single(output, input, opts)
-        if self._calls is not None and opts is not None and not _profiling():
+        if self._calls is not None and opts is not None:
             limit = call_limit(opts, self._timeout)   # Note [The backend's fast path]
             try:
                 if self._calls.all_gather(output, input, limit, opts.asyncOp):
-                    if self._flight is not None:
-                        self._flight.done(("all_gather_into_tensor", None, None), input.dtype, input.numel())
                     return done_work([output])
             except CHANNEL_ERRORS as e:
                 return self._fast_failed("all_gather_single", [input], calls.make(

@@ -19,6 +19,16 @@ that the waiter's next synchronous call finds the runner idle, as after a call o
 An asynchronous call whose peers are already in it (`ready`) runs on the caller's thread too, when it is
 small (Note [An asynchronous call whose peers wait] in csrc/transport/shm_channel.cpp).
 
+Note [Calls run now]
+Every fast call written in Python goes through `Runner.now`: the torch face's FastCalls (broadcast,
+all_gather_into_tensor, reduce_scatter_tensor: process_group/fast_path.py) and the public API's
+broadcast_tensors, all_gather and reduce_scatter_avg (comm/gloo.py). It is the one place that says when a
+call may skip its job: the runner idle (acquire_idle), the profiler off (its ranges are the general
+path's), and for an asynchronous call the small-size gate and the peers-ready look; and it writes the
+call's flight record, as a job's would be. The native fast all-reduces (csrc/python/fast_all_reduce.cpp,
+_C.GroupAllreduce) check the same facts in C++ and record through the same Recorder.done; the public API's
+records after its native call returns (comm/gloo.py's all_reduce_avg).
+
 Note [One deadline per call]
 Every collective has one deadline: its timeout (the caller's, else its communicator's or process group's)
 counted from when it starts to run, not from when it was queued, so that a call behind a slow one is not
@@ -51,7 +61,7 @@ import torch
 
 from .._ext import _C
 from . import failure as F
-from . import flight
+from . import flight, profiling
 from .liveness import DIAGNOSE_S
 from .work import SLACK_S, JobWork
 
@@ -176,6 +186,20 @@ class Job:
         return runner.face.error_for(kind, text) if runner is not None else RuntimeError(text)
 
 
+class CallNow:
+    """What a transport's primitive takes of a call run now, without a job (Note [Calls run now]): its
+    `call` and its limit, the channel's own (Note [One deadline per call]: on a fast path the channel's
+    limit is the deadline)."""
+
+    __slots__ = ("call", "limit")
+
+    def __init__(self, call: Any, limit: float):
+        self.call, self.limit = call, limit
+
+    def channel_limit(self) -> float:
+        return self.limit
+
+
 class Runner:
     """Runs the jobs of one channel in order (Note [One runner]) under its `face` (failure.Face).
     `transport`: the channel (shm.ShmTransport; between hosts ucx.UcxHostsTransport or hosts.HostsTransport)
@@ -258,6 +282,31 @@ class Runner:
             return True
         order.release()
         return False
+
+    def now(self, round_: Callable[[], Any], what: Any, dtype: Any, count: int, async_bytes: int = -1) -> bool:
+        """Note [Calls run now]: `round_()`, one call into the channel (or the lanes) that is a whole
+        collective, on the caller's thread when the runner is idle, the profiler off and, for an asynchronous
+        call (`async_bytes` >= 0: the bytes it moves), only when it moves at most ASYNC_INLINE_BYTES and its
+        peers are in it already; the call is then recorded as done (flight.Recorder.done: `what` its Call or
+        (collective, op, root), `dtype`, `count`) and True is returned. False: nothing was done, the general
+        path runs the call. A failed round raises the channel's error (failure.CHANNEL_ERRORS), for the face
+        to fail by (`failed_without_job`)."""
+        if profiling.enabled():
+            return False
+        ready = None
+        if async_bytes >= 0:
+            if async_bytes > ASYNC_INLINE_BYTES or self.transport is None:
+                return False
+            ready = self.transport.peers_ready
+        if not self.acquire_idle(ready):
+            return False
+        try:
+            round_()
+        finally:
+            self.order.release()
+        if self.recorder is not None:
+            self.recorder.done(what, dtype, count)
+        return True
 
     def _refusal(self, job: Job) -> Optional[str]:
         if self._closed:

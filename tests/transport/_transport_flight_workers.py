@@ -103,6 +103,37 @@ def mixed_paths_job(rank, world, port, outdir):
     flight.dump(dist.group.WORLD, outdir)
 
 
+def api_mixed_paths_job(rank, world, port, outdir):
+    """The public API: every collective with a fast path (all_reduce_avg, broadcast_tensors, all_gather,
+    reduce_scatter_avg), each once with the runner idle (the fast path) and once while an asynchronous
+    average holds it (the general path); then every rank dumps its communicator's record."""
+    import threading
+
+    import torch
+
+    from ncclavg import Communicator
+    from ncclavg.transport.runner import Job
+
+    init_backend(rank, world, port)
+    comm = Communicator.from_torch_distributed(device="cpu", timeout=30)
+    assert comm.transport == "shm", comm.transport
+    x, out, big = torch.ones(5), torch.empty(5 * world), torch.ones(1 << 18)
+    steps = [lambda: comm.all_reduce_avg([x]), lambda: comm.broadcast_tensors([x]),
+             lambda: comm.all_gather([x], [out]), lambda: comm.reduce_scatter_avg([out], [x])]
+    for general in (False, True):
+        for step in steps:
+            if general:   # the runner's worker busy with a large average: the call queues behind it
+                gate = threading.Event()
+                comm._runner.submit(Job(lambda job: gate.wait(10), "a job holding the worker", 30))
+                work = comm.all_reduce_avg_async([big])
+                threading.Timer(0.05, gate.set).start()
+                step()
+                work.wait()
+            else:
+                step()
+    comm._runner.recorder.dump("on demand", outdir)
+
+
 def profiled_p2p_job(rank, world, port, outdir):
     """Under torch.profiler: a receive from any source reports its sender; then rank 1 waits for a send
     that never comes, on a group with a 4 s timeout, and must get gloo's timeout error from wait()."""

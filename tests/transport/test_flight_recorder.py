@@ -52,6 +52,23 @@ def test_fast_and_queued_calls_get_the_same_numbers_and_words(tmp_path):
     assert {c for _, c, _ in calls[0]} >= {"all_reduce(SUM) of 5 float32", "all_reduce(AVG) of 5 float32"}, calls
 
 
+def test_the_public_apis_fast_calls_are_recorded_as_its_jobs_are(tmp_path, monkeypatch):
+    """Note [Calls run now] in ncclavg/transport/runner.py: a call of the public API that runs without a job
+    (the native all_reduce_avg, and broadcast_tensors, all_gather, reduce_scatter_avg through Runner.now) is
+    in the flight record under the same words as when it queues behind a job."""
+    from _dist_util import run_ranks
+
+    monkeypatch.setenv("NCCLAVG_SHM", "auto")
+    run_ranks(FW.api_mixed_paths_job, 2, args=(str(tmp_path),), timeout_s=120)
+    for d in flight_reader.load([str(tmp_path)]):
+        entries = [e for e in d["entries"] if e["count"] != 1 << 18]   # (the averages that held the runner)
+        words = [e["call"] for e in entries]
+        assert all(e["state"] == "done" for e in d["entries"]), d["entries"]
+        fast, general = words[:4], words[4:]
+        assert fast == general and len(fast) == 4, words
+        assert fast[0].startswith("Communicator.all_reduce_avg") and "5 float32" in fast[0], fast
+
+
 def test_the_ring_keeps_the_last_n(tmp_path):
     import torch
 
