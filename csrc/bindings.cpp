@@ -373,6 +373,15 @@ PYBIND11_MODULE(_C, m) {
              py::arg("tensors"), py::arg("timeout_s"),
              "the all-reduce of tensors[0] (through the channel or the lanes): True when done, False for the "
              "general path")
+        .def("run_async",
+             [](py_glue::FastAllReduce& f, py::handle tensors, double timeout_s, double ready_wait_s) -> py::object {
+               bool nonfinite = false;
+               if (!f.run(tensors, timeout_s, nullptr, ready_wait_s, &nonfinite)) return py::none();
+               return py::bool_(!nonfinite);
+             },
+             py::arg("tensors"), py::arg("timeout_s"), py::arg("ready_wait_s"),
+             "an asynchronous all-reduce of tensors[0] through the channel, run now when it is small and its peers "
+             "are in it within ready_wait_s: whether every value it wrote is finite; None for the general path")
         .def("disable", &py_glue::FastAllReduce::disable)
         .def_property_readonly("cached", &py_glue::FastAllReduce::cached);
     // The torch backend's allreduce for the calls the fast path takes (ncclavg/process_group/fast_path.py)

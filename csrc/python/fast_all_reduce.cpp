@@ -77,7 +77,8 @@ FastAllReduce::FastAllReduce(cpu::HostLanes* lanes, ShmExec* exec, py::object pr
 // and signature), so that ranks taking either way meet. The channel's holds the GIL unless it has to wait
 // (a peer-ready round costs no hand-over); the lanes' always wait on the wire for a round trip or more, so
 // they let the GIL go for the whole call.
-void FastAllReduce::all_reduce(uintptr_t data, int64_t count, int type, double div, uint64_t word, double timeout_s) {
+void FastAllReduce::all_reduce(uintptr_t data, int64_t count, int type, double div, uint64_t word, double timeout_s,
+                               bool* nonfinite) {
   cpu::ShmCallTag tag;
   tag.word = word;
   tag.count = count;
@@ -87,7 +88,7 @@ void FastAllReduce::all_reduce(uintptr_t data, int64_t count, int type, double d
     return;
   }
   ReleaseGilWhenBlocking gil;
-  channel_->all_reduce_sum(data, count, type, timeout_s, 1.0, div, tag);
+  channel_->all_reduce_sum(data, count, type, timeout_s, 1.0, div, tag, nonfinite);
 }
 
 const FastAllReduce::Entry* FastAllReduce::lookup(PyObject* t) {
@@ -105,7 +106,7 @@ const FastAllReduce::Entry* FastAllReduce::lookup(PyObject* t) {
   return nullptr;
 }
 
-bool FastAllReduce::run(py::handle tensors, double timeout_s, int64_t* count, double ready_wait_s) {
+bool FastAllReduce::run(py::handle tensors, double timeout_s, int64_t* count, double ready_wait_s, bool* nonfinite) {
   if (!enabled_ || !PyList_CheckExact(tensors.ptr()) || PyList_GET_SIZE(tensors.ptr()) != 1) return false;
   PyObject* t = PyList_GET_ITEM(tensors.ptr(), 0);
   Entry scratch;
@@ -128,9 +129,9 @@ bool FastAllReduce::run(py::handle tensors, double timeout_s, int64_t* count, do
       e = &scratch;
     }
   }
-  if (ready_wait_s >= 0) {   // asynchronous: here only on a channel, and small (the header's rule)
+  if (ready_wait_s >= 0 || nonfinite != nullptr) {   // asynchronous or noting: here only on a channel
     const int64_t bytes = e->count * static_cast<int64_t>(cpu::type_size(static_cast<cpu::ShmType>(e->type)));
-    if (lanes_ != nullptr || bytes > kAsyncInlineBytes) return false;
+    if (lanes_ != nullptr || (ready_wait_s >= 0 && bytes > kAsyncInlineBytes)) return false;   // (and small)
   }
   // Nothing may be queued on the channel or running: the general path then runs this call in order.
   // The rule of Runner.acquire_idle (ncclavg/transport/runner.py), here in C++: the runner's order lock
@@ -142,7 +143,7 @@ bool FastAllReduce::run(py::handle tensors, double timeout_s, int64_t* count, do
   }
   try {
     if (count != nullptr) *count = e->count;   // read now: `e` may not outlive a wait without the GIL
-    all_reduce(e->data, e->count, e->type, e->div, e->tag, timeout_s);
+    all_reduce(e->data, e->count, e->type, e->div, e->tag, timeout_s, nonfinite);
   } catch (...) {
     exec_->release();
     throw;

@@ -67,8 +67,11 @@ class FastAllReduce {
   // Raises what the channel (or the lanes) raise. ready_wait_s >= 0: an asynchronous call, run here only on
   // a channel, when it is at most kAsyncInlineBytes and every peer has announced or posted its round within
   // ready_wait_s (Note [An asynchronous call whose peers wait] in csrc/transport/shm_channel.cpp); < 0: a
-  // synchronous call.
-  bool run(py::handle tensors, double timeout_s, int64_t* count = nullptr, double ready_wait_s = -1.0);
+  // synchronous call. nonfinite != nullptr (a channel's call only): *nonfinite says whether any value the
+  // round wrote is an inf or a NaN (the channel's note while writing: Note [Finiteness from the pass that
+  // writes] in csrc/common/finite_math.h), as the general path's job notes it for Work.finite.
+  bool run(py::handle tensors, double timeout_s, int64_t* count = nullptr, double ready_wait_s = -1.0,
+           bool* nonfinite = nullptr);
   // The largest asynchronous call run on the caller's thread. A 256 KiB all-reduce of two processes takes
   // ~30 us on a 2-core VM, less than handing a call to a worker costs there (a burst of queued 1 MiB
   // calls took 300-450 us each against 120 us for one synchronous call), and it covers the single DDP
@@ -93,7 +96,8 @@ class FastAllReduce {
   };
   const Entry* lookup(PyObject* t);
 
-  void all_reduce(uintptr_t data, int64_t count, int type, double div, uint64_t word, double timeout_s);
+  void all_reduce(uintptr_t data, int64_t count, int type, double div, uint64_t word, double timeout_s,
+                  bool* nonfinite);
 
   cpu::ShmChannel* channel_ = nullptr;   // exactly one of the two
   cpu::HostLanes* lanes_ = nullptr;

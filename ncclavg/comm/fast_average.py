@@ -22,6 +22,12 @@ divides after their sum (HostLanes::all_reduce_sum's `div`: the bits of the gene
   held unless it has to wait (ShmBlockingHook), or the lanes' call without the GIL;
 - the communicator's runner disables it when it fails or closes, so that the general path says why it
   refuses.
+- an asynchronous all_reduce_avg_async of one tower (no defer_scale) takes it too, on one host's channel,
+  when it is at most 256 KiB and its peers are in the call already (`run_async`: the rule of Note [An
+  asynchronous call whose peers wait] in csrc/transport/shm_channel.cpp, as the torch face's): its Work is
+  complete when handed back and carries the channel's note of what it wrote (Work.finite). Through the
+  runner this call cost 18-25 us per call of a burst of 8 at 8 B-4 KiB (bench/torch_face.py, async x8,
+  2 processes), against 9-15 us before the runner existed; now 2.5-4.7 us.
 Nothing else is built; the call's description is written only for an error. Either way the channel
 (or the wire) sees the same collective, so ranks may mix the two freely. Measured with 2 processes on 2 cores
 (bench/mpi_peer.py): 0.7-1.1 us per 8-byte call, MPICH's MPI_Allreduce 0.7-1.1 us in the same run.

@@ -37,9 +37,9 @@ from ..transport.liveness import Liveness
 from ..transport.paths import Paths
 from ..transport.profiling import enabled as _profiling
 from ..transport.reductions import as_bytes, byte_wire
-from ..transport.runner import ASYNC_INLINE_BYTES, CallNow
+from ..transport.runner import ASYNC_INLINE_BYTES, ASYNC_READY_S, CallNow
 from ..transport.shm import host_identity, supports as shm_supports
-from ..transport.work import JobWork
+from ..transport.work import JobWork, Work, done_work
 from . import jobs as J
 from .base import Communicator, check_count, check_timeout
 from .dist import allgather_object, debug_allgather
@@ -208,7 +208,24 @@ class GlooCommunicator(Communicator):
 
     @profiling.ranged("all_reduce_avg_async")
     def all_reduce_avg_async(self, tensors: Sequence[torch.Tensor], defer_scale: bool = False, *,
-                             tag: Optional[str] = None, debug_key: Optional[Sequence[int]] = None) -> JobWork:
+                             tag: Optional[str] = None, debug_key: Optional[Sequence[int]] = None) -> Work:
+        fast = self._fast
+        if fast is not None and not defer_scale and not _profiling():
+            # Note [Small-message fast path]: small, on one host's channel, its peers in it already (Note
+            # [An asynchronous call whose peers wait] in csrc/transport/shm_channel.cpp): done now, in C++,
+            # its Work complete, with the channel's finiteness note as the job's would have
+            try:
+                finite = fast.run_async(tensors, self.timeout, ASYNC_READY_S)
+            except CHANNEL_ERRORS as e:   # the communicator fails as the runner's job would have; wait() says so
+                return done_work(error=self._runner.failed_without_job(
+                    self._what("all_reduce_avg", tensors, tag), self.timeout, average_call(tensors[0]), False, e))
+            if finite is not None:
+                t = tensors[0]
+                if self._runner.recorder is not None:   # Note [Calls run now]
+                    self._runner.recorder.done(_AVERAGE, t.dtype, t.numel())
+                work = done_work()
+                work.finite = finite
+                return work
         return self._average(tensors, defer_scale, tag, debug_key, sync=False)
 
     def _average(self, tensors: Sequence[torch.Tensor], defer_scale: bool, tag: Optional[str],

@@ -79,6 +79,32 @@ def inline_when_peers_wait_job(rank, world, port, face):
         assert torch.equal(t, want), (k, n, t[:4], want[:4])
 
 
+def api_inline_notes_finiteness_job(rank, world, port):
+    """The public API's asynchronous average run at once (its peers wait) hands back the channel's note of
+    what it wrote, as the queued job's Work does (Work.finite): True for finite means, False on every rank
+    when one rank's input holds an inf or a NaN, for each float type the channel sums; the values are the
+    queued path's."""
+    init_backend(rank, world, port)
+    faces = _Faces("api")
+    for k, (dtype, bad) in enumerate([(d, b) for d in (torch.float32, torch.float16, torch.bfloat16)
+                                      for b in (None, "inf", "nan")]):
+        vals, want = _inputs(world, 100, k)
+        t = vals[rank].clone().to(dtype)
+        if bad is not None and rank == world - 1:
+            t[7] = float(bad)
+        dist.barrier()
+        if rank == 0:
+            time.sleep(0.3)   # the others post their round meanwhile
+            work = faces.async_(t)
+            assert faces.ran_here(work), (dtype, bad, type(work).__name__)
+        else:
+            work = faces.async_(t)   # queued: its job runs the same round on the worker
+        work.wait()
+        assert work.finite is (bad is None), (rank, dtype, bad, work.finite)
+        if bad is None:
+            assert torch.equal(t, want.to(dtype)), (dtype, t[:4], want[:4])
+
+
 def torch_collectives_inline_job(rank, world, port):
     """The same for the torch backend's asynchronous broadcast, all_gather_into_tensor and
     reduce_scatter_tensor (SUM and AVG): complete when handed back when the peers wait, queued when over

@@ -19,6 +19,10 @@ def test_an_async_call_whose_peers_wait_completes_at_once(face):
     run_ranks(W.inline_when_peers_wait_job, 2, args=(face,), timeout_s=120)
 
 
+def test_the_public_apis_async_average_run_at_once_notes_finiteness():
+    run_ranks(W.api_inline_notes_finiteness_job, 2, timeout_s=120)
+
+
 def test_async_broadcast_gather_and_reduce_scatter_whose_peers_wait_complete_at_once():
     run_ranks(W.torch_collectives_inline_job, 2, timeout_s=120)
 
