@@ -4,7 +4,8 @@ through (`init_process_group("ncclavg")`, DDP, FSDP2, DeepSpeed, transformers' T
 What lives here: group.py (`ProcessGroupNcclavg`, a `dist.ProcessGroup`, and `_create`, the creator
 that ncclavg/__init__.py registers with torch), lane.py (what the torch face adds to the transport's
 runner: its errors and the profiled point-to-point Work), connect.py (a group's host channel, runner and
-heartbeats), jobs.py (one job class per collective, named after it, which the runner runs),
+heartbeats), checks.py (the calls' argument checks and descriptions), jobs.py (one job class per
+collective, named after it, which the runner runs),
 cpu_collectives.py (the CPU collectives the jobs run, each asking its steps of the transport's
 implementations in order: transport/paths.py), fast_path.py (the inline synchronous collectives;
 all_reduce's in C++: _C.GroupAllreduce), devices.py (the collectives on CUDA tensors, registered for the

@@ -35,47 +35,23 @@ from . import connect
 from ..errors import BackendError
 from ..transport import calls, flight, liveness, profiling
 from ..transport.calls import Call
-from ..transport.failure import CHANNEL_ERRORS, LazyText
+from ..transport.failure import CHANNEL_ERRORS
 from ..transport.reductions import R, red_kind
 from ..transport.runner import Job, Runner
 from ..transport.work import DoneWork, JobWork, done_work
 from . import jobs as J
 from .cpu_collectives import CpuCollectives
-from .devices import NcclCollectives, first_list, flat, has_cuda
+from .checks import CallChecks, call_limit, list_call
+from .devices import NcclCollectives, first_list
 from .fast_path import fast_calls, fast_paths, native_allreduce
 from .lane import profiled_p2p
 
 NAME = "ncclavg"
 _profiling = profiling.enabled   # is torch's profiler on? ~20 ns
 _UNSET_TIMEOUT = AllreduceOptions().timeout   # what torch's options hold when the caller gave none
-_INTEGER_OK = (R.SUM, R.AVG, R.MIN, R.MAX, R.PRODUCT, R.BAND, R.BOR, R.BXOR)
-_FLOAT_OK = (R.SUM, R.AVG, R.MIN, R.MAX, R.PRODUCT, R.PREMUL_SUM)
 
 
-def call_limit(opts: Any, default: float) -> float:
-    """The timeout of one call: torch's per-call option (opts.timeout, a timedelta; unset is torch's
-    default value, or not positive), else the group's `default`. The one place it is read in Python (the
-    native all_reduce reads it the same way: GroupAllreduce::call)."""
-    timeout = getattr(opts, "timeout", None)
-    if isinstance(timeout, datetime.timedelta) and timeout != _UNSET_TIMEOUT and timeout.total_seconds() > 0:
-        return timeout.total_seconds()
-    return default
-
-
-def _list_call(collective: str, tensors: List[torch.Tensor], op: Any = None) -> Call:
-    """The call of a collective over a list of tensors: their dtype and total count (or their bytes,
-    when the dtypes differ)."""
-    dtypes = {t.dtype for t in tensors}
-    if len(dtypes) == 1:
-        return calls.make(collective, dtypes.pop(), op, count=sum(t.numel() for t in tensors))
-    return calls.make(collective, torch.uint8, op, count=sum(t.numel() * t.element_size() for t in tensors))
-
-
-def _describe(count: int, dtype: Optional[torch.dtype]) -> str:
-    return "no tensors" if dtype is None else f"{count} x {str(dtype).replace('torch.', '')}"
-
-
-class ProcessGroupNcclavg(dist.ProcessGroup):
+class ProcessGroupNcclavg(CallChecks, dist.ProcessGroup):
     """One process group of the `ncclavg` backend. Built by torch through the creator registered for
     the name "ncclavg" (init_process_group, new_group, DeviceMesh); see the module's notes."""
 
@@ -152,83 +128,7 @@ class ProcessGroupNcclavg(dist.ProcessGroup):
     def __repr__(self) -> str:
         return f"ProcessGroupNcclavg(rank={self._rank}, size={self._size}, transport={self.transport})"
 
-    # ------------------------------------------------------------------ checks and submission
-    # Every argument is checked here, on the caller's thread, before anything is queued: a bad call
-    # raises ValueError / TypeError naming the argument and leaves the group as it was (as gloo's does).
-    def _what(self, op: str, tensors: List[torch.Tensor]) -> LazyText:
-        """'ncclavg allreduce of 3 x float32 (group 0, rank 1 of 2, shm)', written out only when an error
-        needs it (the facts are taken now: a message must not keep a tensor alive)."""
-        if not tensors:
-            return LazyText(self._what_text, op, 0, None)
-        count = tensors[0].numel() if len(tensors) == 1 else sum(x.numel() for x in tensors)
-        return LazyText(self._what_text, op, count, tensors[0].dtype)
-
-    def _what_text(self, op: str, count: int, dtype: Optional[torch.dtype]) -> str:
-        return (f"ncclavg {op} of {_describe(count, dtype)} (group {self._name or '?'}, rank {self._rank} of "
-                f"{self._size}, {self.transport})")
-
-    def _kind(self, tensors: List[torch.Tensor], argname: str) -> str:
-        """'cpu' or 'cuda' for the tensors of one call; raises naming the argument otherwise (Note [Device
-        types] in devices.py)."""
-        kinds = set()
-        for i, t in enumerate(tensors):
-            if not isinstance(t, torch.Tensor):
-                raise TypeError(f"{argname}[{i}]: expected a torch.Tensor, got {type(t).__name__}")
-            kinds.add(t.device.type)
-        if len(kinds) > 1:
-            raise ValueError(f"{argname}: tensors on several device types {sorted(kinds)} in one call")
-        kind = kinds.pop() if kinds else "cpu"
-        if kind not in ("cpu", "cuda"):
-            raise ValueError(f"{argname}: the ncclavg backend takes CPU and CUDA tensors, got {kind}")
-        if kind == "cuda" and self._nccl is None:
-            raise ValueError(f"{argname}: CUDA tensors need CUDA and NCCL, which this process does not have")
-        return kind
-
-    def _check_cpu(self, tensors: List[torch.Tensor], argname: str) -> None:
-        """The tensors of a call on the CPU path are dense contiguous CPU tensors; raises naming the argument."""
-        if self._kind(tensors, argname) != "cpu":   # CUDA tensors beside the ones _device looked at
-            raise ValueError(f"{argname}: expected CPU tensors like the call's other tensors, got CUDA tensors")
-        for i, t in enumerate(tensors):
-            if t.layout != torch.strided:
-                raise TypeError(f"{argname}[{i}]: the ncclavg backend takes dense tensors here, got {t.layout}")
-            if not t.is_contiguous():
-                raise ValueError(f"{argname}[{i}]: expected a contiguous tensor")
-
-    def _one(self, tensors: Any, argname: str) -> torch.Tensor:
-        if isinstance(tensors, torch.Tensor) or len(tensors) != 1:
-            raise ValueError(f"{argname}: expected a list of one tensor")
-        return tensors[0]
-
-    def _root(self, root: int, argname: str = "root") -> int:
-        if not isinstance(root, int) or not 0 <= root < self._size:
-            raise ValueError(f"{argname}: must be a rank of the group, in [0, {self._size}), got {root}")
-        return root
-
-    def _op(self, op: Any, t: torch.Tensor) -> Any:
-        kind = red_kind(op)
-        ok = _FLOAT_OK if (t.is_floating_point() or t.is_complex()) else _INTEGER_OK
-        if kind not in ok:
-            raise ValueError(f"op: {getattr(kind, 'name', kind)} is not supported on {t.dtype} tensors by the "
-                             "ncclavg backend")
-        if t.is_complex() and kind not in (R.SUM, R.AVG, R.PREMUL_SUM):
-            raise ValueError(f"op: {kind.name} is not defined for complex tensors")
-        return op
-
-    def _same_size(self, tensors: List[torch.Tensor], like: torch.Tensor, argname: str) -> None:
-        for i, t in enumerate(tensors):
-            if t.dtype != like.dtype or t.numel() != like.numel():
-                raise ValueError(f"{argname}[{i}]: expected {like.numel()} elements of {like.dtype}, got "
-                                 f"{t.numel()} of {t.dtype}")
-
-    def _device(self, argname: str, *tensors: Any) -> Any:
-        """Note [Device types]: the collectives registered for the device type of a call's deciding
-        `tensors` (each a tensor or a list of them) when they are CUDA tensors, all of them (else a
-        ValueError naming `argname`); None for CPU tensors: the method's own path follows."""
-        if self._nccl is None or not has_cuda(tensors):
-            return None
-        self._kind(flat(tensors), argname)   # all CUDA, or an error naming the argument
-        return self._devices["cuda"]
-
+    # ------------------------------------------------------------------ submission
     def _submit(self, job: J.TorchJob, op: str, opts: Any, tensors: List[torch.Tensor], result: Any,
                 call: Optional[Call]) -> JobWork:
         """`job` described (what `op` on `tensors` is, its limit from `opts`, `call`, its Work's `result`),
@@ -328,7 +228,7 @@ class ProcessGroupNcclavg(dist.ProcessGroup):
             self._op(opts.reduceOp, t)
         op = opts.reduceOp
         return self._submit(J.AllReduceCoalesced(self._cpu, tensors, op), "allreduce_coalesced", opts, tensors,
-                            tensors, _list_call("all_reduce_coalesced", tensors, op))
+                            tensors, list_call("all_reduce_coalesced", tensors, op))
 
     def reduce(self, tensors: List[torch.Tensor], opts: Any = None) -> Any:
         device = self._device("tensors", tensors)
@@ -361,16 +261,10 @@ class ProcessGroupNcclavg(dist.ProcessGroup):
         self._check_scatter_sizes(output, input)
         op = self._op(opts.reduceOp, output)
         return self._submit(J.ReduceScatterSingle(self._cpu, output, input, op), "reduce_scatter_single", opts,
-                            [input], output, calls.make("reduce_scatter_tensor", output.dtype, op, count=output.numel()))
+                            [input], output,
+                            calls.make("reduce_scatter_tensor", output.dtype, op, count=output.numel()))
 
     _reduce_scatter_base = reduce_scatter_single
-
-    def _check_scatter_sizes(self, output: torch.Tensor, input: torch.Tensor) -> None:
-        if input.dtype != output.dtype:
-            raise TypeError(f"input_tensor: expected {output.dtype} like output_tensor, got {input.dtype}")
-        if input.numel() != output.numel() * self._size:
-            raise ValueError(f"input_tensor: expected {output.numel() * self._size} elements (world size "
-                             f"{self._size} x output_tensor's {output.numel()}), got {input.numel()}")
 
     def reduce_scatter_single_coalesced(self, outputs: List[torch.Tensor], inputs: List[torch.Tensor],
                                         opts: Any = None) -> Any:
@@ -386,7 +280,8 @@ class ProcessGroupNcclavg(dist.ProcessGroup):
             self._op(opts.reduceOp, o)
         op = opts.reduceOp
         return self._submit(J.ReduceScatterSingleCoalesced(self._cpu, outputs, inputs, op),
-                            "reduce_scatter_single_coalesced", opts, list(inputs), list(outputs), _list_call("reduce_scatter_tensor_coalesced", outputs, op))
+                            "reduce_scatter_single_coalesced", opts, list(inputs), list(outputs),
+                            list_call("reduce_scatter_tensor_coalesced", outputs, op))
 
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 
@@ -452,13 +347,6 @@ class ProcessGroupNcclavg(dist.ProcessGroup):
 
     _allgather_base = all_gather_single
 
-    def _check_gather_sizes(self, output: torch.Tensor, input: torch.Tensor) -> None:
-        if input.dtype != output.dtype:
-            raise TypeError(f"output_tensor: expected {input.dtype} like input_tensor, got {output.dtype}")
-        if output.numel() != input.numel() * self._size:
-            raise ValueError(f"output_tensor: expected {input.numel() * self._size} elements (world size "
-                             f"{self._size} x input_tensor's {input.numel()}), got {output.numel()}")
-
     def all_gather_single_coalesced(self, outputs: List[torch.Tensor], inputs: List[torch.Tensor],
                                     opts: Any = None) -> Any:
         device = self._device("outputs, inputs", outputs, inputs)
@@ -471,7 +359,7 @@ class ProcessGroupNcclavg(dist.ProcessGroup):
         for o, i in zip(outputs, inputs):
             self._check_gather_sizes(o, i)
         return self._submit(J.AllGatherSingleCoalesced(self._cpu, outputs, inputs), "all_gather_single_coalesced",
-                            opts, list(inputs), list(outputs), _list_call("all_gather_into_tensor_coalesced", inputs))
+                            opts, list(inputs), list(outputs), list_call("all_gather_into_tensor_coalesced", inputs))
 
     allgather_into_tensor_coalesced = all_gather_single_coalesced
 
@@ -506,7 +394,7 @@ class ProcessGroupNcclavg(dist.ProcessGroup):
                     raise ValueError(f"output_tensor_lists[{r}][{k}]: expected {i.numel()} elements of {i.dtype} "
                                      f"like input_tensor_list[{k}], got {o.numel()} of {o.dtype}")
         return self._submit(J.AllGatherCoalesced(self._cpu, output_lists, inputs), "allgather_coalesced", opts,
-                            list(inputs), output_lists, _list_call("all_gather_coalesced", inputs))
+                            list(inputs), output_lists, list_call("all_gather_coalesced", inputs))
 
     def gather(self, output_lists: List[List[torch.Tensor]], inputs: List[torch.Tensor], opts: Any = None) -> Any:
         device = self._device("gather_list", inputs, first_list(output_lists))
@@ -549,7 +437,8 @@ class ProcessGroupNcclavg(dist.ProcessGroup):
             raise TypeError(f"output: expected {input.dtype} like input, got {output.dtype}")
         even = not output_splits and not input_splits   # then every rank moves as much as the others
         return self._submit(J.AllToAllSingle(self._cpu, output, input, output_splits, input_splits),
-                            "all_to_all_single", opts, [input], output, calls.make("all_to_all_single", input.dtype, count=input.numel() if even else 0))
+                            "all_to_all_single", opts, [input], output,
+                            calls.make("all_to_all_single", input.dtype, count=input.numel() if even else 0))
 
     alltoall_base = all_to_all_single
 
