@@ -43,15 +43,16 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 from torch import nn
 
-from .amp import DynamicLossScale, autocast_context, normalise_amp
+from .amp import DynamicLossScale, autocast_context
 from .distributed import check_replicas_agree, processes_communicator
 from .engines import CpuMasterEngine, DeviceMasterEngine, OptimConfig
 from .fit import FitLoop
 from .metrics import PHASES, StepTimes
-from .schedules import LRSchedule, ScheduleSpec, make_schedule, replan, schedule_name
+from .schedules import LRSchedule, ScheduleSpec, make_schedule, replan
 from .state import seed_everything
-from .towers import (TowerRunner, apply_tower_threads, build_towers, default_devices, model_signature,
-                     parse_devices, split_sizes, tower_threads, trainable_parameters, unpack_batch)
+from .towers import (TowerRunner, apply_tower_threads, build_towers, model_signature,
+                     split_sizes, trainable_parameters, unpack_batch)
+from .trainer_args import TrainerArgs, check_trainer_args
 from .trainer_state import TrainerState
 
 # Importable from here too, for callers that know them from this module; fit.py and trainer_state.py
@@ -63,21 +64,8 @@ from .schedules import from_state_dict  # noqa: F401
 from .state import (CHECKPOINT_FORMAT, CHECKPOINT_KIND, check_signature, extra_tensors,  # noqa: F401
                     load_extra_tensors, rng_state, set_rng_state)
 
-OPTIMIZERS = ("adamw", "adam", "sgd")
-MASTERS = ("cpu", "device")
-NONFINITE_POLICIES = ("skip", "raise", "ignore")
 
 log = logging.getLogger(__name__)
-
-
-def _number(value: Any, name: str, *, minimum: float = 0.0, strict: bool = False, none_ok: bool = False):
-    if value is None and none_ok:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ValueError(f"{name}: must be a finite number, got {value!r}")
-    if value < minimum or (strict and value == minimum):
-        raise ValueError(f"{name}: must be {'>' if strict else '>='} {minimum}, got {value!r}")
-    return float(value)
 
 
 def _accuracy_counts(out: Any, y: Any) -> torch.Tensor | None:
@@ -108,112 +96,58 @@ class TowerTrainer(FitLoop, TrainerState):
                  overlap: bool = True, init_loss_scale: float = 2.0 ** 16, on_nonfinite: str = "skip",
                  replan_schedule: bool = True, comm: Any = None, timeout: float | None = None,
                  shard_master: bool = False, threads: int | None = None):
-        # Validate everything before touching the model: a bad argument leaves it as it was.
-        if not isinstance(model, nn.Module):
-            raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
-        names, params = trainable_parameters(model)
-        if not params:
-            raise ValueError(f"model: {type(model).__name__} has no trainable parameters (none with "
-                             "requires_grad=True); there is nothing to train")
-        devs = default_devices() if devices is None else parse_devices(devices)
-        tower_threads(devs, threads)   # checked here, applied once everything is: Note [Threads of CPU towers]
-        if not isinstance(optimizer, str) or optimizer.lower() not in OPTIMIZERS:
-            raise ValueError(f"optimizer: must be one of {', '.join(OPTIMIZERS)}, got {optimizer!r}")
-        optimizer = optimizer.lower()
-        lr = _number(lr, "lr", strict=True)
-        weight_decay = _number(weight_decay, "weight_decay")
-        momentum = _number(momentum, "momentum")
-        if momentum >= 1.0:
-            raise ValueError(f"momentum: must be < 1, got {momentum}")
-        if nesterov and (optimizer != "sgd" or momentum == 0.0):
-            raise ValueError("nesterov: needs optimizer='sgd' with momentum > 0")
-        try:
-            betas = tuple(float(b) for b in betas)
-        except (TypeError, ValueError):
-            raise ValueError(f"betas: need two numbers in [0, 1), got {betas!r}") from None
-        if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
-            raise ValueError(f"betas: need two numbers in [0, 1), got {betas!r}")
-        eps = _number(eps, "eps", strict=True)
-        grad_clip = _number(grad_clip, "grad_clip", strict=True, none_ok=True)
-        amp = normalise_amp(amp)
-        master = "cpu" if master is None else master
-        if master not in MASTERS:
-            raise ValueError(f"master: must be 'cpu' or 'device', got {master!r}")
-        bucket_cap_mb = _number(bucket_cap_mb, "bucket_cap_mb", strict=True)
-        first_bucket_mb = _number(first_bucket_mb, "first_bucket_mb", strict=True)
-        if isinstance(seed, bool) or not isinstance(seed, int):
-            raise ValueError(f"seed: must be an integer, got {seed!r}")
-        if loss_fn is not None and not callable(loss_fn):
-            raise TypeError(f"loss_fn: expected a callable (output, target) -> scalar, got {type(loss_fn).__name__}")
-        # A named schedule is planned by fit() from the run's length: see Note [Schedules over a resumed run].
-        schedule = None if isinstance(lr_schedule, str) else make_schedule(lr_schedule, lr)
-        if isinstance(lr_schedule, str):
-            schedule_name(lr_schedule)   # an unknown name fails here, before the model is touched
-        if not isinstance(replan_schedule, bool):
-            raise TypeError(f"replan_schedule: expected a bool, got {type(replan_schedule).__name__}")
-        if not isinstance(shard_master, bool):
-            raise TypeError(f"shard_master: expected a bool, got {type(shard_master).__name__}")
-        if shard_master and (master != "cpu" or devs[0].type != "cpu"):
-            raise ValueError("shard_master: shards the CPU master weights of CPU towers over the processes; it "
-                             f"needs master='cpu' and CPU towers (got master={master!r}, devices {devs[0].type})")
-        if devs[0].type == "cuda":
-            from .._ext import cuda_built
-
-            if not cuda_built():
-                raise ValueError(f"devices: {devs[0]} needs ncclavg's CUDA build, and this ncclavg has none "
-                                 "(built CPU-only; rebuild with NCCLAVG_CUDA=1, see docs/building.md)")
-
+        # Every argument checked before anything is touched: a bad one leaves the model as it was.
+        args = check_trainer_args(model, devices, optimizer, lr, lr_schedule, weight_decay, momentum, nesterov,
+                                  grad_clip, amp, master, bucket_cap_mb, seed, betas, eps, first_bucket_mb, loss_fn,
+                                  concurrent, overlap, init_loss_scale, on_nonfinite, replan_schedule, shard_master,
+                                  threads)
         # See Note [Towers of several processes]; building it is a collective when there are several.
-        process_comm = processes_communicator(comm, devs, timeout)
-        init_loss_scale = _number(init_loss_scale, "init_loss_scale", strict=True)
-        if not isinstance(on_nonfinite, str) or on_nonfinite not in NONFINITE_POLICIES:
-            raise ValueError(f"on_nonfinite: must be one of {', '.join(map(repr, NONFINITE_POLICIES))}, got "
-                             f"{on_nonfinite!r}")
-        scaler = DynamicLossScale(init_scale=init_loss_scale) if amp == "fp16" else None
+        self._keep_choices(args, processes_communicator(comm, args.devices, timeout))
+        self._build(model, args)
 
-        self.devices = devs
+    def _keep_choices(self, a: TrainerArgs, process_comm: Any) -> None:
+        """The run's shape (its processes and towers) and its checked choices, kept on the trainer."""
+        self.devices = a.devices
         self.comm = process_comm   # None: this process's towers are all the towers
         self.processes = process_comm.world_size if process_comm is not None else 1
         self.rank = process_comm.rank if process_comm is not None else 0
-        self.total_towers = process_comm.size if process_comm is not None else len(devs)
+        self.total_towers = process_comm.size if process_comm is not None else len(a.devices)
         self.tower_offset = getattr(process_comm, "tower_offset", 0) if process_comm is not None else 0
-        self.loss_fn = loss_fn if loss_fn is not None else nn.functional.cross_entropy
-        self.amp = amp
-        self.master = master
-        self.grad_clip = grad_clip
-        self.schedule: LRSchedule | None = schedule
-        self._schedule_spec = lr_schedule
+        self.loss_fn = a.loss_fn if a.loss_fn is not None else nn.functional.cross_entropy
+        self.amp = a.amp
+        self.master = a.master
+        self.grad_clip = a.grad_clip
+        self.schedule: LRSchedule | None = a.schedule
+        self._schedule_spec = a.lr_schedule
         # {"total_steps", "steps_per_epoch"} the named schedule was planned for; None for an explicit one
         self._schedule_plan: dict | None = None
         self._planned_for: tuple | None = None   # the (steps_per_epoch, epochs, max_steps) last planned for
         self.schedule_note: str | None = None
-        self.config = {"devices": [str(d) for d in devs], "optimizer": optimizer, "lr": lr,
-                       "weight_decay": weight_decay, "momentum": momentum, "nesterov": bool(nesterov),
-                       "grad_clip": grad_clip, "amp": amp, "master": master, "bucket_cap_mb": bucket_cap_mb,
-                       "first_bucket_mb": first_bucket_mb, "seed": seed, "betas": betas, "eps": eps,
-                       "concurrent": bool(concurrent), "overlap": bool(overlap),
-                       "init_loss_scale": float(init_loss_scale), "on_nonfinite": on_nonfinite}
+        self.config = a.config()
         # Choices of this run's, not of the training: not saved with the checkpoint (a sharded run resumes
         # unsharded and the other way round: Note [Sharded CPU master]).
-        self.replan_schedule = replan_schedule
-        self.shard_master = shard_master and self.processes > 1
-        if shard_master and self.processes == 1:
+        self.replan_schedule = a.replan_schedule
+        self.shard_master = a.shard_master and self.processes > 1
+        if a.shard_master and self.processes == 1:
             log.info("shard_master: one process, nothing to shard; the master weights stay whole")
-        self.on_nonfinite = on_nonfinite
+        self.on_nonfinite = a.on_nonfinite
         self.nonfinite_steps = 0   # steps skipped for an inf/NaN gradient (fp16 overflows included)
-        opt = OptimConfig(optimizer, lr, weight_decay, momentum, bool(nesterov), betas, eps)
 
+    def _build(self, model: nn.Module, a: TrainerArgs) -> None:
+        """The towers (copies of `model`, from rank 0's weights when there are several processes), the
+        engine that averages and steps, the tower runner, and the counters of a run not yet started."""
+        devs = a.devices
         # Before the tower threads first compute: See Note [Threads of CPU towers] in towers.py.
-        self.threads = apply_tower_threads(devs, threads)
-        seed_everything(seed, devs)
+        self.threads = apply_tower_threads(devs, a.threads)
+        seed_everything(a.seed, devs)
         if self.processes > 1:   # every process starts from rank 0's weights and buffers
             self.comm.broadcast_tensors(list(model.parameters()) + list(model.buffers()))
         self.towers = build_towers(model, devs)
-        self.names = names
+        self.names = a.names
         self.tower_params = [trainable_parameters(t)[1] for t in self.towers]
-        self.engine = self._make_engine(opt, bucket_cap_mb, first_bucket_mb, overlap)
+        self.engine = self._make_engine(a.optim(), a.bucket_cap_mb, a.first_bucket_mb, a.overlap)
         self.plan = self.engine.plan
-        self.runner = TowerRunner(len(devs), concurrent=concurrent)
+        self.runner = TowerRunner(len(devs), concurrent=a.concurrent)
         # Note [Tower streams]: each GPU tower works on its device's CURRENT stream, from its own thread.
         # Towers on different GPUs thus run concurrently, and every collective (launched by the averager's
         # backward hooks from whichever tower thread completes a bucket, or by the engines from the main
@@ -221,7 +155,7 @@ class TowerTrainer(FitLoop, TrainerState):
         # stream, which is thread-independent unless a caller switches streams. Private per-tower streams
         # would break that (a hook running in tower 1's thread sees the default stream of tower 0's device).
         self.streams = None
-        self.scaler = scaler
+        self.scaler = DynamicLossScale(init_scale=a.init_loss_scale) if a.amp == "fp16" else None
         self.signature = model_signature(self.towers[0])
 
         self.step = 0            # optimizer steps taken (one per batch, skipped fp16 steps included)
