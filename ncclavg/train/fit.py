@@ -41,17 +41,7 @@ class FitLoop:
         of fit] in fit_report.py). A trainer with nothing left to train says so and returns at once.
         A loader with state_dict/load_state_dict/epoch (TensorLoader) is resumable mid-epoch; any other
         iterable of (inputs..., target) batches is iterated once per epoch."""
-        if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
-            raise ValueError(f"epochs: must be a positive integer, got {epochs!r}")
-        if max_steps is not None and (isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps < 1):
-            raise ValueError(f"max_steps: must be a positive integer or None, got {max_steps!r}")
-        nominal = getattr(loader, "batch_size", None)
-        if isinstance(nominal, int) and nominal < self.total_towers:
-            raise ValueError(f"batch_size: the loader's batch size {nominal} is smaller than the number of "
-                             f"towers ({self.total_towers}); every tower needs at least one sample")
-        for i, cb in enumerate(callbacks):
-            if not isinstance(cb, Callback):
-                raise TypeError(f"callbacks[{i}]: expected an ncclavg.train.callbacks.Callback, got {type(cb).__name__}")
+        nominal = self._check_fit_args(loader, epochs, max_steps, callbacks)
         mode = progress_mode(progress, self.is_main)
         resumable = all(hasattr(loader, a) for a in ("state_dict", "load_state_dict", "epoch"))
         # the epoch the loop below starts from: a resumable loader's (as restored from a checkpoint) or ours
@@ -67,35 +57,14 @@ class FitLoop:
         steps_per_epoch = len(loader) if hasattr(loader, "__len__") else None
         self.plan_schedule(steps_per_epoch, epochs, max_steps)
         self._loader, self.target_epochs, self.stop_training = loader, epochs, False
-        fit_samples, fit_train_s, t_fit, step0 = 0, 0.0, time.perf_counter(), self.step
+        t_fit, step0 = time.perf_counter(), self.step
         for cb in callbacks:
             cb.on_fit_start(self)
+        totals = [0, 0.0]   # samples and training seconds of this fit, kept up to date for a failure's record
         try:
-            while not self.stop_training:
-                epoch = loader.epoch if resumable else self.epoch
-                if epoch >= epochs or (max_steps is not None and self.step >= max_steps):
-                    break
-                for cb in callbacks:
-                    cb.on_epoch_start(self, epoch)
-                completed = True
-                for batch, allow_idle in self._epoch_batches(loader, nominal):
-                    record = self.train_step(batch, _allow_idle_towers=allow_idle)
-                    fit_samples += record["samples"]
-                    fit_train_s += record["step_s"]
-                    for cb in callbacks:
-                        cb.on_step_end(self, record)
-                    if self.stop_training or (max_steps is not None and self.step >= max_steps):
-                        completed = False
-                        break
-                if not completed:
-                    break
-                self.epoch = epoch + 1
-                record = self._epoch_record(eval_loader)
-                self.history.append(record)
-                for cb in callbacks:
-                    cb.on_epoch_end(self, record)
+            self._run_epochs(loader, epochs, max_steps, nominal, resumable, eval_loader, callbacks, totals)
         except BaseException as error:   # See Note [Callbacks when fit fails] in callbacks.py
-            self._note_fit(fit_samples, fit_train_s, t_fit)
+            self._note_fit(totals[0], totals[1], t_fit)
             for cb in callbacks:
                 try:
                     cb.on_fit_error(self, error)
@@ -103,18 +72,62 @@ class FitLoop:
                     error.add_note(f"while handling it, {type(cb).__name__}.on_fit_error raised "
                                    f"{type(cb_error).__name__}: {cb_error}")
             raise
-        self._note_fit(fit_samples, fit_train_s, t_fit)
+        self._note_fit(totals[0], totals[1], t_fit)
         for cb in callbacks:
             cb.on_fit_end(self, self.history)
-        accuracy = self._final_accuracy(eval_loader)
-        summary = FitSummary(test_accuracy=accuracy, epochs=self.epoch,
+        summary = self._summary(eval_loader, t_fit, step0)
+        if self.is_main:
+            show_summary(summary, mode)
+        return FitHistory(self.history, summary)
+
+    def _check_fit_args(self, loader: Iterable, epochs: int, max_steps: int | None,
+                        callbacks: Sequence[Callback]) -> Any:
+        """fit()'s arguments checked, naming the bad one; returns the loader's nominal batch size (or None)."""
+        if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
+            raise ValueError(f"epochs: must be a positive integer, got {epochs!r}")
+        if max_steps is not None and (isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps < 1):
+            raise ValueError(f"max_steps: must be a positive integer or None, got {max_steps!r}")
+        nominal = getattr(loader, "batch_size", None)
+        if isinstance(nominal, int) and nominal < self.total_towers:
+            raise ValueError(f"batch_size: the loader's batch size {nominal} is smaller than the number of "
+                             f"towers ({self.total_towers}); every tower needs at least one sample")
+        for i, cb in enumerate(callbacks):
+            if not isinstance(cb, Callback):
+                raise TypeError(f"callbacks[{i}]: expected an ncclavg.train.callbacks.Callback, got {type(cb).__name__}")
+        return nominal
+
+    def _run_epochs(self, loader: Iterable, epochs: int, max_steps: int | None, nominal: Any, resumable: bool,
+                    eval_loader: Iterable | None, callbacks: list, totals: list) -> None:
+        """The epochs until `epochs` are complete, `max_steps` steps were taken or a callback stopped the
+        training; each epoch's record appended to the history (with its evaluation on `eval_loader`)."""
+        while not self.stop_training:
+            epoch = loader.epoch if resumable else self.epoch
+            if epoch >= epochs or (max_steps is not None and self.step >= max_steps):
+                return
+            for cb in callbacks:
+                cb.on_epoch_start(self, epoch)
+            for batch, allow_idle in self._epoch_batches(loader, nominal):
+                record = self.train_step(batch, _allow_idle_towers=allow_idle)
+                totals[0] += record["samples"]
+                totals[1] += record["step_s"]
+                for cb in callbacks:
+                    cb.on_step_end(self, record)
+                if self.stop_training or (max_steps is not None and self.step >= max_steps):
+                    return   # inside an epoch: no epoch record
+            self.epoch = epoch + 1
+            record = self._epoch_record(eval_loader)
+            self.history.append(record)
+            for cb in callbacks:
+                cb.on_epoch_end(self, record)
+
+    def _summary(self, eval_loader: Iterable | None, t_fit: float, step0: int) -> FitSummary:
+        """The fit's summary (the line `ncclavg train` ends with), kept as `last_summary`."""
+        summary = FitSummary(test_accuracy=self._final_accuracy(eval_loader), epochs=self.epoch,
                              samples_per_s=self.last_fit["samples_per_s"], wall_s=time.perf_counter() - t_fit,
                              processes=self.processes, towers=self.total_towers,
                              devices=tuple(str(d) for d in self.devices), steps=self.step - step0)
         self.last_summary = summary
-        if self.is_main:
-            show_summary(summary, mode)
-        return FitHistory(self.history, summary)
+        return summary
 
     def _say(self, text: str, mode: str | None) -> None:
         """A sentence of fit's own: printed where progress is shown, logged at INFO by the printing process."""
