@@ -101,7 +101,7 @@ def test_negative_comm_importing_train_is_caught(pkg_copy):
 def test_negative_comm_importing_the_torch_adapter_is_caught_even_inside_a_function(pkg_copy):
     # the Communicator is the lower face: a lazy import of the torch backend from it is caught too
     _append(pkg_copy / "comm" / "gloo.py",
-            "\n\ndef _not_allowed():\n    from ..process_group import lane  # noqa\n    return lane\n")
+            "\n\ndef _not_allowed():\n    from ..process_group import face  # noqa\n    return face\n")
     found = L.layer_violations(L.import_edges(pkg_copy))
     assert len(found) == 1 and "ncclavg.comm.gloo" in found[0] and "must not import ncclavg.process_group" in found[0], found
 
@@ -161,13 +161,13 @@ def test_old_addresses_users_were_told_about_still_work():
     import ncclavg.comm.backend_lane as old_lane
     import ncclavg.comm.flight as old_flight
     from ncclavg import errors
-    from ncclavg.process_group import lane
+    from ncclavg.process_group import face
     from ncclavg.transport import flight
 
     assert old_flight is flight and old_flight.dump is flight.dump
     for name in ("BackendError", "BackendTimeoutError", "BackendMismatchError"):
         cls = getattr(errors, name)
-        assert getattr(old_lane, name) is cls and getattr(lane, name) is cls, name
+        assert getattr(old_lane, name) is cls and getattr(face, name) is cls, name
         assert cls.__module__ == "ncclavg.errors" and cls.__qualname__ == name
         assert issubclass(cls, dist.DistBackendError) and issubclass(cls, errors.CommError)
         again = pickle.loads(pickle.dumps(cls("rank 1 stopped responding")))   # Ray and multiprocessing do this

@@ -113,7 +113,7 @@ class GlooCommunicator(Communicator):
         """`job` (jobs.py) described as `what` and run on this communicator's runner: now when `sync` and
         nothing is pending, else queued; an asynchronous call of at most `inline_bytes` bytes runs now too
         when its peers are in it already (Note [One runner] in transport/runner.py). `like`: the tensors its
-        flight record describes (Note [What a job records] in process_group/lane.py)."""
+        flight record describes (Note [What a job records] in process_group/face.py)."""
         limit = self.timeout if timeout is None else timeout
         self._describe_job(job, what, call, limit, like)
         ready = None

@@ -2,7 +2,7 @@
 through (`init_process_group("ncclavg")`, DDP, FSDP2, DeepSpeed, transformers' Trainer, Ray Train).
 
 What lives here: group.py (`ProcessGroupNcclavg`, a `dist.ProcessGroup`, and `_create`, the creator that
-ncclavg/__init__.py registers with torch), lane.py (what the torch face adds to the transport's runner:
+ncclavg/__init__.py registers with torch), face.py (what the torch face adds to the transport's runner:
 its errors and the profiled point-to-point Work), connect.py (a group's host channel, runner and
 heartbeats), checks.py (the calls' argument checks and descriptions), jobs.py (one job class per
 collective, named after it, which the runner runs), cpu_collectives.py (the CPU collectives the jobs

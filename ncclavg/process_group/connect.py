@@ -38,7 +38,7 @@ from torch._C._distributed_c10d import PrefixStore
 from ..transport import host_pipes, host_setup, shm
 from ..transport.liveness import Liveness
 from ..transport.runner import BACKSTOP_S, Runner
-from .lane import FACE, BackendError
+from .face import FACE, BackendError
 
 host_identity = shm.host_identity   # the tests replace it to pretend several hosts
 

@@ -2,7 +2,7 @@
 
 CPU tensors go through the host channel (shared memory between the processes of one host, `shm+gloo`
 across hosts: exactly GlooCommunicator's choice, transport/shm.py), on the group's runner, which runs
-them in order (transport/runner.py, Note [Backend lanes] in lane.py); what the channel has no path for
+them in order (transport/runner.py, Note [A runner per process group] in face.py); what the channel has no path for
 goes through an inner gloo backend of the same group (Note [Which CPU collectives take the channel] in
 transport/paths.py). CUDA tensors go to an inner
 torch ProcessGroupNCCL of the same group.
@@ -44,7 +44,7 @@ from .cpu_collectives import CpuCollectives
 from .checks import CallChecks, call_limit, list_call
 from .devices import NcclCollectives, first_list
 from .fast_path import fast_calls, fast_paths, native_allreduce
-from .lane import profiled_p2p
+from .face import profiled_p2p
 
 NAME = "ncclavg"
 _profiling = profiling.enabled   # is torch's profiler on? ~20 ns
@@ -79,7 +79,7 @@ class ProcessGroupNcclavg(CallChecks, dist.ProcessGroup):
         self._fast = fast_paths(self, self._runner)   # Note [The backend's fast path]
         self._runner.fast_paths.extend(self._fast.values())
         self._calls = fast_calls(self._runner, size)   # the same, for broadcast, all-gather, reduce-scatter
-        # Note [What a job records] in lane.py; the fast paths record with Recorder.done
+        # Note [What a job records] in face.py; the fast paths record with Recorder.done
         self._flight = flight.for_group(self._name, rank, size, self.global_ranks[rank], self.transport)
         self._runner.recorder = self._flight
         native = native_allreduce(self, self._fast, self._flight, self._timeout, _UNSET_TIMEOUT)
@@ -138,7 +138,7 @@ class ProcessGroupNcclavg(CallChecks, dist.ProcessGroup):
             raise BackendError(f"ncclavg {op}: the process group was shut down")
         limit = call_limit(opts, self._timeout)
         job.describe(self._what(op, tensors), limit, call, result, own_timeout=limit != self._timeout)
-        if self._flight is not None and call is not None:   # Note [What a job records] in lane.py
+        if self._flight is not None and call is not None:   # Note [What a job records] in face.py
             job.rec = self._flight.issue(call, tensors)
         if _profiling():   # Note [Profiler ranges of a Python backend] in profiling.py: on the worker
             with profiling.dispatched(op, tensors):

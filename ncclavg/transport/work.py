@@ -90,7 +90,7 @@ class JobWork(Work):
     def __init__(self, job: Any, inner: Any = None):
         super().__init__()
         self._job = job
-        self._inner = inner   # the torch work a profiled point-to-point call waits for (process_group/lane.py)
+        self._inner = inner   # the torch work a profiled point-to-point call waits for (process_group/face.py)
         self._outer: Optional[Any] = None
 
     def wait(self, timeout: Any = None) -> bool:

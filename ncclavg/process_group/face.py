@@ -3,7 +3,7 @@
 "process group" in its messages, Work.wait(timeout) as the caller's patience) and the Work of a
 point-to-point call issued while torch's profiler runs.
 
-Note [Backend lanes]
+Note [A runner per process group]
 torch.distributed lets a caller issue a collective and wait for it later (DDP issues one all-reduce per
 bucket while backward goes on). So each process group has a runner: a collective issued with
 async_op=True (and every collective DDP, FSDP2 or a functional collective issues from C++) is queued and
