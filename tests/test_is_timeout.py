@@ -7,7 +7,7 @@ from ncclavg.errors import CommError, CommTimeoutError, is_timeout
 
 
 def test_ncclavg_errors_by_type_not_text():
-    from ncclavg.process_group.lane import BackendError, BackendMismatchError, BackendTimeoutError
+    from ncclavg.process_group.face import BackendError, BackendMismatchError, BackendTimeoutError
 
     assert is_timeout(CommTimeoutError("all_reduce_avg timed out"))
     assert is_timeout(BackendTimeoutError("the group's timeout expired"))

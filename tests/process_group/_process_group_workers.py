@@ -365,7 +365,7 @@ def subgroups_job(rank, world, port):
 
 def mismatch_job(rank, world, port):
     """Ranks that call a collective with different sizes fail with an error naming both, never hang."""
-    from ncclavg.process_group.lane import BackendError
+    from ncclavg.process_group.face import BackendError
 
     init_backend(rank, world, port, timeout_s=20)
     t = torch.ones(10 + rank)

@@ -10,7 +10,7 @@ import pytest
 
 from ncclavg import _C, errors
 from ncclavg.comm.base import FACE as API
-from ncclavg.process_group.lane import FACE as TORCH
+from ncclavg.process_group.face import FACE as TORCH
 from ncclavg.transport.runner import Job, Runner
 
 
