@@ -31,9 +31,28 @@ def init_rank(rank, world, port, timeout_s=60):
                             timeout=datetime.timedelta(seconds=timeout_s))
 
 
-def _run_and_end(rank, fn, *args):
-    """A rank's body: fn, then (it returned: every collective is done) out without teardown, see Note
-    [Gloo teardown] in ncclavg/comm/dist.py. An exception goes back to the spawn harness as usual."""
+# Note [Ranks from a forkserver]
+# Every rank of run_ranks used to be a spawned interpreter that imported torch (~1.1 s of CPU on the 2-core
+# dev VM), several per test: most of the quick suite's time. The ranks now come from multiprocessing's
+# forkserver with torch imported once (set_forkserver_preload): each rank is a fork of a process that
+# has imported torch and done nothing else (no threads, no ncclavg), then imports its test module and
+# ncclavg itself, as a spawned rank does. A forkserver child inherits the forkserver's environment, not
+# the test's, so each rank starts from the caller's os.environ as it is at the call (monkeypatch.setenv
+# and the like). NCCLAVG_TEST_SPAWN=1 goes back to spawn.
+_START = "spawn" if os.environ.get("NCCLAVG_TEST_SPAWN") == "1" else "forkserver"
+if _START == "forkserver":
+    import multiprocessing
+
+    multiprocessing.set_forkserver_preload(["torch"])
+
+
+def _run_and_end(rank, env, fn, *args):
+    """A rank's body, in the caller's environment `env`: fn, then (it returned: every collective is done)
+    out without teardown, see Note [Gloo teardown] in ncclavg/comm/dist.py. An exception goes back to
+    the spawn harness as usual."""
+    if env is not None:
+        os.environ.clear()
+        os.environ.update(env)
     fn(rank, *args)
     from ncclavg.comm import end_process
 
@@ -44,8 +63,9 @@ def run_ranks(fn, world, args=(), timeout_s=120):
     """Runs fn(rank, world, port, *args) in `world` spawned processes; re-raises a child's exception;
     kills everything after timeout_s."""
     port = free_port()
-    ctx = mp.start_processes(_run_and_end, args=(fn, world, port, *args), nprocs=world, join=False,
-                             start_method="spawn")
+    env = dict(os.environ) if _START == "forkserver" else None   # Note [Ranks from a forkserver]
+    ctx = mp.start_processes(_run_and_end, args=(env, fn, world, port, *args), nprocs=world, join=False,
+                             start_method=_START)
     deadline = time.monotonic() + timeout_s
     try:
         while not ctx.join(timeout=1.0):
