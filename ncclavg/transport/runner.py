@@ -44,7 +44,7 @@ here:
   it at each step, between hosts too (a lane's wait on gloo, the hosts' leaders' record, the channel's
   rounds around them), so no step re-derives the deadline from a limit of its own;
 - a waiter: torch's Work.wait(timeout) is the caller's patience and leaves the job running; the public
-  API's waits its timeout and SLACK_S more, then fails the runner (work.py);
+  API's waits its timeout and SLACK_S more (Job.waiter_limits), then fails the runner (work.py);
 - the fast paths run a call whole on the caller's thread: there the channel's own limit (or the lanes'
   between hosts) is the deadline; a timeout of the lanes names no rank, and `failed` asks the heartbeats
   as the watchdog would have (Note [A timeout between the hosts] in csrc/transport/host_lanes.cpp).
@@ -63,8 +63,11 @@ from .._ext import _C
 from . import failure as F
 from . import flight, profiling
 from .liveness import DIAGNOSE_S
-from .work import SLACK_S, JobWork
+from .work import JobWork
 
+# Every bound of a call is derived from its job's one deadline here (Note [One deadline per call]):
+# Job.remaining, Job.channel_limit (BACKSTOP_S past it), Job.wait_gloo and Job.waiter_limits (SLACK_S).
+SLACK_S = 1.0      # the scheduling margin: a loaded machine's delay between a deadline and its naming
 WATCH_S = 0.2      # how often the watchdog looks at the running job
 BACKSTOP_S = WATCH_S + DIAGNOSE_S + SLACK_S   # a channel step's limit past the deadline
 # An asynchronous call of at most ASYNC_INLINE_BYTES runs on the caller's thread when its peers are in it
@@ -140,6 +143,12 @@ class Job:
     def channel_limit(self) -> float:
         """The limit a channel step is given (Note [One deadline per call])."""
         return self.remaining() + BACKSTOP_S
+
+    def waiter_limits(self, seconds: Optional[float]) -> tuple:
+        """A public API waiter's two waits (Note [One deadline per call]): its own limit (`seconds`, else the
+        job's timeout), then SLACK_S more, so that a job that started, whose deadline names the rank that
+        stopped, fails first."""
+        return (self.timeout if seconds is None else seconds), SLACK_S
 
     def wait_gloo(self, work: Any) -> None:
         """Waits for a torch.distributed work until the deadline."""

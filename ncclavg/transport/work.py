@@ -27,9 +27,6 @@ except ImportError:   # a torch build without torch.distributed: the public API'
     _TorchWork = object
 
 
-SLACK_S = 1.0   # the scheduling margin of Note [One deadline per call] in runner.py
-
-
 def check_seconds(value: Any, argname: str = "timeout") -> float:
     """A positive finite number of seconds, else a TypeError / ValueError naming `argname`."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -99,10 +96,8 @@ class JobWork(Work):
         runner = job.runner
         seconds = _seconds(timeout)
         if runner is not None and runner.face.wait_fails:   # the public API
-            limit = job.timeout if seconds is None else seconds
-            # a job that started has a deadline of its own, and its error names the rank that stopped: let
-            # it come first, by SLACK_S at most
-            if not job.wait_done(limit) and not job.wait_done(SLACK_S):
+            limit, slack = job.waiter_limits(seconds)
+            if not job.wait_done(limit) and not job.wait_done(slack):
                 raise runner.fail_waiter(job, limit)
         elif seconds is not None:   # torch's: the caller's patience, the job goes on
             if not job.wait_done(seconds):
