@@ -18,20 +18,14 @@ from ..transport.runner import Job
 
 class CommJob(Job):
     """A job of the public API: `comm` its communicator; described by it (Job.describe) before its runner
-    runs it. A subclass lists its arguments in ARGS (dropped once the job is complete: the Buffers are only
-    pointers, so a job holds the tensors they point into until then)."""
+    runs it. A subclass lists its arguments in ARGS (dropped once the job is complete: Job.drop; the
+    Buffers are only pointers, so a job holds the tensors they point into until then)."""
 
     __slots__ = ("comm",)
-    ARGS: tuple = ()
 
     def __init__(self, comm: Any):
         super().__init__(None, None, 0.0)
         self.comm = comm
-
-    def drop(self) -> None:
-        self.body = None
-        for name in self.ARGS:
-            setattr(self, name, None)
 
 
 class Average(CommJob):
@@ -185,7 +179,7 @@ class LocalAverage(Job):
     """all_reduce_avg_async of the local backend's CPU towers: the core's one-pass average of `bufs`, which
     notes whether a mean it wrote is inf/NaN (Work.finite: Note [Finiteness from the pass that writes] in
     csrc/common/finite_math.h). `tensors` keeps the towers' tensors alive until it ran."""
-    __slots__ = ("bufs", "tensors")
+    __slots__ = ARGS = ("bufs", "tensors")
 
     def __init__(self, bufs: List[Any], tensors: List[torch.Tensor], what: Any, timeout: float):
         super().__init__(None, what, timeout)
@@ -194,14 +188,11 @@ class LocalAverage(Job):
     def run(self) -> None:
         self.finite = _C.average_(self.bufs, 0, True)
 
-    def drop(self) -> None:
-        self.body = self.bufs = self.tensors = None
-
 
 class GlooAllGather(Job):
     """A bounded torch.distributed all_gather of `inp` into `outs` over `group` (setup's exchanges and
     NCCLAVG_DEBUG's sequence check: dist.py), waited for until the job's deadline."""
-    __slots__ = ("dist", "group", "outs", "inp")
+    __slots__ = ARGS = ("dist", "group", "outs", "inp")
 
     def __init__(self, dist: Any, group: Any, outs: List[torch.Tensor], inp: torch.Tensor, what: Any,
                  timeout: float, own_timeout: bool):
@@ -210,6 +201,3 @@ class GlooAllGather(Job):
 
     def run(self) -> None:
         self.wait_gloo(self.dist.all_gather(self.outs, self.inp, group=self.group, async_op=True))
-
-    def drop(self) -> None:
-        self.body = self.outs = self.inp = None

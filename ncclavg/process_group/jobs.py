@@ -30,19 +30,13 @@ __all__ = ["AllGather", "AllGatherCoalesced", "AllGatherSingle", "AllGatherSingl
 class TorchJob(Job):
     """A job of the torch face: `cpu` the group's CpuCollectives; a torch future (its Work's); the group
     describes it (Job.describe) before its runner runs it. A subclass lists its arguments in ARGS (dropped
-    once the job is complete) and runs its step in `run`."""
+    once the job is complete: Job.drop) and runs its step in `run`."""
 
     __slots__ = ("cpu",)
-    ARGS: tuple = ()
 
     def __init__(self, cpu: CpuCollectives):
         super().__init__(None, None, 0.0, future=True)
         self.cpu = cpu
-
-    def drop(self) -> None:
-        self.body = None
-        for name in self.ARGS:
-            setattr(self, name, None)
 
 
 # ---------------------------------------------------------------------- the all-reduce family

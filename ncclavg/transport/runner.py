@@ -127,10 +127,14 @@ class Job:
         arguments and overrides this, so that a reader finds what runs by its name."""
         self.body(self)
 
+    ARGS: tuple = ()   # a typed job's arguments (its slots), let go of once it is complete
+
     def drop(self) -> None:
-        """Lets go of what the job works on once complete (a Work may outlive it): a typed job clears its
-        arguments too."""
+        """Lets go of what the job works on once complete (a Work may outlive it): the body, a typed job's
+        ARGS."""
         self.body = None
+        for name in self.ARGS:
+            setattr(self, name, None)
 
     # ------------------------------------------------------------------ the deadline, for its steps
     def remaining(self) -> float:
