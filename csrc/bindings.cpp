@@ -382,6 +382,8 @@ PYBIND11_MODULE(_C, m) {
              py::arg("tensors"), py::arg("timeout_s"), py::arg("ready_wait_s"),
              "an asynchronous all-reduce of tensors[0] through the channel, run now when it is small and its peers "
              "are in it within ready_wait_s: whether every value it wrote is finite; None for the general path")
+        .def("record_to", &py_glue::FastAllReduce::record_to, py::arg("recorder"), py::arg("what"),
+             py::arg("done_word"), "write every call it runs into a flight Recorder's ring, as Recorder.done")
         .def("disable", &py_glue::FastAllReduce::disable)
         .def_property_readonly("cached", &py_glue::FastAllReduce::cached);
     // The torch backend's allreduce for the calls the fast path takes (ncclavg/process_group/fast_path.py)

@@ -38,10 +38,12 @@ import weakref
 from typing import Any, Callable, Optional
 
 from .._ext import _C
+from ..transport.flight import DONE
 
 
 
-def fast_average(plan: Callable[[Any], Optional[tuple]], target: Any, order: Any) -> Any:
+def fast_average(plan: Callable[[Any], Optional[tuple]], target: Any, order: Any, recorder: Any = None,
+                 what: Any = None) -> Any:
     """The native fast path (_C.FastAllReduce) of one channel or of the lanes between hosts (`target`:
     a _C.ShmChannel or a _C.HostLanes): `.run(tensors, limit)` runs the call
     and returns True, or returns False when the general path must run it; it raises
@@ -50,11 +52,15 @@ def fast_average(plan: Callable[[Any], Optional[tuple]], target: Any, order: Any
     a tensor it has not seen (data_ptr, numel, type code, divisor, call tag), or None for "not this
     one"; the owner calls `.disable()` when it fails or closes. The native object keeps only a weak
     reference to the owner (weakref.WeakMethod), so that it and its communicator form no cycle that
-    holds the channel's segment mapped: see FastAllReduce::disable."""
+    holds the channel's segment mapped: see FastAllReduce::disable. With a flight `recorder`, every call it
+    runs is recorded there as `what` (Note [Calls run now] in transport/runner.py), in C++."""
     method = weakref.WeakMethod(plan)
 
     def prepare(t: Any) -> Optional[tuple]:
         bound = method()
         return None if bound is None else bound(t)
 
-    return _C.FastAllReduce(target, order, prepare)
+    fast = _C.FastAllReduce(target, order, prepare)
+    if recorder is not None:
+        fast.record_to(recorder, what, DONE)
+    return fast

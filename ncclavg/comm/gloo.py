@@ -101,7 +101,7 @@ class GlooCommunicator(Communicator):
         # one tower here, and one host's channel over every process or the lanes between the hosts (the
         # lanes divide after their sum, as the general path's unpack scale does): Note [Small-message fast path]
         target = transport.fast_target if transport is not None else None
-        self._fast = (fast_average(self._fast_plan, target, self._runner.order)
+        self._fast = (fast_average(self._fast_plan, target, self._runner.order, self._runner.recorder, _AVERAGE)
                       if target is not None and towers == 1 else None)
         self._fast_run = self._fast.run if self._fast is not None else None
         if self._fast is not None:
@@ -195,11 +195,7 @@ class GlooCommunicator(Communicator):
         fast = self._fast_run
         if fast is not None:   # Note [Small-message fast path]
             try:
-                if fast(tensors, limit):
-                    recorder = self._runner.recorder   # Note [Calls run now]: recorded as a job would be
-                    if recorder is not None:
-                        t = tensors[0]
-                        recorder.done(_AVERAGE, t.dtype, t.numel())
+                if fast(tensors, limit):   # (recorded by the native object: Note [Calls run now])
                     return
             except CHANNEL_ERRORS as e:   # the communicator fails as the runner's job would have
                 raise self._runner.failed_without_job(self._what("all_reduce_avg", tensors, tag), limit,
@@ -219,10 +215,7 @@ class GlooCommunicator(Communicator):
             except CHANNEL_ERRORS as e:   # the communicator fails as the runner's job would have; wait() says so
                 return done_work(error=self._runner.failed_without_job(
                     self._what("all_reduce_avg", tensors, tag), self.timeout, average_call(tensors[0]), False, e))
-            if finite is not None:
-                t = tensors[0]
-                if self._runner.recorder is not None:   # Note [Calls run now]
-                    self._runner.recorder.done(_AVERAGE, t.dtype, t.numel())
+            if finite is not None:   # (recorded by the native object: Note [Calls run now])
                 work = done_work()
                 work.finite = finite
                 return work

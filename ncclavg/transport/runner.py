@@ -26,8 +26,8 @@ broadcast_tensors, all_gather and reduce_scatter_avg (comm/gloo.py). It is the o
 call may skip its job: the runner idle (acquire_idle), the profiler off (its ranges are the general
 path's), and for an asynchronous call the small-size gate and the peers-ready look; and it writes the
 call's flight record, as a job's would be. The native fast all-reduces (csrc/python/fast_all_reduce.cpp,
-_C.GroupAllreduce) check the same facts in C++ and record through the same Recorder.done; the public API's
-records after its native call returns (comm/gloo.py's all_reduce_avg).
+_C.GroupAllreduce) check the same facts in C++; the torch face's records through the same Recorder.done,
+the public API's writes the same record into the recorder's ring in C++ (FastAllReduce::record_to).
 
 Note [One deadline per call]
 Every collective has one deadline: its timeout (the caller's, else its communicator's or process group's)
