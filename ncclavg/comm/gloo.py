@@ -37,7 +37,7 @@ from ..transport.liveness import Liveness
 from ..transport.paths import Paths
 from ..transport.profiling import enabled as _profiling
 from ..transport.reductions import as_bytes, byte_wire
-from ..transport.runner import ASYNC_INLINE_BYTES, ASYNC_READY_S, CallNow
+from ..transport.runner import ASYNC_READY_S, CallNow
 from ..transport.shm import host_identity, supports as shm_supports
 from ..transport.work import JobWork, Work, done_work
 from . import jobs as J
@@ -116,9 +116,7 @@ class GlooCommunicator(Communicator):
         flight record describes (Note [What a job records] in process_group/face.py)."""
         limit = self.timeout if timeout is None else timeout
         self._describe_job(job, what, call, limit, like)
-        ready = None
-        if not sync and 0 <= inline_bytes <= ASYNC_INLINE_BYTES and self._channel is not None:
-            ready = self._runner.transport.peers_ready
+        ready = None if sync or self._channel is None else self._runner.ready_for(inline_bytes)
         return self._runner.submit(job, inline=sync, ready=ready)
 
     def _describe_job(self, job: J.CommJob, what: Any, call: Any, limit: float, like: Sequence[torch.Tensor]) -> None:

@@ -282,6 +282,14 @@ class Runner:
             job.ran_inline = True
             self._execute(job)
 
+    def ready_for(self, nbytes: int) -> Optional[Callable[[float], bool]]:
+        """The look for its peers (the channel's peers_ready) of an asynchronous call that moves `nbytes`,
+        when it may run on the caller's thread at all: at most ASYNC_INLINE_BYTES, on a channel. None:
+        never (queue it). The one size gate in Python (the native ones: FastAllReduce::kAsyncInlineBytes)."""
+        if not 0 <= nbytes <= ASYNC_INLINE_BYTES or self.transport is None:
+            return None
+        return getattr(self.transport, "peers_ready", None)
+
     def acquire_idle(self, ready: Optional[Callable[[float], bool]] = None) -> bool:
         """Takes the order lock when it is free, nothing is outstanding and the runner takes calls; with
         `ready` (an asynchronous call), only when ready(ASYNC_READY_S) also says its peers are in it. True:
@@ -308,9 +316,9 @@ class Runner:
             return False
         ready = None
         if async_bytes >= 0:
-            if async_bytes > ASYNC_INLINE_BYTES or self.transport is None:
+            ready = self.ready_for(async_bytes)
+            if ready is None:
                 return False
-            ready = self.transport.peers_ready
         if not self.acquire_idle(ready):
             return False
         try:
