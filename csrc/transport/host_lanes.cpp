@@ -430,7 +430,11 @@ void HostLanes::check_events(LaneCall& c) {
     fail(c, text, kind == kFailMismatch ? kFailMismatch : kFailPeer);   // (a peer's words, passed on)
   }
   for (auto& p : peers_) {
-    if (p && p->error != UCS_OK) {
+    // A peer's broken connection ends this call only when the call still waits on that peer: a peer that has
+    // delivered all it had for the call may finish it and exit (its socket closes) before this rank ends it
+    // (a rank of its host whose wire is elsewhere, or a last barrier before the process ends). The next call
+    // that needs the peer fails here at its first wait.
+    if (p && p->error != UCS_OK && c.waits_on(p->rank)) {
       std::ostringstream os;
       os << "between the hosts: " << c.what() << ": the connection to rank " << p->rank << " (host " << p->host
          << ") failed: " << ucx::status_text(p->error) << " (rank " << p->rank << " stopped responding)";
@@ -584,6 +588,12 @@ LaneRequest* LaneCall::make_request(int peer, int lane, int kind, int64_t chunk,
   r->chunk = chunk;
   r->is_recv = recv;
   return r;
+}
+
+bool LaneCall::waits_on(int peer) const {
+  for (const auto& r : requests)
+    if (r->peer == peer && !r->done) return true;
+  return false;
 }
 
 LaneRequest* LaneCall::hello_from(int peer, int lane) {

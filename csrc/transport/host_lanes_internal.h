@@ -39,6 +39,7 @@ struct LaneCall {
   LaneCall(HostLanes& e, LaneOp op, int type, int64_t count, int root, double timeout_s, ShmCallTag tag);
   LaneRequest* make_request(int peer, int lane, int kind, int64_t chunk, bool recv);
   LaneRequest* hello_from(int peer, int lane);
+  bool waits_on(int peer) const;   // a request of this call to or from `peer` not complete yet
   std::string what() const;
   double deadline_left() const;   // seconds to the deadline, at least 1 ms (a channel step's limit)
 
