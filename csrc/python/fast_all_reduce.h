@@ -77,6 +77,7 @@ class FastAllReduce {
   // calls took 300-450 us each against 120 us for one synchronous call), and it covers the single DDP
   // bucket of a small model (the digits MLP's 69 KB); a larger call would hold up the caller's own work
   // (DDP's backward) for longer than the overlap it gives up is worth on a machine with cores to spare.
+  // Python's copy of this gate, for the calls written there: Runner.ready_for (ncclavg/transport/runner.py).
   static constexpr int64_t kAsyncInlineBytes = 256 << 10;
   // For good: also lets go of `prepare` and the cache, which would otherwise keep the communicator
   // alive through a reference cycle that Python's collector cannot see into (prepare -> communicator
