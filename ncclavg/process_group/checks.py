@@ -16,7 +16,7 @@ from ..transport.failure import LazyText
 from ..transport.reductions import R, red_kind
 from .devices import flat, has_cuda
 
-_UNSET_TIMEOUT = AllreduceOptions().timeout   # what torch's options hold when the caller gave none
+UNSET_TIMEOUT = AllreduceOptions().timeout   # what torch's options hold when the caller gave none
 _INTEGER_OK = (R.SUM, R.AVG, R.MIN, R.MAX, R.PRODUCT, R.BAND, R.BOR, R.BXOR)
 _FLOAT_OK = (R.SUM, R.AVG, R.MIN, R.MAX, R.PRODUCT, R.PREMUL_SUM)
 
@@ -26,7 +26,7 @@ def call_limit(opts: Any, default: float) -> float:
     default value, or not positive), else the group's `default`. The one place it is read in Python (the
     native all_reduce reads it the same way: GroupAllreduce::call)."""
     timeout = getattr(opts, "timeout", None)
-    if isinstance(timeout, datetime.timedelta) and timeout != _UNSET_TIMEOUT and timeout.total_seconds() > 0:
+    if isinstance(timeout, datetime.timedelta) and timeout != UNSET_TIMEOUT and timeout.total_seconds() > 0:
         return timeout.total_seconds()
     return default
 

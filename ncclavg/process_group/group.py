@@ -41,14 +41,13 @@ from ..transport.runner import Job, Runner
 from ..transport.work import DoneWork, JobWork, done_work
 from . import jobs as J
 from .cpu_collectives import CpuCollectives
-from .checks import CallChecks, call_limit, list_call
+from .checks import UNSET_TIMEOUT, CallChecks, call_limit, list_call
 from .devices import NcclCollectives, first_list
 from .fast_path import fast_calls, fast_paths, native_allreduce
 from .face import profiled_p2p
 
 NAME = "ncclavg"
 _profiling = profiling.enabled   # is torch's profiler on? ~20 ns
-_UNSET_TIMEOUT = AllreduceOptions().timeout   # what torch's options hold when the caller gave none
 
 
 class ProcessGroupNcclavg(CallChecks, dist.ProcessGroup):
@@ -82,7 +81,7 @@ class ProcessGroupNcclavg(CallChecks, dist.ProcessGroup):
         # Note [What a job records] in face.py; the fast paths record with Recorder.done
         self._flight = flight.for_group(self._name, rank, size, self.global_ranks[rank], self.transport)
         self._runner.recorder = self._flight
-        native = native_allreduce(self, self._fast, self._flight, self._timeout, _UNSET_TIMEOUT)
+        native = native_allreduce(self, self._fast, self._flight, self._timeout, UNSET_TIMEOUT)
         if native is not None:   # shadows the method below for this group: the general path is _allreduce
             self.allreduce = native
             self._runner.fast_paths.append(native)
