@@ -54,8 +54,7 @@ from typing import Any, Iterator, Optional, Sequence
 import torch
 
 from . import ops
-from .bucketing import SUPPORTED_DTYPES, BucketPlan, parse_dtype
-from .errors import LayoutMismatchError
+from .bucketing import BucketPlan, check_across_processes, parse_dtype, plan_towers
 
 log = logging.getLogger(__name__)
 
@@ -77,26 +76,16 @@ class GradientAverager:
         for attr in ("all_reduce_avg_async", "allgather_object", "local_size", "devices", "timeout"):
             if not hasattr(comm, attr):
                 raise TypeError(f"comm: expected an ncclavg Communicator, got {type(comm).__name__}")
-        plan, error = None, None
         try:
             if not isinstance(overlap, bool):
                 raise TypeError(f"overlap: expected a bool, got {type(overlap).__name__}")
             if not isinstance(check_finite, bool):
                 raise TypeError(f"check_finite: expected a bool, got {type(check_finite).__name__}")
             gdt = parse_dtype(grad_dtype, "grad_dtype")
-            params, tnames, modules = _collect_towers(towers, names)
-            if len(params) != comm.local_size:
-                raise ValueError(f"towers: got {len(params)} towers but comm.local_size is {comm.local_size} "
-                                 f"(one tower per local device of the communicator: {comm.devices})")
-            _check_devices(params, comm.devices)
-            _check_distinct(params)
-            plan = BucketPlan.build(params[0], tnames[0], bucket_cap_mb, first_bucket_mb, gdt)
-            for t in range(1, len(params)):
-                plan.check_same_layout(params[t], tnames[t], tower=t)
         except (ValueError, TypeError) as e:
-            plan, error = None, e
-        # Processes exchange their outcome even when this one failed: see _check_across_processes.
-        _check_across_processes(comm, plan, error)
+            check_across_processes(comm, None, e)   # raises e once the peers know (none waits for this one)
+            raise                                   # (not reached)
+        params, modules, plan = plan_towers(comm, towers, names, bucket_cap_mb, first_bucket_mb, gdt)
 
         self.comm = comm
         self.plan: BucketPlan = plan
@@ -117,13 +106,7 @@ class GradientAverager:
         # Per bucket: slots whose .grad can be a view, and slots cast through pack/unpack (grad_dtype).
         self._view_slots = [[s.index for s in b.slots if s.dtype == b.dtype] for b in plan.buckets]
         self._cast_slots = [[s.index for s in b.slots if s.dtype != b.dtype] for b in plan.buckets]
-        self._storage = [[torch.zeros(b.numel, dtype=b.dtype, device=params[t][0].device) for b in plan.buckets]
-                         for t in range(self._ntowers)]
-        self._views: list = [[None] * len(plan.slots) for _ in range(self._ntowers)]
-        for t in range(self._ntowers):
-            for b in range(self._nb):
-                for i in self._view_slots[b]:
-                    self._views[t][i] = plan.slot_view(self._storage[t][b], i)
+        self._storage, self._views = self._make_storage()
         self._cuda = self._storage[0][0].is_cuda   # See Note [Stream-ordered average]
         self._side_streams: dict = {}             # device -> the stream nonfinite() reads the amax on
         self._lock = threading.Lock()
@@ -133,12 +116,31 @@ class GradientAverager:
         self._unused_logged: set = set()
         self._reset_step()
         self._install_views()
-        self._handles: list = []
+        self._handles = self._register_hooks(modules)
+
+    def _make_storage(self) -> tuple:
+        """-> (storage, views): each tower's zeroed buckets, and the views of its slots whose gradients can
+        live in them (Note [Zero-copy bucket views])."""
+        plan = self.plan
+        storage = [[torch.zeros(b.numel, dtype=b.dtype, device=self.params[t][0].device) for b in plan.buckets]
+                   for t in range(self._ntowers)]
+        views: list = [[None] * len(plan.slots) for _ in range(self._ntowers)]
         for t in range(self._ntowers):
-            for i, p in enumerate(params[t]):
-                self._handles.append(p.register_post_accumulate_grad_hook(self._make_hook(t, i)))
+            for b in range(self._nb):
+                for i in self._view_slots[b]:
+                    views[t][i] = plan.slot_view(storage[t][b], i)
+        return storage, views
+
+    def _register_hooks(self, modules: list) -> list:
+        """Every parameter's post-accumulate hook (Note [Launch order]) and each module tower's forward
+        pre-hook that points its gradients back at the views; their handles, removed by close()."""
+        handles = []
+        for t in range(self._ntowers):
+            for i, p in enumerate(self.params[t]):
+                handles.append(p.register_post_accumulate_grad_hook(self._make_hook(t, i)))
             if modules[t] is not None:
-                self._handles.append(modules[t].register_forward_pre_hook(self._make_rearm(t)))
+                handles.append(modules[t].register_forward_pre_hook(self._make_rearm(t)))
+        return handles
 
     # ------------------------------------------------------------------ public API
     def average(self, *, block: Optional[bool] = None) -> None:
@@ -493,112 +495,3 @@ def _dense(g: torch.Tensor) -> torch.Tensor:
     if g.is_sparse:
         g = g.to_dense()
     return g if g.is_contiguous() else g.contiguous()
-
-
-def _collect_towers(towers: Any, names: Any) -> tuple:
-    """-> (params per tower, names per tower, module or None per tower), with errors naming towers[t][i]."""
-    if isinstance(towers, (torch.nn.Module, torch.Tensor)) or not hasattr(towers, "__len__"):
-        raise TypeError(f"towers: expected a list of nn.Module or of parameter lists (one per local tower), "
-                        f"got {type(towers).__name__}")
-    if len(towers) == 0:
-        raise ValueError("towers: expected at least one tower, got an empty list")
-    params, tnames, modules = [], [], []
-    for t, tower in enumerate(towers):
-        if isinstance(tower, torch.nn.Module):
-            named = [(n, p) for n, p in tower.named_parameters() if p.requires_grad]
-            params.append([p for _, p in named])
-            tnames.append([n for n, _ in named])
-            modules.append(tower)
-        elif isinstance(tower, torch.Tensor) or not hasattr(tower, "__iter__"):
-            raise TypeError(f"towers[{t}]: expected an nn.Module or a list of parameters, got {type(tower).__name__}")
-        else:
-            plist = list(tower)
-            for i, p in enumerate(plist):
-                if not isinstance(p, torch.Tensor):
-                    raise TypeError(f"towers[{t}][{i}]: expected a torch.Tensor, got {type(p).__name__}")
-                if not p.requires_grad or not p.is_leaf:
-                    raise ValueError(f"towers[{t}][{i}]: must be a leaf tensor that requires grad (shape "
-                                     f"{tuple(p.shape)}); leave frozen parameters out")
-            params.append(plist)
-            tnames.append([None] * len(plist))
-            modules.append(None)
-        if len(params[-1]) == 0:
-            raise ValueError(f"towers[{t}]: has no parameters that require grad")
-        for i, p in enumerate(params[-1]):
-            if p.dtype not in SUPPORTED_DTYPES:
-                raise TypeError(f"towers[{t}][{i}]: dtype {p.dtype} is not supported; use float32, float16 or "
-                                "bfloat16 parameters")
-    if names is not None:
-        if isinstance(names, (str, bytes)) or not hasattr(names, "__len__"):
-            raise TypeError(f"names: expected a list of parameter names, got {type(names).__name__}")
-        if len(names) != len(params[0]):
-            raise ValueError(f"names: has {len(names)} entries but towers[0] has {len(params[0])} parameters")
-        tnames = [list(names) for _ in params]
-    return params, tnames, modules
-
-
-def _check_devices(params: list, devices: Sequence[Any]) -> None:
-    for t, plist in enumerate(params):
-        want = torch.device(devices[t])
-        for i, p in enumerate(plist):
-            if p.device != want:
-                raise ValueError(f"towers[{t}][{i}]: is on {p.device} but the communicator's local tower {t} is on "
-                                 f"{want}; every parameter of a tower must be on that tower's device")
-
-
-def _check_distinct(params: list) -> None:
-    """No tensor (or memory) may belong to two places: its gradient would be reduced twice."""
-    spans = []
-    for t, plist in enumerate(params):
-        for i, p in enumerate(plist):
-            start = p.data_ptr()
-            spans.append((str(p.device), start, start + p.numel() * p.element_size(), id(p), t, i))
-    seen: dict = {}
-    for dev, start, end, pid, t, i in spans:
-        if pid in seen:
-            t0, i0 = seen[pid]
-            raise ValueError(f"towers[{t}][{i}]: is the same tensor as towers[{t0}][{i0}]; pass each parameter once")
-        seen[pid] = (t, i)
-    spans.sort()
-    for a, b in zip(spans, spans[1:]):
-        if a[0] == b[0] and a[2] > b[1] and a[2] > a[1] and b[2] > b[1]:
-            raise ValueError(f"towers[{b[4]}][{b[5]}]: shares memory with towers[{a[4]}][{a[5]}]; each tower needs "
-                             "its own parameters (a replica, not a view of another tower's)")
-
-
-def _check_across_processes(comm: Any, plan: Optional[BucketPlan], error: Optional[BaseException]) -> None:
-    """Every process reports (its error or its layout); all raise when any failed or layouts differ, so no
-    process is left waiting in a collective for a peer that gave up."""
-    if plan is not None:
-        layout = [(s.shape, str(s.dtype).replace("torch.", ""), s.name) for s in plan.slots]
-        mine = {"ok": True, "fingerprint": plan.fingerprint, "layout": layout}
-    else:
-        mine = {"ok": False, "error": f"{type(error).__name__}: {error}"}
-    if getattr(comm, "world_size", 1) > 1:
-        everyone = comm.allgather_object(mine)
-        rank = getattr(comm, "rank", 0)
-    else:
-        everyone, rank = [mine], 0
-    if error is not None:
-        raise error
-    for r, other in enumerate(everyone):
-        if not other["ok"]:
-            raise LayoutMismatchError(f"rank {r} could not build its bucket plan: {other['error']}")
-    ref = everyone[0]
-    for r, other in enumerate(everyone):
-        if other["fingerprint"] == ref["fingerprint"]:
-            continue
-        a, b = ref["layout"], other["layout"]
-        for i in range(max(len(a), len(b))):
-            if i >= len(a) or i >= len(b) or a[i][:2] != b[i][:2]:
-                desc0 = (f"has shape {a[i][0]} dtype {a[i][1]}" if i < len(a) else
-                         f"has no parameter {i} ({len(a)} parameters)")
-                descr = (f"has shape {b[i][0]} dtype {b[i][1]}" if i < len(b) else
-                         f"is missing ({len(b)} parameters)")
-                name = (b[i][2] if i < len(b) else None) or (a[i][2] if i < len(a) else None)
-                raise LayoutMismatchError(
-                    f"rank {r} (this is rank {rank}): parameter {i}" + (f" ({name!r})" if name else "") +
-                    f" {descr} but rank 0 {desc0}")
-        raise LayoutMismatchError(f"rank {r} (this is rank {rank}): bucket plan fingerprint "
-                                  f"{other['fingerprint']:016x} differs from rank 0's {ref['fingerprint']:016x} "
-                                  "(same parameters, different bucket_cap_mb / first_bucket_mb / grad_dtype?)")

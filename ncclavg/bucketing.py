@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -265,3 +265,154 @@ def _check_names(names: Any, n: int) -> list:
         if s is not None and not isinstance(s, str):
             raise TypeError(f"names[{i}]: expected a string, got {type(s).__name__}")
     return names
+
+
+# ---------------------------------------------------------------------- the towers' plan
+# The towers a GradientAverager (or a trainer's engine) is given, checked before anything is changed:
+# their parameters collected with names, on the communicator's devices, each tensor in one place only, one
+# bucket plan they all share; then the processes compare their plans (or learn of a peer's failure) in one
+# exchange, so that no process waits in a collective for a peer that gave up.
+
+def plan_towers(comm: Any, towers: Any, names: Any, bucket_cap_mb: float, first_bucket_mb: float,
+                grad_dtype: Any) -> tuple:
+    """-> (params per tower, module or None per tower, the shared BucketPlan), the plan agreed by every
+    process (plan_everywhere)."""
+    got: dict = {}
+
+    def build() -> BucketPlan:
+        params, tnames, got["modules"] = collect_towers(towers, names)
+        got["params"] = params
+        if len(params) != comm.local_size:
+            raise ValueError(f"towers: got {len(params)} towers but comm.local_size is {comm.local_size} "
+                             f"(one tower per local device of the communicator: {comm.devices})")
+        check_devices(params, comm.devices)
+        check_distinct(params)
+        plan = BucketPlan.build(params[0], tnames[0], bucket_cap_mb, first_bucket_mb, grad_dtype)
+        for t in range(1, len(params)):
+            plan.check_same_layout(params[t], tnames[t], tower=t)
+        return plan
+
+    plan = plan_everywhere(comm, build)
+    return got["params"], got["modules"], plan
+
+
+def plan_everywhere(comm: Any, build: Callable[[], BucketPlan]) -> BucketPlan:
+    """The plan `build` makes here, once every process of `comm` (None: this one alone) has reported
+    whether its own `build` succeeded and with which layout: a ValueError / TypeError of `build` is raised
+    here after the exchange, a peer's failure or a different layout as a LayoutMismatchError."""
+    plan, error = None, None
+    try:
+        plan = build()
+    except (ValueError, TypeError) as e:
+        error = e
+    check_across_processes(comm, plan, error)
+    return plan
+
+
+def collect_towers(towers: Any, names: Any) -> tuple:
+    """-> (params per tower, names per tower, module or None per tower), with errors naming towers[t][i]."""
+    if isinstance(towers, (torch.nn.Module, torch.Tensor)) or not hasattr(towers, "__len__"):
+        raise TypeError(f"towers: expected a list of nn.Module or of parameter lists (one per local tower), "
+                        f"got {type(towers).__name__}")
+    if len(towers) == 0:
+        raise ValueError("towers: expected at least one tower, got an empty list")
+    params, tnames, modules = [], [], []
+    for t, tower in enumerate(towers):
+        if isinstance(tower, torch.nn.Module):
+            named = [(n, p) for n, p in tower.named_parameters() if p.requires_grad]
+            params.append([p for _, p in named])
+            tnames.append([n for n, _ in named])
+            modules.append(tower)
+        elif isinstance(tower, torch.Tensor) or not hasattr(tower, "__iter__"):
+            raise TypeError(f"towers[{t}]: expected an nn.Module or a list of parameters, got {type(tower).__name__}")
+        else:
+            plist = list(tower)
+            for i, p in enumerate(plist):
+                if not isinstance(p, torch.Tensor):
+                    raise TypeError(f"towers[{t}][{i}]: expected a torch.Tensor, got {type(p).__name__}")
+                if not p.requires_grad or not p.is_leaf:
+                    raise ValueError(f"towers[{t}][{i}]: must be a leaf tensor that requires grad (shape "
+                                     f"{tuple(p.shape)}); leave frozen parameters out")
+            params.append(plist)
+            tnames.append([None] * len(plist))
+            modules.append(None)
+        if len(params[-1]) == 0:
+            raise ValueError(f"towers[{t}]: has no parameters that require grad")
+        for i, p in enumerate(params[-1]):
+            if p.dtype not in SUPPORTED_DTYPES:
+                raise TypeError(f"towers[{t}][{i}]: dtype {p.dtype} is not supported; use float32, float16 or "
+                                "bfloat16 parameters")
+    if names is not None:
+        if isinstance(names, (str, bytes)) or not hasattr(names, "__len__"):
+            raise TypeError(f"names: expected a list of parameter names, got {type(names).__name__}")
+        if len(names) != len(params[0]):
+            raise ValueError(f"names: has {len(names)} entries but towers[0] has {len(params[0])} parameters")
+        tnames = [list(names) for _ in params]
+    return params, tnames, modules
+
+
+def check_devices(params: list, devices: Sequence[Any]) -> None:
+    for t, plist in enumerate(params):
+        want = torch.device(devices[t])
+        for i, p in enumerate(plist):
+            if p.device != want:
+                raise ValueError(f"towers[{t}][{i}]: is on {p.device} but the communicator's local tower {t} is on "
+                                 f"{want}; every parameter of a tower must be on that tower's device")
+
+
+def check_distinct(params: list) -> None:
+    """No tensor (or memory) may belong to two places: its gradient would be reduced twice."""
+    spans = []
+    for t, plist in enumerate(params):
+        for i, p in enumerate(plist):
+            start = p.data_ptr()
+            spans.append((str(p.device), start, start + p.numel() * p.element_size(), id(p), t, i))
+    seen: dict = {}
+    for dev, start, end, pid, t, i in spans:
+        if pid in seen:
+            t0, i0 = seen[pid]
+            raise ValueError(f"towers[{t}][{i}]: is the same tensor as towers[{t0}][{i0}]; pass each parameter once")
+        seen[pid] = (t, i)
+    spans.sort()
+    for a, b in zip(spans, spans[1:]):
+        if a[0] == b[0] and a[2] > b[1] and a[2] > a[1] and b[2] > b[1]:
+            raise ValueError(f"towers[{b[4]}][{b[5]}]: shares memory with towers[{a[4]}][{a[5]}]; each tower needs "
+                             "its own parameters (a replica, not a view of another tower's)")
+
+
+def check_across_processes(comm: Any, plan: Optional[BucketPlan], error: Optional[BaseException]) -> None:
+    """Every process reports (its error or its layout); all raise when any failed or layouts differ, so no
+    process is left waiting in a collective for a peer that gave up."""
+    if plan is not None:
+        layout = [(s.shape, str(s.dtype).replace("torch.", ""), s.name) for s in plan.slots]
+        mine = {"ok": True, "fingerprint": plan.fingerprint, "layout": layout}
+    else:
+        mine = {"ok": False, "error": f"{type(error).__name__}: {error}"}
+    if getattr(comm, "world_size", 1) > 1:
+        everyone = comm.allgather_object(mine)
+        rank = getattr(comm, "rank", 0)
+    else:
+        everyone, rank = [mine], 0
+    if error is not None:
+        raise error
+    for r, other in enumerate(everyone):
+        if not other["ok"]:
+            raise LayoutMismatchError(f"rank {r} could not build its bucket plan: {other['error']}")
+    ref = everyone[0]
+    for r, other in enumerate(everyone):
+        if other["fingerprint"] == ref["fingerprint"]:
+            continue
+        a, b = ref["layout"], other["layout"]
+        for i in range(max(len(a), len(b))):
+            if i >= len(a) or i >= len(b) or a[i][:2] != b[i][:2]:
+                desc0 = (f"has shape {a[i][0]} dtype {a[i][1]}" if i < len(a) else
+                         f"has no parameter {i} ({len(a)} parameters)")
+                descr = (f"has shape {b[i][0]} dtype {b[i][1]}" if i < len(b) else
+                         f"is missing ({len(b)} parameters)")
+                name = (b[i][2] if i < len(b) else None) or (a[i][2] if i < len(a) else None)
+                raise LayoutMismatchError(
+                    f"rank {r} (this is rank {rank}): parameter {i}" + (f" ({name!r})" if name else "") +
+                    f" {descr} but rank 0 {desc0}")
+        raise LayoutMismatchError(f"rank {r} (this is rank {rank}): bucket plan fingerprint "
+                                  f"{other['fingerprint']:016x} differs from rank 0's {ref['fingerprint']:016x} "
+                                  "(same parameters, different bucket_cap_mb / first_bucket_mb / grad_dtype?)")

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, List, Optional, Sequence
 
 import torch
 
@@ -294,15 +294,7 @@ class MasterWeights:
         Returns {"skipped", "grad_norm" (None when no first pass ran), "clip_coef", "steps"}.
         """
         bks = self._buckets_arg(bucket)
-        gs = check_grad_scale(grad_scale)
-        mgn = check_max_grad_norm(max_grad_norm)
-        if grad_norm is not None:
-            grad_norm = float(grad_norm)
-        elif mgn is not None and bucket is not None and self.num_buckets > 1:
-            raise ValueError("max_grad_norm: clipping one bucket needs the global norm of all buckets; pass "
-                             "grad_norm=... (see grad_norm()) or step all buckets at once")
-        if grads_finite is not None and not isinstance(grads_finite, bool):
-            raise TypeError(f"grads_finite: expected a bool or None, got {type(grads_finite).__name__}")
+        gs, mgn, grad_norm = self._check_step_args(bucket, grad_scale, max_grad_norm, grad_norm, grads_finite)
         hp = _check_hp(self.kind, self.hp)
         grads = self._tower_grads(tower_grads, bks, bucket is not None)
         outs = self._outs(out, bks)
@@ -311,7 +303,7 @@ class MasterWeights:
         params = [as_buffer(self.flat[b]) for b in bks]
 
         info = {"skipped": False, "grad_norm": None, "clip_coef": 1.0}
-        clip, check, pass_mgn = 1.0, self.skip_nonfinite, mgn
+        clip, pass_mgn = 1.0, mgn
         if grad_norm is not None:  # a global norm computed by the caller
             info["grad_norm"] = grad_norm
             if not math.isfinite(grad_norm):
@@ -321,41 +313,65 @@ class MasterWeights:
                 return info
             clip = clip_coef_f32(grad_norm, mgn) if mgn is not None else 1.0
             pass_mgn = None
-        common = dict(grad_scale=gs, check_finite=check, max_grad_norm=pass_mgn, clip_coef=clip,
+        common = dict(grad_scale=gs, check_finite=self.skip_nonfinite, max_grad_norm=pass_mgn, clip_coef=clip,
                       grads_finite=grads_finite)
-        if self.kind == "sgd":
-            started = [self._momentum_started[b] for b in bks]
-            momentum = float(hp["momentum"])
-            r = _C.sgd_step(params, gbufs, [as_buffer(self.momentum_buffer[b]) for b in bks] if momentum else [],
-                            [not s for s in started] if momentum else [], obufs, lr=float(hp["lr"]),
-                            momentum=momentum, dampening=float(hp["dampening"]),
-                            weight_decay=float(hp["weight_decay"]), nesterov=bool(hp["nesterov"]),
-                            maximize=bool(hp["maximize"]), **common)
-        else:
-            amsgrad = bool(hp["amsgrad"])
-            if amsgrad:
-                for b in bks:
-                    if self.max_exp_avg_sq[b] is None:
-                        self.max_exp_avg_sq[b] = torch.zeros(self.plan.buckets[b].numel)
-            beta1, beta2 = hp["betas"]
-            r = _C.adam_step(params, gbufs, [as_buffer(self.exp_avg[b]) for b in bks],
-                             [as_buffer(self.exp_avg_sq[b]) for b in bks],
-                             [as_buffer(self.max_exp_avg_sq[b]) for b in bks] if amsgrad else [],
-                             [float(self.steps[b] + 1) for b in bks], obufs, lr=float(hp["lr"]), beta1=beta1,
-                             beta2=beta2, eps=float(hp["eps"]), weight_decay=float(hp["weight_decay"]),
-                             decoupled=self.kind == "adamw", amsgrad=amsgrad, maximize=bool(hp["maximize"]),
-                             **common)
+        step = self._sgd_step if self.kind == "sgd" else self._adam_step
+        r = step(hp, bks, params, gbufs, obufs, common)
         if r["stats_computed"]:
             info["grad_norm"] = r["grad_norm"]
         info["clip_coef"] = r["clip_coef"]
         info["skipped"] = r["skipped"]
         if not r["skipped"]:
-            for b in bks:
-                self.steps[b] += 1
-                if self.kind == "sgd" and hp["momentum"]:
-                    self._momentum_started[b] = True
+            self._count_step(hp, bks)
         info["steps"] = [self.steps[b] for b in bks]
         return info
+
+    def _check_step_args(self, bucket: Optional[int], grad_scale: Any, max_grad_norm: Any,
+                         grad_norm: Optional[float], grads_finite: Optional[bool]) -> tuple:
+        """step's scalar arguments checked: (grad_scale, max_grad_norm, grad_norm) as floats or None."""
+        gs = check_grad_scale(grad_scale)
+        mgn = check_max_grad_norm(max_grad_norm)
+        if grad_norm is not None:
+            grad_norm = float(grad_norm)
+        elif mgn is not None and bucket is not None and self.num_buckets > 1:
+            raise ValueError("max_grad_norm: clipping one bucket needs the global norm of all buckets; pass "
+                             "grad_norm=... (see grad_norm()) or step all buckets at once")
+        if grads_finite is not None and not isinstance(grads_finite, bool):
+            raise TypeError(f"grads_finite: expected a bool or None, got {type(grads_finite).__name__}")
+        return gs, mgn, grad_norm
+
+    def _sgd_step(self, hp: dict, bks: List[int], params: list, gbufs: list, obufs: list, common: dict) -> dict:
+        """The native SGD pass over buckets `bks` (momentum buffers started on their first step)."""
+        momentum = float(hp["momentum"])
+        started = [self._momentum_started[b] for b in bks]
+        return _C.sgd_step(params, gbufs, [as_buffer(self.momentum_buffer[b]) for b in bks] if momentum else [],
+                           [not s for s in started] if momentum else [], obufs, lr=float(hp["lr"]),
+                           momentum=momentum, dampening=float(hp["dampening"]),
+                           weight_decay=float(hp["weight_decay"]), nesterov=bool(hp["nesterov"]),
+                           maximize=bool(hp["maximize"]), **common)
+
+    def _adam_step(self, hp: dict, bks: List[int], params: list, gbufs: list, obufs: list, common: dict) -> dict:
+        """The native Adam / AdamW pass over buckets `bks` (AMSGrad's maxima made on first use)."""
+        amsgrad = bool(hp["amsgrad"])
+        if amsgrad:
+            for b in bks:
+                if self.max_exp_avg_sq[b] is None:
+                    self.max_exp_avg_sq[b] = torch.zeros(self.plan.buckets[b].numel)
+        beta1, beta2 = hp["betas"]
+        return _C.adam_step(params, gbufs, [as_buffer(self.exp_avg[b]) for b in bks],
+                            [as_buffer(self.exp_avg_sq[b]) for b in bks],
+                            [as_buffer(self.max_exp_avg_sq[b]) for b in bks] if amsgrad else [],
+                            [float(self.steps[b] + 1) for b in bks], obufs, lr=float(hp["lr"]), beta1=beta1,
+                            beta2=beta2, eps=float(hp["eps"]), weight_decay=float(hp["weight_decay"]),
+                            decoupled=self.kind == "adamw", amsgrad=amsgrad, maximize=bool(hp["maximize"]),
+                            **common)
+
+    def _count_step(self, hp: dict, bks: List[int]) -> None:
+        """A step taken: the buckets' step counts advance, SGD's momentum buffers count as started."""
+        for b in bks:
+            self.steps[b] += 1
+            if self.kind == "sgd" and hp["momentum"]:
+                self._momentum_started[b] = True
 
     # ---- copy-out
 

@@ -31,6 +31,13 @@ def call_limit(opts: Any, default: float) -> float:
     return default
 
 
+def one_tensor(tensors: Any, argname: str) -> torch.Tensor:
+    """The one tensor of a call that takes a list of exactly one (else a ValueError naming `argname`)."""
+    if isinstance(tensors, torch.Tensor) or len(tensors) != 1:
+        raise ValueError(f"{argname}: expected a list of one tensor")
+    return tensors[0]
+
+
 def list_call(collective: str, tensors: List[torch.Tensor], op: Any = None) -> Call:
     """The call of a collective over a list of tensors: their dtype and total count (or their bytes,
     when the dtypes differ)."""
@@ -88,11 +95,6 @@ class CallChecks:
                 raise TypeError(f"{argname}[{i}]: the ncclavg backend takes dense tensors here, got {t.layout}")
             if not t.is_contiguous():
                 raise ValueError(f"{argname}[{i}]: expected a contiguous tensor")
-
-    def _one(self, tensors: Any, argname: str) -> torch.Tensor:
-        if isinstance(tensors, torch.Tensor) or len(tensors) != 1:
-            raise ValueError(f"{argname}: expected a list of one tensor")
-        return tensors[0]
 
     def _root(self, root: int, argname: str = "root") -> int:
         if not isinstance(root, int) or not 0 <= root < self._size:

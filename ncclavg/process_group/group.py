@@ -41,7 +41,7 @@ from ..transport.runner import Job, Runner
 from ..transport.work import DoneWork, JobWork, done_work
 from . import jobs as J
 from .cpu_collectives import CpuCollectives
-from .checks import UNSET_TIMEOUT, CallChecks, call_limit, list_call
+from .checks import UNSET_TIMEOUT, CallChecks, call_limit, list_call, one_tensor
 from .devices import NcclCollectives, first_list
 from .fast_path import fast_calls, fast_paths, native_allreduce
 from .face import profiled_p2p
@@ -185,7 +185,7 @@ class ProcessGroupNcclavg(CallChecks, dist.ProcessGroup):
         if device is not None:
             return device.allreduce(tensors, opts)
         opts = opts if opts is not None else AllreduceOptions()
-        t = self._one(tensors, "tensors")
+        t = one_tensor(tensors, "tensors")
         if isinstance(t, torch.Tensor) and t.layout == torch.sparse_coo:
             return self._sparse_allreduce(t, tensors, opts)
         self._check_cpu([t], "tensors")
@@ -234,7 +234,7 @@ class ProcessGroupNcclavg(CallChecks, dist.ProcessGroup):
         if device is not None:
             return device.reduce(tensors, opts)
         opts = opts if opts is not None else ReduceOptions()
-        t = self._one(tensors, "tensors")
+        t = one_tensor(tensors, "tensors")
         self._check_cpu([t], "tensors")
         root, op = self._root(opts.rootRank), self._op(opts.reduceOp, t)
         return self._submit(J.Reduce(self._cpu, t, root, op), "reduce", opts, [t], tensors,
@@ -289,7 +289,7 @@ class ProcessGroupNcclavg(CallChecks, dist.ProcessGroup):
         if device is not None:
             return device.reduce_scatter(outputs, input_lists, opts)
         opts = opts if opts is not None else ReduceScatterOptions()
-        out = self._one(outputs, "output")
+        out = one_tensor(outputs, "output")
         if len(input_lists) != 1:
             raise ValueError("input_list: expected one list of tensors")
         inputs = list(input_lists[0])
@@ -320,7 +320,7 @@ class ProcessGroupNcclavg(CallChecks, dist.ProcessGroup):
                     return self._fast_failed("broadcast", tensors, calls.make("broadcast", t.dtype, None, root, t.numel()),
                                              limit, e)
         opts = opts if opts is not None else BroadcastOptions()
-        t = self._one(tensors, "tensors")
+        t = one_tensor(tensors, "tensors")
         self._check_cpu([t], "tensors")
         root = self._root(opts.rootRank, "src")
         return self._submit(J.Broadcast(self._cpu, t, root), "broadcast", opts, [t], tensors,
@@ -367,7 +367,7 @@ class ProcessGroupNcclavg(CallChecks, dist.ProcessGroup):
         if device is not None:
             return device.allgather(output_lists, inputs, opts)
         opts = opts if opts is not None else AllgatherOptions()
-        inp = self._one(inputs, "tensor")
+        inp = one_tensor(inputs, "tensor")
         if len(output_lists) != 1 or len(output_lists[0]) != self._size:
             raise ValueError(f"tensor_list: expected {self._size} tensors (one per rank)")
         outs = list(output_lists[0])
@@ -400,7 +400,7 @@ class ProcessGroupNcclavg(CallChecks, dist.ProcessGroup):
         if device is not None:
             return device.gather(output_lists, inputs, opts)
         opts = opts if opts is not None else GatherOptions()
-        inp = self._one(inputs, "tensor")
+        inp = one_tensor(inputs, "tensor")
         root = self._root(opts.rootRank, "dst")
         outs = list(output_lists[0]) if output_lists else []
         if self._rank == root and len(outs) != self._size:
@@ -415,7 +415,7 @@ class ProcessGroupNcclavg(CallChecks, dist.ProcessGroup):
         if device is not None:
             return device.scatter(outputs, input_lists, opts)
         opts = opts if opts is not None else ScatterOptions()
-        out = self._one(outputs, "tensor")
+        out = one_tensor(outputs, "tensor")
         root = self._root(opts.rootRank, "src")
         inputs = list(input_lists[0]) if input_lists else []
         if self._rank == root and len(inputs) != self._size:
@@ -469,7 +469,7 @@ class ProcessGroupNcclavg(CallChecks, dist.ProcessGroup):
         device = self._device("tensor", tensors)
         if device is not None:
             return device.send(tensors, dst, tag)
-        t = self._one(tensors, "tensor")
+        t = one_tensor(tensors, "tensor")
         self._check_cpu([t], "tensor")
         peer = self._root(dst, "dst")
         if _profiling():
@@ -480,7 +480,7 @@ class ProcessGroupNcclavg(CallChecks, dist.ProcessGroup):
         device = self._device("tensor", tensors)
         if device is not None:
             return device.recv(tensors, src, tag)
-        t = self._one(tensors, "tensor")
+        t = one_tensor(tensors, "tensor")
         self._check_cpu([t], "tensor")
         peer = self._root(src, "src")
         if _profiling():
@@ -491,7 +491,7 @@ class ProcessGroupNcclavg(CallChecks, dist.ProcessGroup):
         device = self._device("tensor", tensors)
         if device is not None:
             return device.recv_anysource(tensors, tag)
-        t = self._one(tensors, "tensor")
+        t = one_tensor(tensors, "tensor")
         self._check_cpu([t], "tensor")
         if _profiling():
             return self._profiled_p2p("recv_anysource", tensors, lambda: self._gloo.recv_anysource(tensors, tag))

@@ -27,7 +27,7 @@ from typing import Any, Sequence
 import torch
 
 from ..averager import all_finite
-from ..bucketing import BucketPlan
+from ..bucketing import BucketPlan, plan_everywhere
 from .metrics import StepTimes
 
 
@@ -257,7 +257,6 @@ class CpuMasterEngine:
     def __init__(self, tower_params: Sequence[Sequence[torch.Tensor]], names: Sequence[str],
                  devices: Sequence[torch.device], opt: OptimConfig, bucket_cap_mb: float,
                  first_bucket_mb: float, skip_nonfinite: bool = True, comm: Any = None, overlap: bool = True):
-        from ..averager import _check_across_processes
         from ..master import MasterWeights
 
         self.devices = list(devices)
@@ -265,13 +264,8 @@ class CpuMasterEngine:
         # comm: None, or the towers of several processes (Note [Towers of several processes]); every
         # process learns whether every other one could build the same plan before any collective
         self.comm = comm if comm is not None and comm.world_size > 1 else None
-        plan, error = None, None
-        try:
-            plan = tower_plan(self.tower_params, names, bucket_cap_mb, first_bucket_mb)
-        except (ValueError, TypeError) as e:
-            error = e
-        _check_across_processes(self.comm, plan, error)
-        self.plan = plan
+        self.plan = plan_everywhere(self.comm, lambda: tower_plan(self.tower_params, names, bucket_cap_mb,
+                                                                  first_bucket_mb))
         self.param_flats: list[list[torch.Tensor]] = []
         self.grad_flats: list[list[torch.Tensor]] = []
         for ps in self.tower_params:

@@ -35,6 +35,7 @@ from typing import Any, Sequence
 
 import torch
 
+from ..bucketing import plan_everywhere
 from .engines import CpuMasterEngine, OptimConfig, check_master_state, tower_plan
 from .metrics import StepTimes
 
@@ -47,7 +48,6 @@ class ShardedCpuMasterEngine(CpuMasterEngine):
     def __init__(self, tower_params: Sequence[Sequence[torch.Tensor]], names: Sequence[str],
                  devices: Sequence[torch.device], opt: OptimConfig, bucket_cap_mb: float,
                  first_bucket_mb: float, comm: Any, skip_nonfinite: bool = True):
-        from ..averager import _check_across_processes
         from ..master import LayoutPlan, MasterWeights
 
         if comm is None or comm.world_size < 2 or not hasattr(comm, "reduce_scatter_processes"):
@@ -58,13 +58,8 @@ class ShardedCpuMasterEngine(CpuMasterEngine):
         self.averager = None   # the reduce-scatter runs in step(), after backward
         self._opt = opt
         self._skip_nonfinite = skip_nonfinite
-        plan, error = None, None
-        try:
-            plan = tower_plan(self.tower_params, names, bucket_cap_mb, first_bucket_mb)
-        except (ValueError, TypeError) as e:
-            error = e
-        _check_across_processes(comm, plan, error)
-        self.plan = plan
+        self.plan = plan = plan_everywhere(comm, lambda: tower_plan(self.tower_params, names, bucket_cap_mb,
+                                                                    first_bucket_mb))
         P, r = comm.world_size, comm.rank
         self._numel = [b.numel for b in plan.buckets]
         self._padded = [-(-n // P) * P for n in self._numel]

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, List, Optional, Sequence
 
+import torch
 from torch import nn
 
 from .amp import normalise_amp
@@ -79,14 +80,52 @@ def check_trainer_args(model: nn.Module, devices: Any, optimizer: str, lr: float
                        replan_schedule: bool, shard_master: bool, threads: Optional[int]) -> TrainerArgs:
     """TowerTrainer's arguments checked, in the order of its signature's meaning; raises naming the first
     bad one."""
+    names = _check_model(model)
+    devs = default_devices() if devices is None else parse_devices(devices)
+    tower_threads(devs, threads)   # checked here, applied once everything is: Note [Threads of CPU towers]
+    optimizer, lr, weight_decay, momentum, betas, eps = _check_optimizer(optimizer, lr, weight_decay, momentum,
+                                                                         nesterov, betas, eps)
+    grad_clip = _number(grad_clip, "grad_clip", strict=True, none_ok=True)
+    amp = normalise_amp(amp)
+    master = "cpu" if master is None else master
+    if master not in MASTERS:
+        raise ValueError(f"master: must be 'cpu' or 'device', got {master!r}")
+    bucket_cap_mb = _number(bucket_cap_mb, "bucket_cap_mb", strict=True)
+    first_bucket_mb = _number(first_bucket_mb, "first_bucket_mb", strict=True)
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise ValueError(f"seed: must be an integer, got {seed!r}")
+    if loss_fn is not None and not callable(loss_fn):
+        raise TypeError(f"loss_fn: expected a callable (output, target) -> scalar, got {type(loss_fn).__name__}")
+    # A named schedule is planned by fit() from the run's length: see Note [Schedules over a resumed run].
+    schedule = None if isinstance(lr_schedule, str) else make_schedule(lr_schedule, lr)
+    if isinstance(lr_schedule, str):
+        schedule_name(lr_schedule)   # an unknown name fails here, before the model is touched
+    _check_bool(replan_schedule, "replan_schedule")
+    _check_placement(devs, master, shard_master)
+    init_loss_scale = _number(init_loss_scale, "init_loss_scale", strict=True)
+    if not isinstance(on_nonfinite, str) or on_nonfinite not in NONFINITE_POLICIES:
+        raise ValueError(f"on_nonfinite: must be one of {', '.join(map(repr, NONFINITE_POLICIES))}, got "
+                         f"{on_nonfinite!r}")
+    return TrainerArgs(names, devs, optimizer, lr, lr_schedule, schedule, weight_decay, momentum, bool(nesterov),
+                       grad_clip, amp, master, bucket_cap_mb, first_bucket_mb, seed, betas, eps, loss_fn,
+                       bool(concurrent), bool(overlap), float(init_loss_scale), on_nonfinite, replan_schedule,
+                       shard_master, threads)
+
+
+def _check_model(model: Any) -> List[str]:
+    """The names of the model's trainable parameters; a model with none is refused."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
     names, params = trainable_parameters(model)
     if not params:
         raise ValueError(f"model: {type(model).__name__} has no trainable parameters (none with "
                          "requires_grad=True); there is nothing to train")
-    devs = default_devices() if devices is None else parse_devices(devices)
-    tower_threads(devs, threads)   # checked here, applied once everything is: Note [Threads of CPU towers]
+    return names
+
+
+def _check_optimizer(optimizer: Any, lr: Any, weight_decay: Any, momentum: Any, nesterov: Any, betas: Any,
+                     eps: Any) -> tuple:
+    """The optimizer's name and hyperparameters checked: (optimizer, lr, weight_decay, momentum, betas, eps)."""
     if not isinstance(optimizer, str) or optimizer.lower() not in OPTIMIZERS:
         raise ValueError(f"optimizer: must be one of {', '.join(OPTIMIZERS)}, got {optimizer!r}")
     optimizer = optimizer.lower()
@@ -104,25 +143,17 @@ def check_trainer_args(model: nn.Module, devices: Any, optimizer: str, lr: float
     if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
         raise ValueError(f"betas: need two numbers in [0, 1), got {betas!r}")
     eps = _number(eps, "eps", strict=True)
-    grad_clip = _number(grad_clip, "grad_clip", strict=True, none_ok=True)
-    amp = normalise_amp(amp)
-    master = "cpu" if master is None else master
-    if master not in MASTERS:
-        raise ValueError(f"master: must be 'cpu' or 'device', got {master!r}")
-    bucket_cap_mb = _number(bucket_cap_mb, "bucket_cap_mb", strict=True)
-    first_bucket_mb = _number(first_bucket_mb, "first_bucket_mb", strict=True)
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise ValueError(f"seed: must be an integer, got {seed!r}")
-    if loss_fn is not None and not callable(loss_fn):
-        raise TypeError(f"loss_fn: expected a callable (output, target) -> scalar, got {type(loss_fn).__name__}")
-    # A named schedule is planned by fit() from the run's length: see Note [Schedules over a resumed run].
-    schedule = None if isinstance(lr_schedule, str) else make_schedule(lr_schedule, lr)
-    if isinstance(lr_schedule, str):
-        schedule_name(lr_schedule)   # an unknown name fails here, before the model is touched
-    if not isinstance(replan_schedule, bool):
-        raise TypeError(f"replan_schedule: expected a bool, got {type(replan_schedule).__name__}")
-    if not isinstance(shard_master, bool):
-        raise TypeError(f"shard_master: expected a bool, got {type(shard_master).__name__}")
+    return optimizer, lr, weight_decay, momentum, betas, eps
+
+
+def _check_bool(value: Any, argname: str) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{argname}: expected a bool, got {type(value).__name__}")
+
+
+def _check_placement(devs: List[torch.device], master: str, shard_master: Any) -> None:
+    """Where the master weights live fits the towers' devices, and a CUDA tower has a CUDA build."""
+    _check_bool(shard_master, "shard_master")
     if shard_master and (master != "cpu" or devs[0].type != "cpu"):
         raise ValueError("shard_master: shards the CPU master weights of CPU towers over the processes; it "
                          f"needs master='cpu' and CPU towers (got master={master!r}, devices {devs[0].type})")
@@ -132,12 +163,3 @@ def check_trainer_args(model: nn.Module, devices: Any, optimizer: str, lr: float
         if not cuda_built():
             raise ValueError(f"devices: {devs[0]} needs ncclavg's CUDA build, and this ncclavg has none "
                              "(built CPU-only; rebuild with NCCLAVG_CUDA=1, see docs/building.md)")
-
-    init_loss_scale = _number(init_loss_scale, "init_loss_scale", strict=True)
-    if not isinstance(on_nonfinite, str) or on_nonfinite not in NONFINITE_POLICIES:
-        raise ValueError(f"on_nonfinite: must be one of {', '.join(map(repr, NONFINITE_POLICIES))}, got "
-                         f"{on_nonfinite!r}")
-    return TrainerArgs(names, devs, optimizer, lr, lr_schedule, schedule, weight_decay, momentum, bool(nesterov),
-                       grad_clip, amp, master, bucket_cap_mb, first_bucket_mb, seed, betas, eps, loss_fn,
-                       bool(concurrent), bool(overlap), float(init_loss_scale), on_nonfinite, replan_schedule,
-                       shard_master, threads)
