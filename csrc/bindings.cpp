@@ -12,6 +12,7 @@
 #include "cpu/pack.h"
 #include "cpu/optim.h"
 #include "cpu/reduce.h"
+#include "cpu/replica_hash.h"
 #include "transport/host_lanes.h"
 #include "transport/shm_channel.h"
 #include "transport/ucx_api.h"
@@ -348,6 +349,10 @@ PYBIND11_MODULE(_C, m) {
   m.def("cast_copy", &cpu::cast_copy, py::arg("srcs"), py::arg("dsts"),
         py::call_guard<py::gil_scoped_release>(),
         "dsts[i] = srcs[i] (float32) rounded to dsts[i]'s dtype (nearest even).");
+  m.def("digest", &cpu::digest_spans, py::arg("spans"), py::call_guard<py::gil_scoped_release>(),
+        "The 64-bit digest of each span (address, bytes) of host memory, then of all of them in order "
+        "(Note [Replica digest] in csrc/cpu/replica_hash.h): equal bytes give equal digests on every process. "
+        "The caller keeps the memory alive.");
 
   // ---- shared-memory channel between the processes of one host (csrc/transport/shm_channel.h)
   {

@@ -20,7 +20,8 @@ from importlib import import_module as _import_module
 
 from ._version import __version__
 from ._ext import cuda_available, cuda_built
-from .errors import CollectiveMismatchError, CommError, CommTimeoutError, CudaError, LayoutMismatchError, NcclError
+from .errors import (CollectiveMismatchError, CommError, CommTimeoutError, CudaError, LayoutMismatchError, NcclError,
+                     ReplicaMismatchError)
 from .info import build_info
 from . import ops
 
@@ -59,7 +60,7 @@ def __dir__():
 __all__ = [
     "__version__", "build_info", "cuda_available", "cuda_built", "ops", "optim", "MasterWeights", "TowerTrainer",
     "NcclError", "CudaError", "CommTimeoutError", "LayoutMismatchError", "CommError", "CollectiveMismatchError",
-    "Bucket", "BucketPlan", "ParamSlot", "Communicator", "Work", "GradientAverager",
+    "ReplicaMismatchError", "Bucket", "BucketPlan", "ParamSlot", "Communicator", "Work", "GradientAverager",
 ]
 
 

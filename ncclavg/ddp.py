@@ -8,6 +8,8 @@ still adds in float32.
 
 `register(model, *, wire=None, predivide=None, timeout=None)` returns the hook's `HookState`;
 `allreduce_hook(state, bucket)` is the hook itself, for `model.register_comm_hook(HookState(...), hook)`.
+`check_replicas(model, group=None, *, buffers=False, on_mismatch="raise")`, called on every rank now and
+then, checks that the replicas still hold the same bytes (ncclavg/process_group/replicas.py).
 The implementation lives in ncclavg/process_group/ddp_hook.py (Note [The DDP hook's engine], Note [Low-precision
 wire with fp32 accumulation]); this module only forwards to it, so that importing it stays light.
 """
@@ -30,6 +32,14 @@ def allreduce_hook(state, bucket):  # no annotations: DDP checks a hook's (and t
     return _hook(state, bucket)
 
 
+def check_replicas(model: Any, group: Any = None, *, buffers: bool = False, on_mismatch: str = "raise",
+                   step: Optional[int] = None) -> Optional[str]:
+    """See ncclavg/process_group/replicas.py: check_replicas()."""
+    from .process_group.replicas import check_replicas as _check
+
+    return _check(model, group, buffers=buffers, on_mismatch=on_mismatch, step=step)
+
+
 def __getattr__(name: str) -> Any:
     if name == "HookState":
         from .process_group.ddp_hook import HookState
@@ -38,4 +48,4 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'ncclavg.ddp' has no attribute {name!r}")
 
 
-__all__ = ["register", "allreduce_hook"]   # and HookState, loaded on first access (__getattr__)
+__all__ = ["register", "allreduce_hook", "check_replicas"]   # and HookState, loaded on first access (__getattr__)

@@ -40,6 +40,12 @@ class CollectiveMismatchError(CommError):
     bucket or bucket fingerprint); the message lists what each rank issued."""
 
 
+class ReplicaMismatchError(RuntimeError):
+    """The data-parallel replicas no longer hold the same bytes (Note [The replica check] in
+    ncclavg/transport/replicas.py): the message names each rank and replica that differs from the others
+    and the first bucket or parameter where it does. Raised on every rank of the check."""
+
+
 class LayoutMismatchError(ValueError):
     """Towers (or ranks) hold parameter lists that do not line up: the message names the first
     parameter that differs (index, name when known, shape, dtype)."""

@@ -93,10 +93,10 @@ def trainer_peer_lost(rank, world, port, out_dir, victim, how, timeout):
 
 
 def debug_replicas_job(rank, world, port, out_dir):
-    """NCCLAVG_DEBUG's replica check: silent while the processes agree, CollectiveMismatchError on every
-    process once rank 1's master copy drifted."""
+    """NCCLAVG_DEBUG's replica check after every step: silent while the processes agree,
+    ReplicaMismatchError on every process once rank 1's master copy drifted."""
     from _fault_util import report
-    from ncclavg.errors import CollectiveMismatchError
+    from ncclavg.errors import ReplicaMismatchError
     from ncclavg.train.models import build_model
     from ncclavg.train.trainer import TowerTrainer
 
@@ -111,6 +111,6 @@ def debug_replicas_job(rank, world, port, out_dir):
     try:
         tr.train_step(next(batches))
         outcome = "no error"
-    except CollectiveMismatchError as e:
+    except ReplicaMismatchError as e:
         outcome = str(e)
-    report(out_dir, rank, outcome=outcome)
+    report(out_dir, rank, outcome=outcome, checks=tr.replica_checks)

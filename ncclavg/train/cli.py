@@ -60,6 +60,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     t.add_argument("--on-nonfinite", choices=("skip", "raise", "ignore"),
                    help="a step with an inf/NaN gradient: skip it and go on (default), stop with an error, or "
                         "ignore (no check, one pass less)")
+    t.add_argument("--replica-check-every", type=int,
+                   help="compare the replicas' parameters and master weights across towers and processes every N "
+                        "steps, an error naming the first that differs (default 100; 0: never)")
     t.add_argument("--seed", type=int, help="seed of the model init, data split and shuffling (default 0)")
     t.add_argument("--max-steps", type=int, help="stop after this many optimizer steps in total")
     t.add_argument("--threads", type=int, help="torch intra-op threads (default for CPU towers: cores / (CPU towers x "
@@ -246,7 +249,8 @@ def _trainer(args: argparse.Namespace, model: Any, devices: Any, seed: int, rest
 
     # threads: See Note [Threads of CPU towers] in towers.py (the trainer applies the rule)
     overrides = {k: getattr(args, k) for k in ("optimizer", "lr", "weight_decay", "momentum", "nesterov",
-                                              "grad_clip", "master", "on_nonfinite", "shard_master", "threads")
+                                              "grad_clip", "master", "on_nonfinite", "shard_master", "threads",
+                                              "replica_check_every")
                  if getattr(args, k) is not None}
     if args.amp is not None:
         overrides["amp"] = None if args.amp == "none" else args.amp

@@ -96,23 +96,21 @@ def check_same_start(comm: Any, step: int, source: str | None) -> None:
                      "same checkpoints (one file system shared by the hosts for --checkpoint-dir and --resume)")
 
 
-def check_replicas_agree(comm: Any, params: Sequence[torch.Tensor], step: int) -> None:
-    """NCCLAVG_DEBUG=1 with several processes: after every step (`step` steps were taken before it),
-    tower 0 of every process must hold bit for bit the same weights `params` (Note [Towers of several
-    processes]); a fingerprint of them is compared across the processes, and a difference raises
-    CollectiveMismatchError naming the ranks."""
-    import hashlib
+def check_tower_replicas(trainer: Any, on_mismatch: str = "raise") -> str | None:
+    """Note [The replica check] in ncclavg/transport/replicas.py over a TowerTrainer's replicas: every
+    tower's parameters (all the run's towers, in every process, compared with each other) and, where each
+    process keeps whole fp32 master weights of its own (master="cpu", not sharded), those too (compared
+    across the processes). A difference names the rank, the tower and the first parameter (or master
+    bucket) where it is; raises ReplicaMismatchError, or returns the text with on_mismatch="warn"."""
+    from ..transport.replicas import Replica, check_replicas
 
-    from ..errors import CollectiveMismatchError
-
-    h = hashlib.blake2b(digest_size=16)
-    for p in params:
-        h.update(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
-    prints = comm.allgather_object(h.hexdigest())
-    if len(set(prints)) > 1:
-        groups: dict = {}
-        for r, fp in enumerate(prints):
-            groups.setdefault(fp, []).append(r)
-        raise CollectiveMismatchError(
-            f"step {step + 1}: the processes' weights differ after the update (NCCLAVG_DEBUG=1): ranks "
-            + "; ".join(", ".join(map(str, rs)) for rs in groups.values()) + " agree among themselves only")
+    names = [n or f"parameter {i}" for i, n in enumerate(trainer.names)]
+    replicas = [Replica(f"tower {trainer.tower_offset + t}", "tower", params, names)
+                for t, params in enumerate(trainer.tower_params)]
+    master = getattr(trainer.engine, "master", None)
+    if master is not None and not trainer.shard_master:
+        replicas.append(Replica("master weights", "master", list(master.flat),
+                                [f"master bucket {b}" for b in range(len(master.flat))]))
+    comm = trainer.comm
+    allgather = comm.allgather_object if comm is not None else (lambda obj: [obj])
+    return check_replicas(replicas, allgather, trainer.rank, on_mismatch, f"the replica check after step {trainer.step}")

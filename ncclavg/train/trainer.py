@@ -44,7 +44,7 @@ import torch
 from torch import nn
 
 from .amp import DynamicLossScale, autocast_context
-from .distributed import check_replicas_agree, processes_communicator
+from .distributed import check_tower_replicas, processes_communicator
 from .engines import CpuMasterEngine, DeviceMasterEngine, OptimConfig
 from .fit import FitLoop
 from .metrics import PHASES, StepTimes
@@ -95,12 +95,13 @@ class TowerTrainer(FitLoop, TrainerState):
                  first_bucket_mb: float = 1.0, loss_fn: Callable | None = None, concurrent: bool = True,
                  overlap: bool = True, init_loss_scale: float = 2.0 ** 16, on_nonfinite: str = "skip",
                  replan_schedule: bool = True, comm: Any = None, timeout: float | None = None,
-                 shard_master: bool = False, threads: int | None = None):
+                 shard_master: bool = False, threads: int | None = None, replica_check_every: int = 100,
+                 on_replica_mismatch: str = "raise"):
         # Every argument checked before anything is touched: a bad one leaves the model as it was.
         args = check_trainer_args(model, devices, optimizer, lr, lr_schedule, weight_decay, momentum, nesterov,
                                   grad_clip, amp, master, bucket_cap_mb, seed, betas, eps, first_bucket_mb, loss_fn,
                                   concurrent, overlap, init_loss_scale, on_nonfinite, replan_schedule, shard_master,
-                                  threads)
+                                  threads, replica_check_every, on_replica_mismatch)
         # See Note [Towers of several processes]; building it is a collective when there are several.
         self._keep_choices(args, processes_communicator(comm, args.devices, timeout))
         self._build(model, args)
@@ -131,6 +132,12 @@ class TowerTrainer(FitLoop, TrainerState):
         if a.shard_master and self.processes == 1:
             log.info("shard_master: one process, nothing to shard; the master weights stay whole")
         self.on_nonfinite = a.on_nonfinite
+        # Note [The replica check] (transport/replicas.py): every replica_check_every steps (0: never), every
+        # step while the communicator of several processes is in debug mode (NCCLAVG_DEBUG=1)
+        self.replica_check_every = a.replica_check_every
+        self.on_replica_mismatch = a.on_replica_mismatch
+        self.replica_checks = 0    # checks run
+        self.replica_warnings: list = []   # the texts of the mismatches found with on_replica_mismatch="warn"
         self.nonfinite_steps = 0   # steps skipped for an inf/NaN gradient (fp16 overflows included)
 
     def _build(self, model: nn.Module, a: TrainerArgs) -> None:
@@ -323,6 +330,15 @@ class TowerTrainer(FitLoop, TrainerState):
                 correct = _accuracy_counts(out, y)
             return loss.detach().float() * n, correct, n
 
+    def _check_replicas(self) -> None:
+        """Note [The replica check]: a mismatch raises ReplicaMismatchError on every process, or is logged
+        as a warning and kept in `replica_warnings` (on_replica_mismatch="warn")."""
+        self.replica_checks += 1
+        text = check_tower_replicas(self, self.on_replica_mismatch)
+        if text is not None:
+            log.warning("%s", text)
+            self.replica_warnings.append(text)
+
     def train_step(self, batch: Any, *, _allow_idle_towers: bool = False) -> dict:
         """One optimizer step on `batch` = (inputs..., target), split across the towers. Returns the
         step's record (loss, accuracy, lr, samples/s, time per phase)."""
@@ -355,13 +371,15 @@ class TowerTrainer(FitLoop, TrainerState):
         in_backward = getattr(self.engine, "collectives_in_backward", False)
         stats = self._sum_results(live) if reduced or not in_backward else None
         info = self.engine.step(lr, loss_scale, self.grad_clip, times)
-        if self.processes > 1 and self.comm.debug:
-            check_replicas_agree(self.comm, self.tower_params[0], self.step)
         if info["skipped"]:
             self._nonfinite_step(info, results, loss_scale)
         if self.scaler is not None:
             self.scaler.update(bool(info["skipped"]))
         self.step += 1
+        every = self.replica_check_every
+        checked = bool(every) and (self.step % every == 0 or (self.processes > 1 and self.comm.debug))
+        if checked:
+            self._check_replicas()
         loss_sum, correct = (stats or self._sum_results(live))()
         loss = loss_sum / total
         step_s = time.perf_counter() - t0
@@ -369,6 +387,7 @@ class TowerTrainer(FitLoop, TrainerState):
                   "accuracy": None if correct is None else correct / total, "lr": lr, "samples": total,
                   "step_s": step_s, "samples_per_s": total / step_s if step_s > 0 else None,
                   "skipped": bool(info["skipped"]), "grad_norm": info.get("grad_norm"),
+                  **({"replicas_checked": True} if checked else {}),
                   **({"nonfinite": [list(x) for x in info.get("nonfinite", [])]} if info["skipped"] else {}),
                   **({"loss_scale": loss_scale} if loss_scale is not None else {}), **times.as_dict()}
         acc = self._epoch_acc

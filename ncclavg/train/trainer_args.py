@@ -57,6 +57,8 @@ class TrainerArgs:
     replan_schedule: bool
     shard_master: bool
     threads: Optional[int]
+    replica_check_every: int
+    on_replica_mismatch: str
 
     def optim(self) -> OptimConfig:
         return OptimConfig(self.optimizer, self.lr, self.weight_decay, self.momentum, self.nesterov, self.betas,
@@ -77,7 +79,8 @@ def check_trainer_args(model: nn.Module, devices: Any, optimizer: str, lr: float
                        amp: Optional[str], master: Optional[str], bucket_cap_mb: float, seed: int,
                        betas: Sequence[float], eps: float, first_bucket_mb: float, loss_fn: Optional[Callable],
                        concurrent: bool, overlap: bool, init_loss_scale: float, on_nonfinite: str,
-                       replan_schedule: bool, shard_master: bool, threads: Optional[int]) -> TrainerArgs:
+                       replan_schedule: bool, shard_master: bool, threads: Optional[int],
+                       replica_check_every: int = 100, on_replica_mismatch: str = "raise") -> TrainerArgs:
     """TowerTrainer's arguments checked, in the order of its signature's meaning; raises naming the first
     bad one."""
     names = _check_model(model)
@@ -106,10 +109,14 @@ def check_trainer_args(model: nn.Module, devices: Any, optimizer: str, lr: float
     if not isinstance(on_nonfinite, str) or on_nonfinite not in NONFINITE_POLICIES:
         raise ValueError(f"on_nonfinite: must be one of {', '.join(map(repr, NONFINITE_POLICIES))}, got "
                          f"{on_nonfinite!r}")
+    if isinstance(replica_check_every, bool) or not isinstance(replica_check_every, int) or replica_check_every < 0:
+        raise ValueError(f"replica_check_every: must be an integer >= 0 (0: never), got {replica_check_every!r}")
+    if on_replica_mismatch not in ("raise", "warn"):
+        raise ValueError(f"on_replica_mismatch: must be 'raise' or 'warn', got {on_replica_mismatch!r}")
     return TrainerArgs(names, devs, optimizer, lr, lr_schedule, schedule, weight_decay, momentum, bool(nesterov),
                        grad_clip, amp, master, bucket_cap_mb, first_bucket_mb, seed, betas, eps, loss_fn,
                        bool(concurrent), bool(overlap), float(init_loss_scale), on_nonfinite, replan_schedule,
-                       shard_master, threads)
+                       shard_master, threads, replica_check_every, on_replica_mismatch)
 
 
 def _check_model(model: Any) -> List[str]:

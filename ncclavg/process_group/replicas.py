@@ -1,0 +1,54 @@
+"""The replica check for stock PyTorch (Note [The replica check] in ncclavg/transport/replicas.py): every
+rank of a torch.distributed group digests its model's parameters (and, if asked, its buffers) and the
+ranks compare, over the group's own backend, whatever it is (ncclavg, gloo, NCCL). The parts are the
+parameters, so a difference names the first parameter (by its name in the module) where it is."""
+from __future__ import annotations
+
+from typing import Any, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from ..transport.replicas import Replica, check_replicas as _check
+
+
+def check_replicas(model: Any, group: Any = None, *, buffers: bool = False, on_mismatch: str = "raise",
+                   step: Optional[int] = None) -> Optional[str]:
+    """Checks that every rank of `group` (default: the world) holds the same bytes in `model`'s parameters
+    (a torch.nn.Module, DistributedDataParallel or FSDP-wrapped modules included, or a list of tensors);
+    `buffers=True` checks the module's buffers too (DDP broadcasts them unless broadcast_buffers=False).
+    Every rank must call it together. Returns None when they agree; otherwise raises
+    ncclavg.errors.ReplicaMismatchError naming the ranks that differ and the first parameter where they
+    do, on every rank (on_mismatch="warn": returns that text instead). `step`, if given, is named in it."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("check_replicas: torch.distributed is not initialized (call init_process_group first)")
+    names, parts = _parts(model, buffers)
+    replica = Replica("model", "model", parts, names)
+    what = "the replica check" + (f" at step {step}" if step is not None else "")
+
+    def allgather(obj: Any) -> list:
+        out: List[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(out, obj, group=group)
+        return out
+
+    return _check([replica], allgather, dist.get_rank(group), on_mismatch, what)
+
+
+def _parts(model: Any, buffers: bool) -> tuple:
+    """(names, tensors) of what is compared, in the module's registration order."""
+    if isinstance(model, torch.nn.Module):
+        named = list(model.named_parameters())
+        if buffers:
+            named += list(model.named_buffers())
+        if not named:
+            raise ValueError(f"model: {type(model).__name__} has no parameters" + (" or buffers" if buffers else ""))
+        return [n for n, _ in named], [t for _, t in named]
+    if isinstance(model, torch.Tensor) or not hasattr(model, "__iter__"):
+        raise TypeError(f"model: expected a torch.nn.Module or a list of tensors, got {type(model).__name__}")
+    tensors = list(model)
+    for i, t in enumerate(tensors):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"model[{i}]: expected a torch.Tensor, got {type(t).__name__}")
+    if buffers:
+        raise ValueError("buffers: needs a torch.nn.Module (a list of tensors has no buffers)")
+    return [f"tensor {i}" for i in range(len(tensors))], tensors
