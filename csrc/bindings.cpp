@@ -451,7 +451,24 @@ PYBIND11_MODULE(_C, m) {
         .def_property_readonly("nranks", &ShmChannel::nranks)
         .def_property_readonly("waiting_on", &ShmChannel::waiting_on)
         .def_property_readonly("slot_bytes", &ShmChannel::slot_bytes)
-        .def_property_readonly("collectives", &ShmChannel::collectives);
+        .def_property_readonly("collectives", &ShmChannel::collectives)
+        .def_property_readonly("labels", &ShmChannel::labels)
+        .def(
+            "arrivals",
+            [](const ShmChannel& c, int64_t max_calls) {
+              std::vector<int64_t> starts, late;
+              uint64_t total;
+              {
+                py::gil_scoped_release nogil;
+                total = c.arrivals().copy(max_calls, starts, late);
+              }
+              return py::make_tuple(total, py::bytes(reinterpret_cast<const char*>(starts.data()), starts.size() * 8),
+                                    py::bytes(reinterpret_cast<const char*>(late.data()), late.size() * 8));
+            },
+            py::arg("max_calls") = -1,
+            "(calls ever logged, the last max_calls calls' earliest start stamps, their ranks' lateness), the "
+            "stamps and lateness as native int64 ns in bytes, lateness row by row (Note [Arrival times] in "
+            "csrc/transport/shm_arrivals.h).");
     // The lanes between hosts on UCX (ncclavg/transport/ucx.py; Note [Lanes between hosts]).
     m.def("ucx_load", [](const std::vector<std::string>& candidates) {
       const ucx::LoadInfo* found;

@@ -110,9 +110,9 @@ inline void cpu_relax() {
 #endif
 }
 
-Clock::time_point deadline_after(double seconds) {
+Clock::time_point deadline_after(Clock::time_point from, double seconds) {
   if (seconds >= 1e9) return Clock::time_point::max();   // ~31 years: no deadline (and no overflow)
-  return Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(seconds));
+  return from + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(seconds));
 }
 
 const char* counter_meaning(int c) {
@@ -165,12 +165,15 @@ struct alignas(64) ShmRankLine {
   // The exact values behind round seq's signature at [seq % 2]: wire count, user count, mul and div bits.
   // Read by a peer only to describe a mismatch (Note [Call signatures] in shm_calls.cpp).
   alignas(64) std::atomic<uint64_t> detail[2][4];
+  // When this rank's call whose first round is seq began, at [seq % 2] (Note [Arrival times]).
+  alignas(64) std::atomic<int64_t> arrived_ns[2];
 };
 static_assert(offsetof(ShmRankLine, pid) == 64, "the round's state must fill exactly one cache line");
 
 ShmChannel::ShmChannel(const std::string& name, int rank, int nranks, int64_t slot_bytes, uint64_t nonce,
                        std::vector<int> labels)
-    : name_(name), rank_(rank), nranks_(nranks), labels_(std::move(labels)), slot_bytes_(slot_bytes) {
+    : name_(name), rank_(rank), nranks_(nranks), labels_(std::move(labels)), slot_bytes_(slot_bytes),
+      arrivals_(std::clamp(nranks, 1, 65536)) {
   NCCLAVG_CHECK_ARG(nranks >= 1 && nranks <= 65536, "nranks", "must be in [1, 65536], got ", nranks);
   NCCLAVG_CHECK_ARG(labels_.empty() || labels_.size() == static_cast<size_t>(nranks), "labels",
                     "must be empty or hold one entry per rank (", nranks, "), got ", labels_.size());
@@ -340,7 +343,8 @@ void ShmChannel::begin(Call& call) {
                              " of this channel belongs to pid " + std::to_string(owner) + ", not to pid " +
                              std::to_string(current_pid()) + " (a forked child cannot use its parent's channel)");
   }
-  call.deadline = deadline_after(call.timeout_s);
+  call.arrived = Clock::now();
+  call.deadline = deadline_after(call.arrived, call.timeout_s);
 }
 
 // Note [An asynchronous call whose peers wait]
@@ -493,6 +497,16 @@ void ShmChannel::check_same_collective(const Call& call, uint64_t seq) {
 }
 
 // Steps 1-2 of a round: returns the round, every rank's slot filled, every rank in the same collective.
+void ShmChannel::note_arrivals(uint64_t seq) {
+  static_assert(std::is_same_v<Clock::duration, std::chrono::nanoseconds>, "stamps are in ns");
+  constexpr int kInline = 16;
+  int64_t inline_stamps[kInline];
+  std::vector<int64_t> heap;
+  int64_t* stamps = nranks_ <= kInline ? inline_stamps : (heap.resize(nranks_), heap.data());
+  for (int r = 0; r < nranks_; ++r) stamps[r] = line(r).arrived_ns[seq & 1].load(std::memory_order_relaxed);
+  arrivals_.add(stamps);
+}
+
 uint64_t ShmChannel::post_round(Call& call, ShmFill fill) {
   const uint64_t seq = ++seq_;
   if (seq > 2) wait_for(kConsumed, seq - 2, -1, call, seq);
@@ -502,9 +516,15 @@ uint64_t ShmChannel::post_round(Call& call, ShmFill fill) {
   const uint64_t detail[4] = {static_cast<uint64_t>(call.count), static_cast<uint64_t>(call.tag.count),
                               double_bits(call.mul), double_bits(call.div)};
   for (int k = 0; k < 4; ++k) mine.detail[seq & 1][k].store(detail[k], std::memory_order_relaxed);
+  const bool first = call.first_seq == 0;
+  if (first) {   // Note [Arrival times]
+    call.first_seq = seq;
+    mine.arrived_ns[seq & 1].store(call.arrived.time_since_epoch().count(), std::memory_order_relaxed);
+  }
   publish(kPosted, seq);
   wait_for(kPosted, seq, -1, call, seq);
   check_same_collective(call, seq);
+  if (first) note_arrivals(seq);
   return seq;
 }
 

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "../common/check.h"
+#include "shm_arrivals.h"
 #include "shm_calls.h"
 
 namespace ncclavg {
@@ -157,6 +158,7 @@ class ShmChannel {
 
   int rank() const { return rank_; }
   int nranks() const { return nranks_; }
+  const std::vector<int>& labels() const { return labels_; }   // how errors name each channel rank
   // The rank (its label) a collective of this process waits for now, or -1: read by another thread (a
   // watchdog that ends the collective at its deadline names that rank).
   int waiting_on() const { return waiting_on_.load(std::memory_order_relaxed); }
@@ -164,6 +166,8 @@ class ShmChannel {
   uint64_t collectives() const { return seq_; }
   // Bytes of rank r's slots that are in memory now (mincore): each rank reserves its own.
   int64_t resident_slot_bytes(int r) const;
+  // When each rank arrived at this channel's recent collectives (Note [Arrival times] in shm_arrivals.h).
+  const ArrivalLog& arrivals() const { return arrivals_; }
 
  private:
   struct Call;
@@ -177,6 +181,7 @@ class ShmChannel {
   void begin(Call& call);
   uint64_t post_round(Call& call, ShmFill fill);
   void check_same_collective(const Call& call, uint64_t seq);
+  void note_arrivals(uint64_t seq);
   void wait_for(Counter c, uint64_t target, int only_rank, const Call& call, uint64_t seq);
   void publish(Counter c, uint64_t seq);
   void wake_all();
@@ -193,6 +198,7 @@ class ShmChannel {
   unsigned char* data_ = nullptr;
   std::unique_ptr<ShmDoor> door_;   // rank 0, until every rank has joined
   uint64_t seq_ = 0;                // rounds done: the same on every rank
+  ArrivalLog arrivals_;
   std::atomic<bool> local_abort_{false};
   std::atomic<int> waiting_on_{-1};
   bool failed_ = false;

@@ -90,6 +90,8 @@ struct ShmChannel::Call {
   double timeout_s;
   shm_detail::Clock::time_point deadline;
   uint64_t sig[2];   // see sig_op and count_word in shm_detail
+  shm_detail::Clock::time_point arrived{};   // when the call began here (Note [Arrival times])
+  uint64_t first_seq = 0;                    // its first round, once posted
 };
 
 }  // namespace cpu

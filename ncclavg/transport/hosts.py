@@ -104,6 +104,7 @@ class HostsTransport:
 
     def __init__(self, channel: Any, layout: HostsLayout, lanes: List[LaneGroup]):
         self._channel = channel
+        self.host_channel = channel   # this host's, None when alone (stragglers.py reads it)
         self.layout, self.lane_groups = layout, lanes
         self.rank, self.world_size = layout.rank, layout.world_size
         self._leaders = lanes[0] if lanes and lanes[0].index == 0 else None

@@ -116,6 +116,7 @@ class ShmTransport:
 
     def __init__(self, channel: Any, rank: int, world_size: int):
         self.channel = channel   # the core's _C.ShmChannel, which the fast paths call directly too
+        self.host_channel = channel   # the one of this host (stragglers.py reads its arrival times)
         self.fast_target = channel   # what the native fast all-reduce runs on (comm/fast_average.py)
         self.rank, self.world_size = rank, world_size
 
