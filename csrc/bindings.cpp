@@ -453,6 +453,10 @@ PYBIND11_MODULE(_C, m) {
         .def_property_readonly("slot_bytes", &ShmChannel::slot_bytes)
         .def_property_readonly("collectives", &ShmChannel::collectives)
         .def_property_readonly("labels", &ShmChannel::labels)
+        .def("begin_one_call", &ShmChannel::begin_one_call,
+             "The channel collectives until end_one_call() serve one user call: only the first logs its "
+             "arrivals (Note [Arrival times] in csrc/transport/shm_arrivals.h).")
+        .def("end_one_call", &ShmChannel::end_one_call)
         .def(
             "arrivals",
             [](const ShmChannel& c, int64_t max_calls) {

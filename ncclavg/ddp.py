@@ -9,7 +9,8 @@ still adds in float32.
 `register(model, *, wire=None, predivide=None, timeout=None)` returns the hook's `HookState`;
 `allreduce_hook(state, bucket)` is the hook itself, for `model.register_comm_hook(HookState(...), hook)`.
 `check_replicas(model, group=None, *, buffers=False, on_mismatch="raise")`, called on every rank now and
-then, checks that the replicas still hold the same bytes (ncclavg/process_group/replicas.py).
+then, checks that the replicas still hold the same bytes; `straggler_report(group=None)` tells which rank
+held the others back in the recent collectives of an ncclavg group (ncclavg/process_group/health.py).
 The implementation lives in ncclavg/process_group/ddp_hook.py (Note [The DDP hook's engine], Note [Low-precision
 wire with fp32 accumulation]); this module only forwards to it, so that importing it stays light.
 """
@@ -34,10 +35,18 @@ def allreduce_hook(state, bucket):  # no annotations: DDP checks a hook's (and t
 
 def check_replicas(model: Any, group: Any = None, *, buffers: bool = False, on_mismatch: str = "raise",
                    step: Optional[int] = None) -> Optional[str]:
-    """See ncclavg/process_group/replicas.py: check_replicas()."""
-    from .process_group.replicas import check_replicas as _check
+    """See ncclavg/process_group/health.py: check_replicas()."""
+    from .process_group.health import check_replicas as _check
 
     return _check(model, group, buffers=buffers, on_mismatch=on_mismatch, step=step)
+
+
+def straggler_report(group: Any = None, *, calls: Optional[int] = None, seconds: Optional[float] = None,
+                     threshold_s: float = 5e-3) -> Any:   # stragglers.DEFAULT_THRESHOLD_S
+    """See ncclavg/process_group/health.py: straggler_report()."""
+    from .process_group.health import straggler_report as _report
+
+    return _report(group, calls=calls, seconds=seconds, threshold_s=threshold_s)
 
 
 def __getattr__(name: str) -> Any:
@@ -48,4 +57,4 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'ncclavg.ddp' has no attribute {name!r}")
 
 
-__all__ = ["register", "allreduce_hook", "check_replicas"]   # and HookState, loaded on first access (__getattr__)
+__all__ = ["register", "allreduce_hook", "check_replicas", "straggler_report"]   # and HookState, loaded on first access (__getattr__)

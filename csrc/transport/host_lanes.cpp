@@ -572,7 +572,7 @@ void HostLanes::abort(const std::string& why) {
 // ---------------------------------------------------------------------- one call
 LaneCall::LaneCall(HostLanes& e, LaneOp op_in, int type_in, int64_t count_in, int root_in, double timeout,
                    ShmCallTag tag_in)
-    : engine(e), op(op_in), type(type_in), count(count_in), root(root_in), timeout_s(timeout), tag(tag_in) {
+    : engine(e), one_call(e.channel_), op(op_in), type(type_in), count(count_in), root(root_in), timeout_s(timeout), tag(tag_in) {
   NCCLAVG_CHECK_ARG(timeout > 0 && timeout < 1e9, "timeout_s", "must be > 0, got ", timeout);
   NCCLAVG_CHECK_ARG(count >= 0, "count", "must be >= 0, got ", count);
   if (op != LaneOp::kCheck) check_call_tag(tag, "tag");

@@ -44,6 +44,7 @@ struct LaneCall {
   double deadline_left() const;   // seconds to the deadline, at least 1 ms (a channel step's limit)
 
   HostLanes& engine;
+  ShmChannel::OneCall one_call;   // the host's channel logs the call's first step only (Note [Arrival times])
   LaneOp op;
   int type;
   int64_t count;

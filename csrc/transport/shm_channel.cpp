@@ -524,7 +524,10 @@ uint64_t ShmChannel::post_round(Call& call, ShmFill fill) {
   publish(kPosted, seq);
   wait_for(kPosted, seq, -1, call, seq);
   check_same_collective(call, seq);
-  if (first) note_arrivals(seq);
+  if (first && (call_depth_ == 0 || !call_logged_)) {   // a user call's first collective only
+    call_logged_ = true;
+    note_arrivals(seq);
+  }
   return seq;
 }
 

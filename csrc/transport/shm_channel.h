@@ -168,6 +168,28 @@ class ShmChannel {
   int64_t resident_slot_bytes(int r) const;
   // When each rank arrived at this channel's recent collectives (Note [Arrival times] in shm_arrivals.h).
   const ArrivalLog& arrivals() const { return arrivals_; }
+  // The channel collectives of one user call that takes several (a call between hosts): while a OneCall
+  // lives, only the first of them logs its ranks' arrivals (Note [Arrival times]). Scopes may nest.
+  class OneCall {
+   public:
+    explicit OneCall(ShmChannel* ch) : ch_(ch) {
+      if (ch_ != nullptr) ch_->begin_one_call();
+    }
+    ~OneCall() {
+      if (ch_ != nullptr) ch_->end_one_call();
+    }
+    OneCall(const OneCall&) = delete;
+    OneCall& operator=(const OneCall&) = delete;
+
+   private:
+    ShmChannel* ch_;
+  };
+  void begin_one_call() {
+    if (call_depth_++ == 0) call_logged_ = false;
+  }
+  void end_one_call() {
+    if (call_depth_ > 0) --call_depth_;
+  }
 
  private:
   struct Call;
@@ -199,6 +221,8 @@ class ShmChannel {
   std::unique_ptr<ShmDoor> door_;   // rank 0, until every rank has joined
   uint64_t seq_ = 0;                // rounds done: the same on every rank
   ArrivalLog arrivals_;
+  int call_depth_ = 0;         // OneCall scopes open
+  bool call_logged_ = false;   // the scope's first collective has logged its arrivals
   std::atomic<bool> local_abort_{false};
   std::atomic<int> waiting_on_{-1};
   bool failed_ = false;

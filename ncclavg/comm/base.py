@@ -56,6 +56,7 @@ from .. import _ext
 from ..buffers import as_buffers
 from ..errors import CollectiveMismatchError, CommError, CommTimeoutError
 from ..transport import failure as F
+from ..transport import stragglers
 from ..transport.failure import Face, LazyText
 from ..transport.runner import Runner
 from ..transport.work import DoneWork, Work, check_seconds
@@ -255,6 +256,18 @@ class Communicator:
         with torch.no_grad():
             for t, src in zip(tensors, rows[0]):
                 t.copy_(src)
+
+    def straggler_report(self, calls: Optional[int] = None, seconds: Optional[float] = None,
+                         threshold_s: float = stragglers.DEFAULT_THRESHOLD_S,
+                         since: Optional[int] = None) -> Optional[stragglers.StragglerReport]:
+        """Which rank held the others back in this process's recent collectives, and by how much (Note [The
+        straggler report] in ncclavg/transport/stragglers.py): over the last `calls` calls its host's channel
+        logged (default: all it keeps, up to 4096), or those of the last `seconds`, or those after the first
+        `since` it logged (an earlier report's `logged`). Local: no collective;
+        it covers the processes of this host. None when no channel serves this communicator (one process
+        on its host, the local and NCCL backends)."""
+        channel = stragglers.host_channel(self._runner.transport)
+        return None if channel is None else stragglers.report(channel, calls, seconds, threshold_s, since)
 
     # ------------------------------------------------------------------ failure state
     @property

@@ -33,7 +33,7 @@ from torch._C._distributed_c10d import (AllgatherOptions, AllreduceCoalescedOpti
 from . import connect
 
 from ..errors import BackendError
-from ..transport import calls, flight, liveness, profiling
+from ..transport import calls, flight, liveness, profiling, stragglers
 from ..transport.calls import Call
 from ..transport.failure import CHANNEL_ERRORS
 from ..transport.reductions import R, red_kind
@@ -152,6 +152,14 @@ class ProcessGroupNcclavg(CallChecks, dist.ProcessGroup):
         `self.cpu`) run as the group's collectives are: in the group's order on its runner, under its
         timeout, recorded and profiled, compared across ranks as `call`; the work's result is `result`."""
         return self._submit(job, op, None, tensors, result, call)
+
+    def straggler_report(self, calls: Optional[int] = None, seconds: Optional[float] = None,
+                         threshold_s: float = stragglers.DEFAULT_THRESHOLD_S,
+                         since: Optional[int] = None) -> Optional[stragglers.StragglerReport]:
+        """Note [The straggler report] over this group's recent collectives on its host's channel; None when
+        this process is alone on its host (ncclavg.ddp.straggler_report finds the group's backend)."""
+        channel = stragglers.host_channel(self._runner.transport)
+        return None if channel is None else stragglers.report(channel, calls, seconds, threshold_s, since)
 
     @property
     def cpu(self) -> CpuCollectives:

@@ -20,6 +20,9 @@ class FitLoop:
     `last_summary`)."""
 
     last_summary: FitSummary | None = None   # the summary of the last fit that trained
+    # where the fit's and the epoch's straggler windows start (a report's `logged`; None: the whole log)
+    _fit_mark: int | None = None
+    _straggler_mark: int | None = None
 
     @staticmethod
     def _new_epoch_acc() -> dict:
@@ -58,6 +61,8 @@ class FitLoop:
         self.plan_schedule(steps_per_epoch, epochs, max_steps)
         self._loader, self.target_epochs, self.stop_training = loader, epochs, False
         t_fit, step0 = time.perf_counter(), self.step
+        mark = self.straggler_report(calls=1)   # the fit's and its first epoch's windows start here
+        self._fit_mark = self._straggler_mark = None if mark is None else mark.logged
         for cb in callbacks:
             cb.on_fit_start(self)
         totals = [0, 0.0]   # samples and training seconds of this fit, kept up to date for a failure's record
@@ -122,10 +127,12 @@ class FitLoop:
 
     def _summary(self, eval_loader: Iterable | None, t_fit: float, step0: int) -> FitSummary:
         """The fit's summary (the line `ncclavg train` ends with), kept as `last_summary`."""
+        rep = self.straggler_report(since=self._fit_mark)
         summary = FitSummary(test_accuracy=self._final_accuracy(eval_loader), epochs=self.epoch,
                              samples_per_s=self.last_fit["samples_per_s"], wall_s=time.perf_counter() - t_fit,
                              processes=self.processes, towers=self.total_towers,
-                             devices=tuple(str(d) for d in self.devices), steps=self.step - step0)
+                             devices=tuple(str(d) for d in self.devices), steps=self.step - step0,
+                             stragglers=rep)
         self.last_summary = summary
         return summary
 
@@ -169,10 +176,20 @@ class FitLoop:
             yield current, upcoming is sentinel and seen > 0
             current, seen = upcoming, seen + 1
 
+    def _epoch_stragglers(self) -> dict:
+        """{"stragglers": the straggler report over the epoch's collectives} (Note [The straggler report]),
+        or {} where no channel logs arrivals; the next epoch's window starts where this one ends."""
+        rep = self.straggler_report(since=self._straggler_mark)
+        if rep is None:
+            return {}
+        self._straggler_mark = rep.logged
+        return {"stragglers": rep.as_dict()}
+
     def _epoch_record(self, eval_loader: Iterable | None) -> dict:
         acc, self._epoch_acc = self._epoch_acc, self._new_epoch_acc()
         n = acc["samples"]
         record = {"epoch": self.epoch, "step": self.step, "loss": acc["loss_sum"] / n if n else None,
+                  **self._epoch_stragglers(),
                   "accuracy": acc["correct"] / n if n and acc["correct"] is not None else None,
                   "samples": n, "train_s": acc["train_s"],
                   "samples_per_s": n / acc["train_s"] if acc["train_s"] > 0 else None,

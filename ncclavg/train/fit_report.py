@@ -44,6 +44,8 @@ class FitSummary:
     towers: int
     devices: tuple[str, ...]
     steps: int = 0   # optimizer steps this fit took
+    # this host's straggler report over the fit's collectives (transport/stragglers.py); None without one
+    stragglers: Any = None
 
     def line(self) -> str:
         acc = "nan" if self.test_accuracy is None else f"{self.test_accuracy:.3f}"
@@ -90,6 +92,13 @@ def reporters(mode: str | None) -> list[Callback]:
 
 
 def show_summary(summary: FitSummary, mode: str | None) -> None:
+    """The summary line; before it, a warning when the straggler report named a rank that held the others
+    back (Note [The straggler report])."""
+    rep = summary.stragglers
+    if rep is not None and rep.named:
+        if mode is not None:
+            print(f"warning: {rep.summary()}", file=sys.stdout, flush=True)
+        log.warning("%s", rep.summary())
     if mode is not None:
         print(summary.line(), file=sys.stdout, flush=True)
     log.info("%s", summary.line())

@@ -330,6 +330,13 @@ class TowerTrainer(FitLoop, TrainerState):
                 correct = _accuracy_counts(out, y)
             return loss.detach().float() * n, correct, n
 
+    def straggler_report(self, calls: int | None = None, seconds: float | None = None,
+                         threshold_s: float = 5e-3, since: int | None = None) -> Any:
+        """Which rank held the others back (Note [The straggler report] in ncclavg/transport/stragglers.py)
+        in the recent collectives of this process's host, over the window the arguments choose (as
+        Communicator.straggler_report); None with one process, or one process on this host."""
+        return None if self.comm is None else self.comm.straggler_report(calls, seconds, threshold_s, since)
+
     def _check_replicas(self) -> None:
         """Note [The replica check]: a mismatch raises ReplicaMismatchError on every process, or is logged
         as a warning and kept in `replica_warnings` (on_replica_mismatch="warn")."""

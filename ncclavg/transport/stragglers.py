@@ -5,20 +5,21 @@ Note [The straggler report]
 A collective cannot finish before its last rank arrives, so the time the others wait in it is the last
 rank's doing. Per call the log gives each rank's lateness after the first to arrive. The report, over
 a window of recent calls (the last `calls`, or those of the last `seconds`):
-- a call *waited* when its last rank came more than `floor_s` after its first: the floor separates a
-  real wait (a rank that computed longer, slept, was descheduled for a while) from the jitter of ranks
-  that arrive together; it is `threshold_s` / 4, or 20x the jitter of a loaded machine where that is
-  more: the median over the window of how late the second-to-last rank came (with three ranks or more:
-  the spread of the ranks that were not last, which one slow rank does not widen);
-- per rank: `last` the calls that waited for it, `share_last` their part of all calls that waited,
+- a call *waited* for its last rank when that rank came more than `threshold_s` (default 5 ms) after
+  the first: the threshold separates a real wait (a rank that computed longer, slept, was descheduled for
+  a while) from the spread of ranks that arrive together, which on a busy machine reaches a millisecond
+  or two, also because the ranks of a call between hosts finish it at different times (the lanes' pace)
+  and so arrive at the next one apart; a job whose steps take microseconds chooses a smaller one;
+- per rank: `last_any` the share of all calls it came last to (by any margin), `last` the calls that
+  waited for it, `share_last` their part of all calls that waited,
   `median_s` / `p90_s` how late it was in them (its lateness in the calls that waited for it), and
   `waiting_share` the time the others spent waiting for it (the mean of their waits, summed over those
   calls) over the window's span. DDP's buckets show why it counts only calls that waited: a rank slowed
   in backward is late to its step's first bucket by the whole delay and on time for the others, which
   then run back to back.
-- `named`: the ranks that were last in most calls that waited (share_last >= 2/3: with two ranks on a
-  balanced run each is last about half the time), at least 3 of them, with a median lateness over
-  `threshold_s`. On a balanced run nobody is.
+- `named`: the ranks that were last in most calls that waited (share_last >= 2/3: where waits happen
+  by chance, with two ranks each is last about half the time), and in at least 3 of them. On a balanced
+  run nobody is.
 One host's channel sees its own ranks: between hosts each host's report covers its processes (ranks of
 other hosts are not in it).
 """
@@ -29,8 +30,7 @@ from typing import Any, List, Optional
 
 import torch
 
-DEFAULT_THRESHOLD_S = 1e-3
-_JITTER_FACTOR = 20.0
+DEFAULT_THRESHOLD_S = 5e-3
 _MIN_LAST = 3
 _MOST = 2 / 3
 
@@ -39,6 +39,7 @@ _MOST = 2 / 3
 class RankLateness:
     """One rank's lateness over the window (Note [The straggler report])."""
     rank: int
+    last_any: float = 0.0
     last: int = 0
     share_last: float = 0.0
     median_s: float = 0.0
@@ -50,15 +51,15 @@ class RankLateness:
 class StragglerReport:
     """The straggler report of one host's channel over a window of calls (Note [The straggler report])."""
     calls: int                     # calls in the window
-    waited: int                    # of them, calls whose last rank came after the floor
+    logged: int                    # calls the channel ever logged: a later window may start here (since=)
+    waited: int                    # of them, calls whose last rank came more than threshold_s after the first
     span_s: float                  # from the window's first arrival to its last
-    floor_s: float
     threshold_s: float
     ranks: List[RankLateness] = field(default_factory=list)
     named: List[int] = field(default_factory=list)
 
     def as_dict(self) -> dict:
-        return {"calls": self.calls, "waited": self.waited, "span_s": self.span_s, "floor_s": self.floor_s,
+        return {"calls": self.calls, "logged": self.logged, "waited": self.waited, "span_s": self.span_s,
                 "threshold_s": self.threshold_s, "named": list(self.named),
                 "ranks": [vars(r).copy() for r in self.ranks]}
 
@@ -66,7 +67,7 @@ class StragglerReport:
         """One line: who held the others back, or that nobody did."""
         if not self.named:
             return (f"stragglers: none over {self.calls} calls ({self.waited} waited more than "
-                    f"{self.floor_s * 1e3:.2f} ms for a rank)")
+                    f"{self.threshold_s * 1e3:g} ms for a rank)")
         parts = []
         for r in self.ranks:
             if r.rank in self.named:
@@ -93,38 +94,43 @@ def arrivals(channel: Any, calls: int = -1) -> tuple:
 
 
 def report(channel: Any, calls: Optional[int] = None, seconds: Optional[float] = None,
-           threshold_s: float = DEFAULT_THRESHOLD_S) -> StragglerReport:
-    """Note [The straggler report] over `channel`'s last `calls` calls (default: every one it keeps), and of
-    those only the ones that started in the last `seconds` when given."""
+           threshold_s: float = DEFAULT_THRESHOLD_S, since: Optional[int] = None) -> StragglerReport:
+    """Note [The straggler report] over `channel`'s last `calls` calls (default: every one it keeps), of
+    those only the ones that started in the last `seconds` and came after the first `since` it logged
+    (an earlier report's `logged`), when given."""
     if calls is not None and (isinstance(calls, bool) or not isinstance(calls, int) or calls < 1):
         raise ValueError(f"calls: must be a positive integer, got {calls!r}")
     if seconds is not None and not (isinstance(seconds, (int, float)) and seconds > 0):
         raise ValueError(f"seconds: must be a positive number, got {seconds!r}")
     if not (isinstance(threshold_s, (int, float)) and threshold_s > 0):
         raise ValueError(f"threshold_s: must be a positive number of seconds, got {threshold_s!r}")
-    starts, late, labels, _ = arrivals(channel, -1 if calls is None else calls)
+    if since is not None and (isinstance(since, bool) or not isinstance(since, int) or since < 0):
+        raise ValueError(f"since: must be a count of calls >= 0 (a report's `logged`), got {since!r}")
+    starts, late, labels, logged = arrivals(channel, -1 if calls is None else calls)
+    if since is not None:
+        recent = min(max(0, logged - since), starts.numel())
+        starts, late = starts[starts.numel() - recent:], late[late.shape[0] - recent:]
     if seconds is not None and starts.numel():
         keep = starts >= starts[-1] - int(seconds * 1e9)
         starts, late = starts[keep], late[keep]
-    return _report(starts, late.to(torch.float64) * 1e-9, labels, float(threshold_s))
+    return _report(starts, late.to(torch.float64) * 1e-9, labels, float(threshold_s), logged)
 
 
-def _report(starts: torch.Tensor, late: torch.Tensor, labels: List[int], threshold_s: float) -> StragglerReport:
+def _report(starts: torch.Tensor, late: torch.Tensor, labels: List[int], threshold_s: float,
+            logged: int) -> StragglerReport:
     n = starts.numel()
     ranks = [RankLateness(rank=r) for r in labels]
     if n == 0:
-        return StragglerReport(0, 0, 0.0, threshold_s / 4, threshold_s, ranks)
-    ordered = late.sort(dim=1).values
-    spread = ordered[:, -1]                               # per call: how long its first waited for its last
-    jitter = float(ordered[:, -2].median()) if len(labels) >= 3 else 0.0
-    floor = max(threshold_s / 4, _JITTER_FACTOR * jitter)
+        return StragglerReport(0, logged, 0, 0.0, threshold_s, ranks)
+    spread = late.max(dim=1).values                       # per call: how long its first waited for its last
     span = float((starts[-1] - starts[0]).item()) * 1e-9 + float(spread[-1])
-    waited = spread > floor
+    waited = spread > threshold_s
     last = late.argmax(dim=1)
     nwaited = int(waited.sum())
     others = max(1, len(labels) - 1)
     named = []
     for i, r in enumerate(ranks):
+        r.last_any = float((last == i).sum()) / n
         mine = waited & (last == i)
         r.last = int(mine.sum())
         if r.last == 0:
@@ -136,6 +142,6 @@ def _report(starts: torch.Tensor, late: torch.Tensor, labels: List[int], thresho
         # the others' waits in those calls: this rank's lateness minus each other's, averaged over them
         waits = (late[mine, i].unsqueeze(1) - late[mine]).sum(dim=1) / others
         r.waiting_share = float(waits.sum()) / span if span > 0 else 0.0
-        if r.share_last >= _MOST and r.last >= _MIN_LAST and r.median_s > threshold_s:
+        if r.share_last >= _MOST and r.last >= _MIN_LAST:
             named.append(r.rank)
-    return StragglerReport(n, nwaited, span, floor, threshold_s, ranks, named)
+    return StragglerReport(n, logged, nwaited, span, threshold_s, ranks, named)

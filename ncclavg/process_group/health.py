@@ -1,7 +1,10 @@
-"""The replica check for stock PyTorch (Note [The replica check] in ncclavg/transport/replicas.py): every
-rank of a torch.distributed group digests its model's parameters (and, if asked, its buffers) and the
-ranks compare, over the group's own backend, whatever it is (ncclavg, gloo, NCCL). The parts are the
-parameters, so a difference names the first parameter (by its name in the module) where it is."""
+"""Two questions of a stock PyTorch job (ncclavg.ddp forwards here): are the replicas still identical
+(check_replicas: Note [The replica check] in ncclavg/transport/replicas.py; every rank of a
+torch.distributed group digests its model's parameters, and if asked its buffers, and the ranks compare
+over the group's own backend, whatever it is: ncclavg, gloo, NCCL; the parts are the parameters, so a
+difference names the first parameter, by its name in the module, where it is), and which rank holds the
+others back (straggler_report, for a group of the ncclavg backend: Note [The straggler report] in
+ncclavg/transport/stragglers.py)."""
 from __future__ import annotations
 
 from typing import Any, List, Optional
@@ -9,6 +12,7 @@ from typing import Any, List, Optional
 import torch
 import torch.distributed as dist
 
+from ..transport import stragglers
 from ..transport.replicas import Replica, check_replicas as _check
 
 
@@ -52,3 +56,26 @@ def _parts(model: Any, buffers: bool) -> tuple:
     if buffers:
         raise ValueError("buffers: needs a torch.nn.Module (a list of tensors has no buffers)")
     return [f"tensor {i}" for i in range(len(tensors))], tensors
+
+
+def straggler_report(group: Any = None, *, calls: Optional[int] = None, seconds: Optional[float] = None,
+                     threshold_s: float = stragglers.DEFAULT_THRESHOLD_S) -> Optional[stragglers.StragglerReport]:
+    """The straggler report of `group` (default: the world), a group of the ncclavg backend: over the last
+    `calls` collectives its host's channel logged (default: every one it keeps, up to 4096), or those of
+    the last `seconds`. Local (no collective): it covers the ranks of this process's host. None when no
+    channel serves the group here (this process alone on its host). A group of another backend is refused."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("straggler_report: torch.distributed is not initialized (call init_process_group first)")
+    from .group import ProcessGroupNcclavg
+
+    pg = group if group is not None else dist.group.WORLD
+    if not isinstance(pg, ProcessGroupNcclavg):
+        try:   # a group torch wraps: the backend object behind it
+            pg = pg._get_backend(torch.device("cpu"))
+        except Exception:   # noqa: BLE001 (no CPU backend in this group)
+            pass
+    report = getattr(pg, "straggler_report", None) if isinstance(pg, ProcessGroupNcclavg) else None
+    if report is None:
+        raise ValueError(f"group: not a process group of the ncclavg backend ({type(pg).__name__}); the arrival "
+                         "times are the ncclavg channel's")
+    return report(calls=calls, seconds=seconds, threshold_s=threshold_s)

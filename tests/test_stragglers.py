@@ -1,0 +1,240 @@
+"""The straggler report (Note [The straggler report] in ncclavg/transport/stragglers.py, Note [Arrival times]
+in csrc/transport/shm_arrivals.h): its verdicts on made-up arrival logs, then real runs: a rank slowed by
+a sleep of known length in its step is named, with its lateness within 20% of the sleep, through the
+public API (2 and 4 processes), stock DDP over the ncclavg backend, TowerTrainer's epoch records and
+summary, and 2 x 2 pretend hosts; a balanced run names nobody."""
+import json
+import os
+import time
+
+import pytest
+import torch
+
+from _dist_util import init_rank, run_ranks
+from ncclavg.transport.stragglers import _report, report
+
+MS = 1e-3
+SLEEP_S = 0.04   # long against this machine's scheduling jitter (~1 ms when 4 processes share 2 cores)
+
+
+def _log(late_ms, step_ms=10.0):
+    """starts and lateness (s) of made-up calls: late_ms[i] the ranks' lateness in call i."""
+    late = torch.tensor(late_ms, dtype=torch.float64) * MS
+    starts = (torch.arange(len(late_ms), dtype=torch.int64) * int(step_ms * 1e6))
+    return starts, late
+
+
+def test_a_rank_late_in_most_calls_that_waited_is_named_and_jitter_is_not():
+    # rank 2 late by 30 ms in every other call (one bucket of two: the other ran back to back)
+    rows = [[0.01, 0.02, 30.0 if i % 2 == 0 else 0.0] for i in range(20)]
+    rep = _report(*_log(rows), labels=[0, 1, 2], threshold_s=5e-3, logged=20)
+    assert rep.named == [2] and rep.waited == 10
+    r2 = rep.ranks[2]
+    assert (r2.last, r2.share_last, r2.last_any) == (10, 1.0, 0.5)
+    assert r2.median_s == pytest.approx(30 * MS) and r2.p90_s == pytest.approx(30 * MS)
+    # the others waited 30 - 0.01 and 30 - 0.02 ms (their mean) in 10 calls, over a span of 19 steps of
+    # 10 ms plus the last call's spread
+    assert r2.waiting_share == pytest.approx(10 * 29.985 / (190 + 0.02))
+    assert "rank 2 was last in 10 of 10 calls that waited, late by 30.0 ms" in rep.summary()
+    # balanced: the last rank changes from call to call
+    rows = [[(i * 7 + r * 3) % 5 * 3.0 for r in range(3)] for i in range(40)]   # up to 12 ms apart
+    rep = _report(*_log(rows), labels=[0, 1, 2], threshold_s=5e-3, logged=40)
+    assert rep.waited > 20 and max(r.share_last for r in rep.ranks) < 2 / 3
+    assert rep.named == [] and rep.summary().startswith("stragglers: none over 40 calls")
+
+
+def test_a_spread_under_the_threshold_is_no_wait():
+    # ranks 2 ms apart in every call (a busy machine, or the previous call's uneven finish between hosts)
+    rows = [[0.0, 1.0, 2.0] for _ in range(10)]
+    rep = _report(*_log(rows), labels=[5, 6, 7], threshold_s=5e-3, logged=10)
+    assert rep.waited == 0 and rep.named == [] and rep.ranks[2].last_any == 1.0
+    assert [r.rank for r in rep.ranks] == [5, 6, 7]   # the group's ranks, not the channel's
+    assert _report(*_log(rows), labels=[5, 6, 7], threshold_s=1e-3, logged=10).named == [7]
+
+
+def test_a_few_late_calls_or_a_short_lateness_name_nobody():
+    rows = [[0.0, 0.0]] * 20 + [[0.0, 50.0]] * 2      # two late calls: under the 3 a name needs
+    assert _report(*_log(rows), labels=[0, 1], threshold_s=5e-3, logged=22).named == []
+    rows = [[0.0, 4.0]] * 20                          # late every time, by less than the threshold
+    assert _report(*_log(rows), labels=[0, 1], threshold_s=5e-3, logged=20).named == []
+    rep = _report(torch.zeros(0, dtype=torch.int64), torch.zeros(0, 2, dtype=torch.float64), [0, 1], 5e-3, 0)
+    assert (rep.calls, rep.named) == (0, [])
+
+
+class _Channel:
+    """A channel's log as the core hands it over (the binding's bytes)."""
+
+    def __init__(self, starts_ns, late_ns, labels, logged):
+        self.labels, self._s, self._l, self._n = labels, starts_ns, late_ns, logged
+
+    def arrivals(self, calls):
+        s, l = self._s, self._l
+        if calls >= 0:
+            s, l = s[len(s) - min(calls, len(s)):], l[len(l) - min(calls, len(l)):]
+        return self._n, torch.tensor(s, dtype=torch.int64).numpy().tobytes(), torch.tensor(l, dtype=torch.int64).numpy().tobytes()
+
+
+def test_windows_by_calls_seconds_and_since_and_bad_arguments():
+    starts = [i * 1_000_000_000 for i in range(10)]              # one call a second
+    late = [[0, 6_000_000 if i >= 5 else 0] for i in range(10)]   # rank 1 late by 6 ms from call 5 on
+    ch = _Channel(starts, late, [0, 1], logged=10)
+    assert report(ch).named == [1] and report(ch).calls == 10
+    assert report(ch, calls=3).calls == 3
+    assert report(ch, seconds=2.5).calls == 3
+    assert report(ch, since=8).calls == 2 and report(ch, since=8).logged == 10
+    assert report(ch, since=0).calls == 10 and report(ch, since=50).calls == 0
+    assert report(ch, since=5).named == [1] and report(ch, calls=5).ranks[1].median_s == pytest.approx(6 * MS)
+    assert report(ch, threshold_s=0.01).named == []
+    for kw, name in (({"calls": 0}, "calls"), ({"seconds": -1}, "seconds"), ({"threshold_s": 0}, "threshold_s"),
+                     ({"since": -1}, "since")):
+        with pytest.raises(ValueError, match=name):
+            report(ch, **kw)
+
+
+# ---------------------------------------------------------------------- real runs
+def _public_api_job(rank, world, port, slow, out_dir):
+    init_rank(rank, world, port)
+    from ncclavg import Communicator
+
+    comm = Communicator.from_torch_distributed(device="cpu", timeout=60)
+    grads = torch.zeros(4096)
+    comm.all_reduce_avg([grads])   # the processes meet once before the steps
+    for _ in range(8):
+        if rank == slow:
+            time.sleep(SLEEP_S)   # this rank's "backward" takes longer
+        comm.all_reduce_avg([grads])                        # the step's first bucket: waits for the slow rank
+        comm.all_reduce_avg([torch.zeros(64)])             # and two more, right after it
+        comm.all_reduce_avg_async([torch.zeros(300_000)]).wait()
+    rep = comm.straggler_report()
+    with open(os.path.join(out_dir, f"r{rank}.json"), "w") as f:
+        json.dump(rep.as_dict(), f)
+
+
+@pytest.mark.parametrize("world,slow", [(2, 1), (4, 2), (2, -1), (4, -1)])
+def test_the_public_api_names_a_slowed_rank_and_a_balanced_run_names_nobody(tmp_path, world, slow):
+    run_ranks(_public_api_job, world, args=(slow, str(tmp_path)), timeout_s=120)
+    for r in range(world):
+        rep = json.loads((tmp_path / f"r{r}.json").read_text())
+        assert rep["calls"] == 1 + 8 * 3, rep
+        if slow < 0:
+            assert rep["named"] == [], rep
+            continue
+        assert rep["named"] == [slow], rep
+        mine = rep["ranks"][slow]
+        # late to each step's first call by the sleep, less what the others spent between their calls
+        assert mine["median_s"] == pytest.approx(SLEEP_S, rel=0.2), mine
+        assert mine["last"] >= 7 and mine["share_last"] >= 2 / 3, mine
+
+
+def _ddp_job(rank, world, port, slow, out_dir):
+    import torch.nn as nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import ncclavg.ddp
+    from process_group._process_group_workers import init_backend
+
+    init_backend(rank, world, port)
+    torch.manual_seed(0)
+    model = DDP(nn.Sequential(nn.Linear(32, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 4)),
+                bucket_cap_mb=0.1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x, y = torch.randn(16, 32), torch.randint(0, 4, (16,))
+    for _ in range(8):
+        out = model(x)
+        if rank == slow:
+            time.sleep(SLEEP_S)
+        nn.functional.cross_entropy(out, y).backward()
+        opt.step()
+        opt.zero_grad()
+    rep = ncclavg.ddp.straggler_report()
+    with open(os.path.join(out_dir, f"r{rank}.json"), "w") as f:
+        json.dump(rep.as_dict(), f)
+
+
+def test_stock_ddp_over_the_ncclavg_backend_names_the_slowed_rank(tmp_path):
+    run_ranks(_ddp_job, 2, args=(1, str(tmp_path)), timeout_s=120)
+    for r in range(2):
+        rep = json.loads((tmp_path / f"r{r}.json").read_text())
+        assert rep["named"] == [1], rep
+        assert rep["ranks"][1]["median_s"] == pytest.approx(SLEEP_S, rel=0.2), rep
+
+
+def test_straggler_report_refuses_a_group_of_another_backend(tmp_path):
+    run_ranks(_gloo_group_job, 2, args=(), timeout_s=60)
+
+
+def _gloo_group_job(rank, world, port):
+    import ncclavg.ddp
+
+    init_rank(rank, world, port)   # a gloo group
+    with pytest.raises(ValueError, match="group: not a process group of the ncclavg backend"):
+        ncclavg.ddp.straggler_report()
+
+
+def _trainer_job(rank, world, port, slow, out_dir):
+    init_rank(rank, world, port)
+    from ncclavg.train.callbacks import Callback
+    from ncclavg.train.data import TensorLoader, load_digits
+    from ncclavg.train.models import build_model
+    from ncclavg.train.trainer import TowerTrainer
+
+    class Slow(Callback):
+        def on_step_end(self, trainer, record):   # this rank's next step starts late
+            if rank == slow:
+                time.sleep(SLEEP_S)
+
+    d = load_digits()
+    tr = TowerTrainer(build_model("mlp", seed=0), devices=["cpu"], timeout=60)
+    hist = tr.fit(TensorLoader(d.x_train[:256], d.y_train[:256], batch_size=32, seed=0), epochs=2,
+                  callbacks=[Slow()], progress=None)
+    out = {"epochs": [h["stragglers"] for h in hist], "summary": tr.last_summary.stragglers.as_dict()}
+    with open(os.path.join(out_dir, f"r{rank}.json"), "w") as f:
+        json.dump(out, f)
+
+
+def test_the_trainer_reports_stragglers_per_epoch_and_in_its_summary(tmp_path):
+    run_ranks(_trainer_job, 2, args=(0, str(tmp_path)), timeout_s=180)
+    for r in range(2):
+        got = json.loads((tmp_path / f"r{r}.json").read_text())
+        for epoch in got["epochs"]:
+            assert epoch["named"] == [0], epoch
+            assert epoch["ranks"][0]["median_s"] == pytest.approx(SLEEP_S, rel=0.2), epoch
+        assert got["summary"]["named"] == [0]
+        assert got["summary"]["calls"] == sum(e["calls"] for e in got["epochs"])
+
+
+def _hosts_job(rank, world, port, layout, slow, out_dir):
+    import torch.distributed as dist
+
+    import ncclavg.ddp
+    from process_group._process_group_workers import init_backend
+
+    init_backend(rank, world, port, layout=layout)
+    t = torch.zeros(100_000)
+    dist.all_reduce(t)
+    for _ in range(8):
+        if rank == slow:
+            time.sleep(SLEEP_S)
+        dist.all_reduce(t)
+        dist.all_reduce(torch.zeros(16))
+    rep = ncclavg.ddp.straggler_report()
+    with open(os.path.join(out_dir, f"r{rank}.json"), "w") as f:
+        json.dump({"transport": dist.group.WORLD.transport, **rep.as_dict()}, f)
+
+
+@pytest.mark.parametrize("lanes", ["ucx", "gloo"])
+def test_between_hosts_each_host_names_its_own_slowed_rank(tmp_path, monkeypatch, lanes):
+    """2 x 2 pretend hosts, the lanes on UCX or gloo: rank 3's host-mate sees it late in the host's channel
+    (each call's first step there; its later steps are not logged); host 0's ranks arrive together, and its
+    report covers them only (Note [The straggler report])."""
+    monkeypatch.setenv("NCCLAVG_UCX", "auto" if lanes == "ucx" else "0")
+    layout = [0, 0, 1, 1]
+    run_ranks(_hosts_job, 4, args=(layout, 3, str(tmp_path)), timeout_s=120)
+    for r in range(4):
+        rep = json.loads((tmp_path / f"r{r}.json").read_text())
+        assert rep["transport"] == f"shm+{lanes}", rep
+        assert rep["calls"] == 1 + 8 * 2, rep   # the user's calls: one logged step each
+        assert [x["rank"] for x in rep["ranks"]] == ([0, 1] if r < 2 else [2, 3]), rep
+        assert rep["named"] == ([] if r < 2 else [3]), rep
+        if r >= 2:
+            assert rep["ranks"][1]["median_s"] == pytest.approx(SLEEP_S, rel=0.2), rep
