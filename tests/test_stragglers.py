@@ -238,3 +238,78 @@ def test_between_hosts_each_host_names_its_own_slowed_rank(tmp_path, monkeypatch
         assert rep["named"] == ([] if r < 2 else [3]), rep
         if r >= 2:
             assert rep["ranks"][1]["median_s"] == pytest.approx(SLEEP_S, rel=0.2), rep
+
+
+def _dump_job(rank, world, port, slow, out_dir):
+    import torch.distributed as dist
+
+    from ncclavg.transport import flight
+    from process_group._process_group_workers import init_backend
+
+    init_backend(rank, world, port)
+    t = torch.zeros(1000)
+    for _ in range(6):
+        if rank == slow:
+            time.sleep(SLEEP_S)
+        dist.all_reduce(t)
+    flight.dump(dist.group.WORLD, path=out_dir)
+
+
+def test_a_flight_record_carries_the_report_and_ncclavg_trace_says_it(tmp_path):
+    from ncclavg.transport.flight_reader import load, table
+
+    run_ranks(_dump_job, 2, args=(1, str(tmp_path)), timeout_s=120)
+    dumps = load([str(tmp_path)])
+    assert len(dumps) == 2 and all(d["stragglers"]["named"] == [1] for d in dumps), dumps
+    lines = [x for x in table(dumps) if "stragglers on this host" in x]
+    assert len(lines) == 2 and all("rank 1 was last in 6 of 6 calls that waited, late by " in x for x in lines), lines
+
+
+def _profiled_job(rank, world, port, slow, out_dir):
+    import torch.distributed as dist
+    from torch._C._profiler import _ExperimentalConfig
+
+    from process_group._process_group_workers import init_backend
+
+    init_backend(rank, world, port)
+    t = torch.zeros(1000)
+    dist.all_reduce(t)
+    with torch.profiler.profile(record_shapes=True,
+                                experimental_config=_ExperimentalConfig(profile_all_threads=True)) as prof:
+        for _ in range(4):
+            if rank == slow:
+                time.sleep(SLEEP_S)
+            dist.all_reduce(t)
+    path = os.path.join(out_dir, f"trace{rank}.json")
+    prof.export_chrome_trace(path)
+
+
+def test_the_profiler_trace_names_the_last_rank_of_each_call(tmp_path):
+    run_ranks(_profiled_job, 2, args=(1, str(tmp_path)), timeout_s=120)
+    for r in range(2):
+        events = json.loads((tmp_path / f"trace{r}.json").read_text())["traceEvents"]
+        last = [e["name"] for e in events if e.get("name", "").startswith("ncclavg:last_rank:")]
+        # rank 1 late by 40 ms +- 20%: 32 to 48 ms, under the bound of 64 ms
+        assert last == ["ncclavg:last_rank:1:late<=64ms"] * 4, last
+
+
+def test_the_lateness_bounds_of_the_profiler_events():
+    from ncclavg.transport.profiling import _bound
+
+    assert [_bound(x) for x in (0.0, 0.7, 1, 3, 512, 513, 1000, 1001, 40_000, 3e6)] == \
+        ["1us", "1us", "1us", "4us", "512us", "1ms", "1ms", "2ms", "64ms", "4096ms"]
+
+
+def test_the_fit_summary_warns_when_a_rank_was_named(capsys):
+    from ncclavg.train.fit_report import FitSummary, show_summary
+
+    rows = [[0.0, 30.0]] * 5
+    named = _report(*_log(rows), labels=[0, 1], threshold_s=5e-3, logged=5)
+    summary = FitSummary(0.9, 1, 100.0, 1.0, 2, 2, ("cpu",), 5, stragglers=named)
+    show_summary(summary, "lines")
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("warning: stragglers: rank 1 was last in 5 of 5 calls that waited, late by 30.0 ms")
+    assert out[1].startswith("summary: ")
+    calm = _report(*_log([[0.0, 0.0]] * 5), labels=[0, 1], threshold_s=5e-3, logged=5)
+    show_summary(FitSummary(0.9, 1, 100.0, 1.0, 2, 2, ("cpu",), 5, stragglers=calm), "lines")
+    assert [x for x in capsys.readouterr().out.splitlines() if x.startswith("warning")] == []

@@ -30,7 +30,7 @@ import torch
 
 from .._ext import _C
 from ..buffers import as_buffer, channel_type_code
-from ..transport import calls, flight, host_setup, profiling
+from ..transport import calls, flight, host_setup, profiling, stragglers
 from ..transport.calls import average_call
 from ..transport.failure import CHANNEL_ERRORS
 from ..transport.liveness import Liveness
@@ -91,6 +91,8 @@ class GlooCommunicator(Communicator):
         self._paths = Paths(transport, c10d, self.rank, self.world_size, compare=False)
         self._runner.recorder = flight.for_group(f"communicator-{self.backend}", self.rank, self.world_size,
                                                  dist.get_rank(), self.transport)
+        if self._runner.recorder is not None and stragglers.host_channel(transport) is not None:
+            self._runner.recorder.stragglers = lambda: self.straggler_report().as_dict()
         # Note [Division in the channel]
         # With one host's channel over every process, an average's division by the number of towers runs
         # in the channel's sum (the same bits as the unpack scale after it), one pass less. Which

@@ -87,6 +87,9 @@ class Recorder:
         self._seq = itertools.count(1)
         self.last_seq = 0
         self.failure: Optional[str] = None
+        # what the dump says of the group's stragglers: a callable returning the report's dict (set by the
+        # group when a channel logs its arrivals: Note [The straggler report] in stragglers.py), or None
+        self.stragglers: Optional[Any] = None
         _RECORDERS.add(self)
 
     def issue(self, call: Any, tensors: Any) -> list:
@@ -116,7 +119,15 @@ class Recorder:
         return {"format": FORMAT, "reason": reason, "time": _now(), "host": socket.gethostname(), "pid": os.getpid(),
                 "group": self.group, "rank": self.rank, "size": self.size, "global_rank": self.global_rank,
                 "transport": self.transport, "buffer_size": self.capacity, "last_seq": self.last_seq,
-                "failure": self.failure, "entries": [_entry(r) for r in recs]}
+                "failure": self.failure, "stragglers": self._stragglers(), "entries": [_entry(r) for r in recs]}
+
+    def _stragglers(self) -> Optional[Dict[str, Any]]:
+        if self.stragglers is None:
+            return None
+        try:
+            return self.stragglers()
+        except Exception as e:   # noqa: BLE001 (a dump is written whatever else fails)
+            return {"error": f"{type(e).__name__}: {e}"}
 
     def file_name(self) -> str:
         return f"ncclavg-trace-rank{self.global_rank}-group{re.sub(r'[^A-Za-z0-9_.-]', '_', self.group)}.json"

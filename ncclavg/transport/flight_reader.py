@@ -144,7 +144,20 @@ def table(dumps: Sequence[Dict[str, Any]], last: int = 3) -> List[str]:
                    f"(pid {d.get('pid')} on {d.get('host')}, {d.get('transport')}): {d.get('reason')}")
         for e in d["entries"][-last:]:
             out.append(f"    {_where(e)}")
+        out.extend(_straggler_lines(d.get("stragglers")))
     return out
+
+
+def _straggler_lines(rep: Any) -> List[str]:
+    """The dump's straggler report (Note [The straggler report] in stragglers.py) in a line: the ranks of
+    this rank's host that held the others back in its recent collectives, if any did."""
+    if not isinstance(rep, dict) or "ranks" not in rep:
+        return []
+    named = set(rep.get("named") or [])
+    if not named:
+        return [f"    stragglers on this host: none over its last {rep.get('calls')} calls"]
+    return [f"    stragglers on this host: rank {r['rank']} was last in {r['last']} of {rep.get('waited')} calls that "
+            f"waited, late by {r['median_s'] * 1e3:.1f} ms (median)" for r in rep["ranks"] if r["rank"] in named]
 
 
 def main(paths: Sequence[str], last: int = 3) -> int:

@@ -22,7 +22,14 @@ It is a torch RecordFunction (`_RecordFunctionFast`), which may be ended on anot
 that began it: its start took the profiler's callbacks of the issuing thread, and its end only writes
 the end time.
 The transport steps (`ncclavg:shm:<step>`, `ncclavg:gloo:<op>`) are children of the backend's range
-where they run. On the runner's worker thread torch's profiler records them only when asked to record every
+where they run. A collective that went through a host's channel ends with one more child,
+`ncclavg:last_rank:<rank>:late<=<bound>`: the rank that arrived last at it (Note [Arrival times] in
+csrc/transport/shm_arrivals.h) and how long the first waited for it, rounded up to a power of two of
+microseconds or milliseconds (a few dozen names at most, so torch's tables of events stay short); the
+exact numbers are its args where the profiler records the thread's inputs (`late_us`, and
+`late_us_rank<r>` each rank's). It is recorded where the call completes (the runner's thread: seen with
+profile_all_threads=True, as the steps). A trace shows per call who the others waited for; the straggler
+report (stragglers.py) says the same over a window. On the runner's worker thread torch's profiler records them only when asked to record every
 thread (`experimental_config=torch._C._profiler._ExperimentalConfig(profile_all_threads=True)`): a Python
 thread does not inherit the profiler's thread-local callbacks. The collective's ranges are there in
 either case.
@@ -96,6 +103,34 @@ def begin(op: str, tensors: Sequence[Any]) -> Any:
 
 def end(rf: Any) -> None:
     rf.__exit__(None, None, None)
+
+
+def note_arrival(runner: Any) -> None:
+    """While a profiled collective's range is open: its `ncclavg:last_rank:<rank>` event when the host's
+    channel logged a call since the runner last looked (Note [Profiler ranges of a Python backend])."""
+    from .stragglers import arrivals, host_channel
+
+    channel = host_channel(getattr(runner, "transport", None))
+    if channel is None:
+        return
+    _, late, labels, logged = arrivals(channel, 1)
+    if logged == getattr(runner, "arrivals_seen", 0) or late.shape[0] == 0:
+        return
+    runner.arrivals_seen = logged
+    row = late[0]
+    last = int(row.argmax())
+    args = {"late_us": float(row[last]) / 1e3, **{f"late_us_rank{r}": float(x) / 1e3 for r, x in zip(labels, row)}}
+    with _RecordFunctionFast(f"ncclavg:last_rank:{labels[last]}:late<={_bound(args['late_us'])}", [], args):
+        pass
+
+
+def _bound(us: float) -> str:
+    """The power of two of microseconds (below 1 ms) or milliseconds at or above `us`: "4us", "64ms"."""
+    unit, value = ("us", us) if us <= 512 else ("ms", us / 1e3)
+    bound = 1
+    while bound < value:
+        bound *= 2
+    return f"{bound}{unit}"
 
 
 class _Closer:

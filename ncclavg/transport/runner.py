@@ -184,6 +184,8 @@ class Job:
         if self.prof is not None:
             from . import profiling
 
+            if error is None:
+                profiling.note_arrival(self.runner)
             profiling.end(self.prof)
         self.done = True
         self._gate.release()
