@@ -1,14 +1,19 @@
 """Stock torch DistributedDataParallel on the `ncclavg` backend: the only change to a DDP script is the
 backend name (and `import ncclavg`, which registers it). On one host the gradient all-reduces go through
 ncclavg's shared-memory channel instead of gloo's sockets; `--hook` also registers ncclavg's DDP comm hook
-(`--wire bfloat16` sends bfloat16 and adds in float32).
+(`--wire bfloat16` sends bfloat16 and adds in float32). At the end every rank checks that the replicas
+hold the same bytes (ncclavg.ddp.check_replicas) and, on the ncclavg backend, rank 0 prints which rank
+held the others back (ncclavg.ddp.straggler_report); `--slow-rank 1 --slow-ms 30` makes one rank's
+backward slower to show it.
 
     torchrun --nproc_per_node 2 examples/stock_ddp.py --epochs 2
     torchrun --nproc_per_node 2 examples/stock_ddp.py --hook --wire bfloat16
+    torchrun --nproc_per_node 2 examples/stock_ddp.py --epochs 1 --slow-rank 1 --slow-ms 30
 """
 from __future__ import annotations
 
 import argparse
+import time
 
 import torch
 import torch.distributed as dist
@@ -28,6 +33,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--backend", default="ncclavg", help="ncclavg (default) or gloo, for comparison")
     ap.add_argument("--hook", action="store_true", help="also register ncclavg.ddp's comm hook")
     ap.add_argument("--wire", default=None, choices=["bfloat16", "float16"], help="the hook's wire dtype")
+    ap.add_argument("--slow-rank", type=int, default=None, help="this rank sleeps --slow-ms before each backward")
+    ap.add_argument("--slow-ms", type=float, default=30.0)
     args = ap.parse_args(argv)
 
     torch.set_num_threads(1)                      # several processes share the machine's cores
@@ -45,19 +52,21 @@ def main(argv: list[str] | None = None) -> None:
         sampler.set_epoch(epoch)
         for x, y in loader:
             opt.zero_grad()
-            nn.functional.cross_entropy(model(x), y).backward()
+            loss = nn.functional.cross_entropy(model(x), y)
+            if rank == args.slow_rank:
+                time.sleep(args.slow_ms / 1e3)     # a slower rank: the others wait for it in the all-reduce
+            loss.backward()
             opt.step()
         with torch.no_grad():
             acc = (model.module(data.x_test).argmax(1) == data.y_test).float().mean().item()
         if rank == 0:
             print(f"epoch {epoch + 1}: test accuracy {acc:.3f}", flush=True)
 
-    # every rank holds the same weights: compare a checksum through the backend itself
-    digest = torch.tensor([sum(float(p.detach().double().sum()) * (i + 1) for i, p in enumerate(model.parameters()))],
-                          dtype=torch.float64)
-    digests = [torch.empty_like(digest) for _ in range(world)]
-    dist.all_gather(digests, digest)
-    same = all(torch.equal(d, digests[0]) for d in digests)
+    # every rank holds the same bytes (an error naming the rank and parameter that differ, on every rank)
+    same = ncclavg.ddp.check_replicas(model, on_mismatch="warn") is None
+    report = ncclavg.ddp.straggler_report() if args.backend == "ncclavg" else None
+    if rank == 0 and report is not None:
+        print(report.summary(), flush=True)
     if rank == 0:
         print(f"stock_ddp: test_accuracy={acc:.3f} backend={args.backend} world_size={world} "
               f"hook={'on' if args.hook else 'off'} replicas_identical={same} "

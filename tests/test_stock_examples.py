@@ -38,6 +38,12 @@ def test_stock_ddp_example(extra, hook):
     _summary(_torchrun("stock_ddp.py", "--epochs", "2", *extra), "stock_ddp", hook)
 
 
+def test_stock_ddp_example_names_a_slowed_rank():
+    out = _torchrun("stock_ddp.py", "--epochs", "1", "--slow-rank", "1", "--slow-ms", "30")
+    _summary(out, "stock_ddp", "off")
+    assert re.search(r"stragglers: rank 1 was last in \d+ of \d+ calls that waited, late by (2[4-9]|3[0-6])\.\d ms", out), out
+
+
 @pytest.mark.slow
 def test_fsdp2_example():
     out = _torchrun("fsdp2.py", "--epochs", "2")
