@@ -227,3 +227,50 @@ def test_stock_ddp_replicas_are_checked_across_processes(tmp_path):
         assert got["drift"].startswith(f"the replica check at step 7: the replicas differ (this is rank {r})"), got
         assert "rank 1 model differs from rank 0 model: first at part 3 (module.2.bias)" in got["drift"], got
         assert "module.2.bias" in got["warn"], got
+
+
+# ---------------------------------------------------------------------- TowerTrainer, 2 x 2 pretend hosts
+def _hosts_trainer_job(rank, world, port, layout, out_dir):
+    import json
+    import os
+
+    import ncclavg.comm.gloo as gloo_backend
+    from ncclavg.errors import ReplicaMismatchError
+    from ncclavg.train.models import build_model
+    from ncclavg.train.trainer import TowerTrainer
+
+    init_rank(rank, world, port)
+    gloo_backend.host_identity = lambda: f"test-host-{layout[rank]}"   # 2 x 2 hosts: lanes between them
+    tr = TowerTrainer(build_model("mlp", seed=0), devices=["cpu"], timeout=60, replica_check_every=1)
+    batches = _batches()
+    tr.train_step(next(batches))
+    tr.train_step(next(batches))   # two checks passed
+    last = len(tr.engine.master.flat) - 1
+    changed = next(sl for sl in tr.plan.slots if sl.bucket == last and sl.offset <= 7 < sl.offset + sl.numel)
+    if rank == 2:
+        with torch.no_grad():
+            tr.engine.master.flat[last][7] += 1.0   # element 7 of the master's last bucket
+    try:
+        tr.train_step(next(batches))
+        outcome = "no error"
+    except ReplicaMismatchError as e:
+        outcome = str(e)
+    with open(os.path.join(out_dir, f"r{rank}.json"), "w") as f:
+        json.dump({"outcome": outcome, "checks": tr.replica_checks, "transport": tr.comm.transport,
+                   "bucket": last, "param": changed.index, "name": tr.names[changed.index]}, f)
+
+
+def test_a_changed_master_on_one_of_2x2_hosts_is_named_with_its_bucket_on_every_rank(tmp_path):
+    import json
+
+    run_ranks(_hosts_trainer_job, 4, args=([0, 0, 1, 1], str(tmp_path)), timeout_s=180)
+    for r in range(4):
+        got = json.loads((tmp_path / f"r{r}.json").read_text())
+        out = got["outcome"]
+        assert got["checks"] == 3 and got["transport"].startswith("shm+"), got
+        assert out.startswith(f"the replica check after step 3: the replicas differ (this is rank {r}): "), out
+        assert "rank 2 master weights differs from rank 0 master weights, rank 1 master weights, rank 3 master " \
+               f"weights: first at part {got['bucket']} (master bucket {got['bucket']})" in out, out
+        # the tower's weights are copied from the changed master: the parameter holding that element
+        assert "rank 2 tower 2 differs from rank 0 tower 0, rank 1 tower 1, rank 3 tower 3: first at part " \
+               f"{got['param']} ({got['name']})" in out, out
