@@ -53,14 +53,13 @@ from typing import Any, Callable, List, Optional
 import torch
 from torch._C._distributed_c10d import AllgatherOptions, AllreduceOptions, BroadcastOptions, ReduceOp
 
-from ..buffers import channel_type_code
 from ..errors import is_timeout
 from .calls import FOLD_BYTES, Call, CallMismatchError, Record, fold_limit, folded, start_record
 from .host_layout import HostsLayout
 from .host_pipes import Pipe, SlicePipe
 from .reductions import as_bytes, sum_in_order
 from .runner import Job
-from .shm import tag
+from .shm import ShmTransport
 
 GATHER_BYTES = 256 << 10   # a lane's shard up to which two hosts exchange it whole (LaneGroup sums: lane_sum)
 
@@ -121,6 +120,8 @@ class HostsTransport:
     def __init__(self, channel: Any, layout: HostsLayout, lanes: List[LaneGroup]):
         self._channel = channel
         self.host_channel = channel   # this host's, None when alone (stragglers.py reads it)
+        # the host's steps: one host's channel primitives, over this host's processes (None: alone)
+        self._host = ShmTransport(channel, layout.local, len(layout.mine)) if channel is not None else None
         self.layout, self.lane_groups = layout, lanes
         self.rank, self.world_size = layout.rank, layout.world_size
         self._leaders = lanes[0] if lanes and lanes[0].index == 0 else None
@@ -141,12 +142,11 @@ class HostsTransport:
             raise ValueError("divisor: between hosts the channel does not divide")
         flat = t.view(-1)
         head = flat[:folded(flat, len(self.layout.hosts))]
-        code = channel_type_code(head.dtype)
-        self._host_step(job, lambda: self._host_sum(head.data_ptr(), head.numel(), code, job))   # (1)
+        self._host_step(job, lambda: self._host_sum(head, job))   # (1)
         rows = self._leaders_record(job, as_bytes(head))
         if rows:
             sum_in_order([r.view(head.dtype) for r in rows], out=head)
-        self._host_broadcast(head.data_ptr(), head.numel(), code, job)
+        self._host_broadcast(head, job)
         if flat.numel() > head.numel():
             Pipe(self, flat[head.numel():], job).run()
 
@@ -172,12 +172,12 @@ class HostsTransport:
         in SlicePipe."""
         if divisor != 1.0:
             raise ValueError("divisor: between hosts the channel does not divide")
-        n, code = out.numel(), channel_type_code(out.dtype)
+        n = out.numel()
         h = self._slice_head(n, out.element_size())
         L = self.layout
         host_sum = torch.empty(self.world_size, h, dtype=out.dtype)   # every slice's head, summed in place
         host_sum.copy_(inp.reshape(self.world_size, n)[:, :h])
-        self._host_step(job, lambda: self._host_sum(host_sum.data_ptr(), host_sum.numel(), code, job))   # (1)
+        self._host_step(job, lambda: self._host_sum(host_sum, job))   # (1)
         # host j's leader gets this host's sums of host j's ranks' heads (padded to the largest host's)
         blocks = torch.zeros(len(L.hosts), L.lanes * h, dtype=out.dtype)
         for j, members in enumerate(L.hosts):
@@ -186,7 +186,7 @@ class HostsTransport:
         mine = blocks[L.host]
         if rows:
             sum_in_order([r.view(out.dtype) for r in rows], out=mine)
-        self._host_broadcast(mine.data_ptr(), mine.numel(), code, job)                          # (3)
+        self._host_broadcast(mine, job)                                                          # (3)
         out.view(-1)[:h].copy_(mine[L.local * h:(L.local + 1) * h])
         if h < n:
             SlicePipe(self, False, out.view(-1), inp.reshape(-1), n, job, start=h).run()
@@ -197,7 +197,7 @@ class HostsTransport:
         small call) go in the record that compares the calls: the host's gathered through its channel, the
         leaders' records carry them, a round gives them to the host's other ranks (one exchange between
         hosts); the rest in SlicePipe."""
-        n, code = inp.numel(), channel_type_code(inp.dtype)
+        n = inp.numel()
         h = self._slice_head(n, inp.element_size())
         flat, mine = out.view(-1), inp.reshape(-1)[:h]
         block = torch.zeros(self.layout.lanes * h, dtype=inp.dtype)   # this host's heads, padded to the largest host's
@@ -207,7 +207,7 @@ class HostsTransport:
         if rows:
             for members, row in zip(self.layout.hosts, rows):
                 heads[members] = row.view(inp.dtype)[:len(members) * h].view(len(members), h)
-        self._host_broadcast(heads.data_ptr(), heads.numel(), code, job)                       # (3)
+        self._host_broadcast(heads, job)                                                        # (3)
         if h < n:
             flat.view(self.world_size, n)[:, :h] = heads
             SlicePipe(self, True, flat, inp.reshape(-1), n, job, start=h).run()
@@ -231,13 +231,11 @@ class HostsTransport:
         hosts, every local rank on the wire at once, (3) each other host all-gathers the shards through its
         channel."""
         flat = t.view(-1)
-        code = channel_type_code(flat.dtype)
         L = self.layout
         src = next(i for i, h in enumerate(L.hosts) if root in h)
         at_root = L.host == src
         if at_root:
-            self._host_step(job, lambda: self._host_broadcast(flat.data_ptr(), flat.numel(), code, job,
-                                                              L.mine.index(root)))   # (1)
+            self._host_step(job, lambda: self._host_broadcast(flat, job, L.mine.index(root)))   # (1)
         else:
             self._host_step(job, lambda: self._host_barrier(job))
         head = flat[:folded(flat, len(L.hosts))]
@@ -247,7 +245,7 @@ class HostsTransport:
         else:
             if rows:
                 head.copy_(rows[src].view(head.dtype))
-            self._host_broadcast(head.data_ptr(), head.numel(), code, job)
+            self._host_broadcast(head, job)
         if flat.numel() > head.numel():
             Pipe(self, flat[head.numel():], job, source=src).run()
 
@@ -281,31 +279,29 @@ class HostsTransport:
 
     # ------------------------------------------------------------------ within the host
     def host_reduce_scatter(self, src: torch.Tensor, out: torch.Tensor, job: Job) -> None:
-        if self._channel is not None:
-            self._channel.reduce_scatter_sum(src.data_ptr(), out.data_ptr(), out.numel(), channel_type_code(out.dtype),
-                                             job.channel_limit(), 1.0, 1.0, *tag(job.call))
+        if self._host is not None:
+            self._host.reduce_scatter_sum(out, src, job)
         else:
             out.copy_(src[:out.numel()])
 
     def host_all_gather(self, mine: torch.Tensor, out: torch.Tensor, job: Job) -> None:
-        if self._channel is not None:
-            self._channel.all_gather(mine.data_ptr(), out.data_ptr(), mine.numel(), channel_type_code(mine.dtype),
-                                     job.channel_limit(), *tag(job.call))
+        if self._host is not None:
+            self._host.all_gather(out, mine, job)
         else:
             out.copy_(mine)
 
-    def _host_sum(self, ptr: int, n: int, code: int, job: Job) -> None:
-        if self._channel is not None:
-            self._channel.all_reduce_sum(ptr, n, code, job.channel_limit(), 1.0, 1.0, *tag(job.call))
+    def _host_sum(self, t: torch.Tensor, job: Job) -> None:
+        if self._host is not None:
+            self._host.all_reduce_sum(t.view(-1), job)
 
-    def _host_broadcast(self, ptr: int, n: int, code: int, job: Job, root: int = 0) -> None:
+    def _host_broadcast(self, t: torch.Tensor, job: Job, root: int = 0) -> None:
         """From this host's local rank `root` (its leader unless said)."""
-        if self._channel is not None:
-            self._channel.broadcast(ptr, n, code, root, job.channel_limit(), *tag(job.call))
+        if self._host is not None:
+            self._host.broadcast(t.view(-1), root, job)
 
     def _host_barrier(self, job: Job) -> None:
-        if self._channel is not None:
-            self._channel.barrier(job.channel_limit(), *tag(job.call))
+        if self._host is not None:
+            self._host.check(job)
 
     # ------------------------------------------------------------------ between the hosts' leaders
     def _host_step(self, job: Job, step: Callable[[], None]) -> None:
