@@ -260,6 +260,7 @@ def _hosts_trainer_job(rank, world, port, layout, out_dir):
                    "bucket": last, "param": changed.index, "name": tr.names[changed.index]}, f)
 
 
+@pytest.mark.slow
 def test_a_changed_master_on_one_of_2x2_hosts_is_named_with_its_bucket_on_every_rank(tmp_path):
     import json
 

@@ -38,6 +38,7 @@ def test_stock_ddp_example(extra, hook):
     _summary(_torchrun("stock_ddp.py", "--epochs", "2", *extra), "stock_ddp", hook)
 
 
+@pytest.mark.slow
 def test_stock_ddp_example_names_a_slowed_rank():
     out = _torchrun("stock_ddp.py", "--epochs", "1", "--slow-rank", "1", "--slow-ms", "30")
     _summary(out, "stock_ddp", "off")

@@ -222,7 +222,7 @@ def _hosts_job(rank, world, port, layout, slow, out_dir):
         json.dump({"transport": dist.group.WORLD.transport, **rep.as_dict()}, f)
 
 
-@pytest.mark.parametrize("lanes", ["ucx", "gloo"])
+@pytest.mark.parametrize("lanes", ["ucx", pytest.param("gloo", marks=pytest.mark.slow)])
 def test_between_hosts_each_host_names_its_own_slowed_rank(tmp_path, monkeypatch, lanes):
     """2 x 2 pretend hosts, the lanes on UCX or gloo: rank 3's host-mate sees it late in the host's channel
     (each call's first step there; its later steps are not logged); host 0's ranks arrive together, and its
