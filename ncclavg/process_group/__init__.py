@@ -9,7 +9,8 @@ collective, named after it, which the runner runs), cpu_collectives.py (the CPU 
 run, each asking its steps of the transport's implementations in order: transport/paths.py),
 fast_path.py (the inline synchronous collectives; all_reduce's in C++: _C.GroupAllreduce), devices.py
 (the collectives on CUDA tensors, registered for the device type "cuda": the inner NCCL group's),
-ddp_hook.py (the DDP comm hook behind `ncclavg.ddp`) and fsdp_comms.py (FSDP2 custom comms). Its errors
+ddp_hook.py (the DDP comm hook behind `ncclavg.ddp`), fsdp_comms.py (FSDP2 custom comms) and health.py
+(`ncclavg.ddp.check_replicas` and `straggler_report` for stock PyTorch). Its errors
 are in ncclavg/errors.py.
 What it may import: the core, `ncclavg.transport`, `ncclavg.comm` and torch; never `ncclavg.train` or
 `ncclavg.bench`. Nothing is imported here: the creator loads group.py when torch makes the first group.

@@ -12,7 +12,9 @@ host's channel or the path between hosts, then gloo) with reductions.py (the ele
 channel cannot do), calls.py (the user-level call signature every round compares across ranks), liveness.py
 (heartbeats that name a lost rank), flight.py (the flight recorder of the last collectives, dumped on a
 timeout, a lost peer or demand) with flight_reader.py (`ncclavg trace`, which merges the dumps) and
-profiling.py (torch.profiler ranges of collectives). The C++ side is csrc/transport/.
+profiling.py (torch.profiler ranges of collectives), stragglers.py (the straggler report from the ranks' arrival
+times each host's channel logs) and replicas.py (the replica check: digests compared across the processes).
+The C++ side is csrc/transport/.
 What it may import: the core (`ncclavg._ext`, `buffers`, `errors`) and torch; nothing of `ncclavg.comm`,
 `ncclavg.process_group`, `ncclavg.train` or `ncclavg.bench`. Nothing is imported here.
 Where to start reading: runner.py's `Runner.submit`, then paths.py's `Paths.sum` and shm.py's
