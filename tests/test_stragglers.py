@@ -302,7 +302,8 @@ def test_the_profiler_trace_names_the_last_rank_of_each_call(tmp_path):
         want = json.loads((tmp_path / f"want{r}.json").read_text())
         assert last == want["names"], (last, want)   # each call's event says what the channel logged of it
         assert all(x.startswith("ncclavg:last_rank:1:") for x in last), last
-        assert all(t == pytest.approx(SLEEP_S, rel=0.5) for t in want["late_s"]), want
+        # at least the sleep, less the jitter; the first call may add the profiler's start on the slow rank
+        assert all(t >= 0.8 * SLEEP_S for t in want["late_s"]), want
 
 
 def test_the_lateness_bounds_of_the_profiler_events():

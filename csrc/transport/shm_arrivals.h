@@ -9,10 +9,12 @@
 // lateness after it. The stamp is the clock read the call's deadline needs anyway; the cost is one store
 // and, after the round, one load per rank and a short copy under an uncontended lock. A stamp is read
 // before anyone can post the round two later (which waits for this rank's `consumed`), so it is never
-// overwritten before it is read. A call between the hosts runs several channel collectives (its steps
-// within each host, chunk by chunk): only the first is logged (ShmChannel::OneCall around the call), the
-// ranks' arrival at the call, not at its inner steps, which follow the lanes' pace. Each host's channel
-// compares the ranks of that host with each other.
+// overwritten before it is read. A user call may run several channel collectives (between hosts its
+// steps within each host, chunk by chunk; on one host a reduction the channel cannot do, piece by piece):
+// only the first is logged, the ranks' arrival at the call, not at its inner steps, which follow the
+// call's own pace. ShmChannel::OneCall (the runner around every job: Runner._execute; the lanes around
+// every call, which the native fast path makes without a job) marks the collectives of one call. Each
+// host's channel compares the ranks of that host with each other.
 #pragma once
 #include <algorithm>
 #include <cstdint>

@@ -47,7 +47,6 @@ at once instead of waiting out the timeout.
 """
 from __future__ import annotations
 
-import functools
 from typing import Any, Callable, List, Optional
 
 import torch
@@ -85,21 +84,6 @@ def make_lanes(layout: HostsLayout, make_group: Callable[[List[int]], Any]) -> L
     return lanes
 
 
-def _one_call(step: Callable) -> Callable:
-    """A primitive of HostsTransport whose host-channel collectives serve one user call: the channel logs
-    the ranks' arrival at the first only (Note [Arrival times] in csrc/transport/shm_arrivals.h)."""
-    @functools.wraps(step)
-    def run(self: "HostsTransport", *args: Any, **kwargs: Any) -> Any:
-        if self._channel is None:
-            return step(self, *args, **kwargs)
-        self._channel.begin_one_call()
-        try:
-            return step(self, *args, **kwargs)
-        finally:
-            self._channel.end_one_call()
-    return run
-
-
 class HostsTransport:
     """The processes of a group on several hosts: `channel` this host's (None when this process is alone
     on its host), `layout` which process carries which lane (host_layout.HostsLayout), `lanes` the gloo
@@ -129,7 +113,6 @@ class HostsTransport:
         self.lane_slices = [layout.slices(lane.index) for lane in lanes]
 
     # ------------------------------------------------------------------ all-reduce: Note [Several hosts]
-    @_one_call
     def all_reduce_sum(self, t: torch.Tensor, job: Job, divisor: float = 1.0, check_finite: bool = False) -> None:
         """The sum over every rank of every host (Note [Several hosts]); `check_finite` is not answered between
         hosts (None: the step's reader scans). The call's data (all of it where it fits the record, else its
@@ -162,7 +145,6 @@ class HostsTransport:
         return lane.group.allreduce([piece], _SUM), piece, None
 
     # ------------------------------------------------------------------ the slices: Note [Several hosts]
-    @_one_call
     def reduce_scatter_sum(self, out: torch.Tensor, inp: torch.Tensor, job: Job, divisor: float = 1.0) -> None:
         """out = the sum over every rank of every host of its slice `rank` of inp (world_size slices of
         out.numel()). The first `_slice_head` elements of every slice (all of a small call) go in the record
@@ -191,7 +173,6 @@ class HostsTransport:
         if h < n:
             SlicePipe(self, False, out.view(-1), inp.reshape(-1), n, job, start=h).run()
 
-    @_one_call
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor, job: Job) -> None:
         """out = every rank's inp, in rank order. The first `_slice_head` elements of every rank's (all of a
         small call) go in the record that compares the calls: the host's gathered through its channel, the
@@ -220,7 +201,6 @@ class HostsTransport:
             return n
         return min(n, FOLD_BYTES // (self.layout.lanes * esize))
 
-    @_one_call
     def broadcast(self, t: torch.Tensor, root: int, job: Job) -> None:
         """`root`'s data to every rank of every host, as the all-reduce moves its sum (Note [Several hosts]):
         (1) within the root's host, the channel's broadcast from it (every other host: a round that compares its
@@ -256,7 +236,6 @@ class HostsTransport:
         opts.rootRank, opts.rootTensor = lane.labels.index(self.layout.owners(lane.index)[source]), 0
         return lane.group.broadcast([piece], opts), piece, None
 
-    @_one_call
     def check(self, job: Job) -> None:
         """(1) the host's ranks agree, (2) the leaders agree, (3) a round in which the host's other ranks
         learn the leader's verdict (it aborts the channel on a mismatch)."""
