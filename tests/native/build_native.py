@@ -1,0 +1,139 @@
+"""Builds the native SIMD harness (tests/native/*.cpp + the CPU core) for x86-64 or aarch64 (stdlib only).
+
+    python tests/native/build_native.py [--arch x86_64|aarch64] [--define NAME] [--cache DIR] -- [HARNESS ARGS]
+
+builds (or reuses) the harness and runs it (under qemu-aarch64 for aarch64 on another machine). Objects
+are cached by their command, source and every header under csrc/ and tests/native/, so a second build
+after no change only links nothing. Compiler flags are setup.py's that matter for the bits
+(-ffp-contract=off) plus -Werror; aarch64 links -static (qemu then needs no sysroot) with OpenMP.
+"""
+import argparse
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+HERE = Path(__file__).resolve().parent
+
+# The CPU core: the common code, the dispatchers and the scalar level; LEVELS adds each architecture's.
+CORE = ("common/buffer.cpp", "common/pack_plan.cpp", "cpu/simd.cpp", "cpu/kernels_scalar.cpp",
+        "cpu/pack_scalar.cpp", "cpu/pack.cpp", "cpu/optim_scalar.cpp", "cpu/optim.cpp", "cpu/reduce.cpp")
+LEVELS = {"x86_64": ("avx2", "avx512"), "aarch64": ("neon", "sve")}
+HARNESS = ("harness_main.cpp", "check_kernels.cpp", "check_optim.cpp")
+CXX = {"x86_64": "g++", "aarch64": "aarch64-linux-gnu-g++"}
+CXXFLAGS = ["-std=c++17", "-O2", "-fopenmp", "-ffp-contract=off", "-Wall", "-Wextra", "-Wno-unused-parameter",
+            "-Werror"]
+QEMU = "qemu-aarch64"
+
+
+def host_arch():
+    m = platform.machine().lower()
+    return {"amd64": "x86_64", "arm64": "aarch64"}.get(m, m)
+
+
+def sources(arch):
+    csrc = ROOT / "csrc"
+    out = [csrc / s for s in CORE]
+    for level in LEVELS[arch]:
+        out += [csrc / "cpu" / f"{fam}_{level}.cpp" for fam in ("kernels", "pack", "optim")]
+    return out + [HERE / h for h in HARNESS]
+
+
+def find_cxx(arch):
+    return shutil.which(CXX[arch])
+
+
+def needs_qemu(arch):
+    return arch != host_arch()
+
+
+def _digest(*parts):
+    h = hashlib.sha256()
+    for p in parts:
+        h.update(p if isinstance(p, bytes) else str(p).encode())
+        h.update(b"\0")
+    return h.hexdigest()[:20]
+
+
+def build(cache, arch="aarch64", defines=(), jobs=2, nice=True):
+    """Compiles what changed, links, returns the harness executable's path."""
+    cxx = find_cxx(arch)
+    if cxx is None:
+        raise RuntimeError(f"no {CXX[arch]} on PATH")
+    cache = Path(cache).resolve()
+    (cache / "obj").mkdir(parents=True, exist_ok=True)
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
+    headers = b"".join(p.read_bytes() for d in (ROOT / "csrc", HERE) for p in sorted(d.rglob("*.h")))
+    base = ([*(["nice"] if nice and shutil.which("nice") else []), cxx] + CXXFLAGS +
+            [f"-D{d}" for d in defines] + [f"-I{ROOT / 'csrc'}"])
+
+    def compile_one(src):
+        key = _digest(version, base, src.read_bytes(), headers, src.name)
+        obj = cache / "obj" / f"{arch}-{src.stem}-{key}.o"
+        if obj.exists():
+            return obj
+        tmp = Path(tempfile.mkdtemp(dir=cache / "obj"))
+        try:
+            cmd = [*base, "-c", str(src), "-o", str(tmp / "out.o")]
+            r = subprocess.run(cmd, capture_output=True, text=True)
+            if r.returncode != 0:
+                raise RuntimeError(f"compiling {src.name} failed:\n{' '.join(cmd)}\n{r.stdout}{r.stderr}")
+            os.replace(tmp / "out.o", obj)  # atomic: a concurrent build never sees half an object
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        return obj
+
+    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+        objects = list(pool.map(compile_one, sources(arch)))
+    exe = cache / ("bin-" + _digest(arch, *[o.name for o in objects])) / "simd_harness"
+    if not exe.exists():
+        exe.parent.mkdir(parents=True, exist_ok=True)
+        link = [cxx, "-fopenmp", *[str(o) for o in objects], "-o", str(exe) + ".tmp"]
+        if arch == "aarch64":
+            link.insert(1, "-static")
+        r = subprocess.run(link, capture_output=True, text=True)
+        if r.returncode != 0:
+            raise RuntimeError(f"linking failed:\n{' '.join(link)}\n{r.stdout}{r.stderr}")
+        os.replace(str(exe) + ".tmp", exe)
+    return exe
+
+
+def command(exe, arch="aarch64", cpu=None, args=()):
+    """The command line that runs the harness: under qemu-aarch64 -cpu CPU when the arch is not the host's."""
+    if needs_qemu(arch):
+        return [QEMU, *(["-cpu", cpu] if cpu else []), str(exe), *args]
+    return [str(exe), *args]
+
+
+def run(exe, arch="aarch64", cpu=None, level=None, args=(), timeout=600):
+    env = dict(os.environ)
+    env.pop("NCCLAVG_SIMD", None)
+    if level:
+        env["NCCLAVG_SIMD"] = level
+    env.setdefault("OMP_NUM_THREADS", "1")
+    return subprocess.run(command(exe, arch, cpu, args), capture_output=True, text=True, env=env, timeout=timeout)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--arch", default="aarch64", choices=sorted(LEVELS))
+    ap.add_argument("--cpu", default=None, help="qemu -cpu model, e.g. max,sve256=on or cortex-a72")
+    ap.add_argument("--level", default=None, help="NCCLAVG_SIMD for the run")
+    ap.add_argument("--define", action="append", default=[])
+    ap.add_argument("--cache", default=str(Path(tempfile.gettempdir()) / "ncclavg-native-harness"))
+    ap.add_argument("args", nargs="*")
+    a = ap.parse_args()
+    exe = build(a.cache, a.arch, a.define)
+    r = run(exe, a.arch, a.cpu, a.level, a.args)
+    sys.stdout.write(r.stdout + r.stderr)
+    return r.returncode
+
+
+if __name__ == "__main__":
+    sys.exit(main())
