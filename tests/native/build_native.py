@@ -62,7 +62,8 @@ def _digest(*parts):
 
 
 def build(cache, arch="aarch64", defines=(), jobs=2, nice=True):
-    """Compiles what changed, links, returns the harness executable's path."""
+    """Compiles what changed, links, returns the harness executable's path. defines: -D names for the
+    ISA level files only (what a planted defect in a lane type needs; the rest stays cached)."""
     cxx = find_cxx(arch)
     if cxx is None:
         raise RuntimeError(f"no {CXX[arch]} on PATH")
@@ -70,17 +71,18 @@ def build(cache, arch="aarch64", defines=(), jobs=2, nice=True):
     (cache / "obj").mkdir(parents=True, exist_ok=True)
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
     headers = b"".join(p.read_bytes() for d in (ROOT / "csrc", HERE) for p in sorted(d.rglob("*.h")))
-    base = ([*(["nice"] if nice and shutil.which("nice") else []), cxx] + CXXFLAGS +
-            [f"-D{d}" for d in defines] + [f"-I{ROOT / 'csrc'}"])
+    base = [*(["nice"] if nice and shutil.which("nice") else []), cxx] + CXXFLAGS + [f"-I{ROOT / 'csrc'}"]
+    level_files = {f"{fam}_{level}.cpp" for level in LEVELS[arch] for fam in ("kernels", "pack", "optim")}
 
     def compile_one(src):
-        key = _digest(version, base, src.read_bytes(), headers, src.name)
+        flags = [*base, *([f"-D{d}" for d in defines] if src.name in level_files else [])]
+        key = _digest(version, flags, src.read_bytes(), headers, src.name)
         obj = cache / "obj" / f"{arch}-{src.stem}-{key}.o"
         if obj.exists():
             return obj
         tmp = Path(tempfile.mkdtemp(dir=cache / "obj"))
         try:
-            cmd = [*base, "-c", str(src), "-o", str(tmp / "out.o")]
+            cmd = [*flags, "-c", str(src), "-o", str(tmp / "out.o")]
             r = subprocess.run(cmd, capture_output=True, text=True)
             if r.returncode != 0:
                 raise RuntimeError(f"compiling {src.name} failed:\n{' '.join(cmd)}\n{r.stdout}{r.stderr}")
