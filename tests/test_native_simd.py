@@ -7,7 +7,9 @@ tests/native/build_native.py builds it from the csrc/ of THIS checkout into a ca
 sources: natively (x86-64: scalar, avx2, avx512) and with aarch64-linux-gnu-g++ (-static), run under
 qemu-aarch64 at scalar, neon and sve with 128-, 256- and 512-bit vectors, and on a CPU without SVE
 (cortex-a72), where sve must be reported unsupported and forcing it must fail with a clear error.
-A NEON lane type with a planted wrong lane must fail the harness.
+A NEON lane type with a planted wrong lane must fail the harness. The shared-memory channel's
+collectives (csrc/transport/shm_*) run between two forked processes, natively and under qemu, with
+exact results (tests/native/shm_main.cpp).
 """
 import re
 import shutil
@@ -116,6 +118,16 @@ def test_a_wrong_neon_lane_fails_the_harness(cache):
     assert "differs from the scalar level" in proc.stdout
     # The scalar level of the same binary does not use the lane: it still passes.
     _assert_passes(native.run(exe, "aarch64", NO_SVE, "scalar", ["--quick"], timeout=300), "scalar")
+
+
+@pytest.mark.parametrize("arch", [pytest.param("aarch64", marks=needs_arm), pytest.param("x86_64", marks=needs_x86)])
+def test_shm_channel_collectives_between_two_processes(cache, arch):
+    exe = native.build(cache, arch, program="shm_harness")
+    proc = native.run(exe, arch, "max,sve256=on" if native.needs_qemu(arch) else None, None, timeout=300)
+    print(proc.stdout)
+    assert proc.returncode == 0 and "RESULT: ok ranks=2" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-2000:]
+    for rank in (0, 1):
+        assert re.search(rf"^rank {rank}: checks=[1-9]\d* failures=0$", proc.stdout, re.M), proc.stdout[-2000:]
 
 
 @needs_x86

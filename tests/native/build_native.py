@@ -2,7 +2,8 @@
 
     python tests/native/build_native.py [--arch x86_64|aarch64] [--define NAME] [--cache DIR] -- [HARNESS ARGS]
 
-builds (or reuses) the harness and runs it (under qemu-aarch64 for aarch64 on another machine). Objects
+builds (or reuses) the harness (or, with --program shm_harness, the shared-memory channel's
+collectives between two forked processes) and runs it (under qemu-aarch64 for aarch64 on another machine). Objects
 are cached by their command, source and every header under csrc/ and tests/native/, so a second build
 after no change only links nothing. Compiler flags are setup.py's that matter for the bits
 (-ffp-contract=off) plus -Werror; aarch64 links -static (qemu then needs no sysroot) with OpenMP.
@@ -25,7 +26,11 @@ HERE = Path(__file__).resolve().parent
 CORE = ("common/buffer.cpp", "common/pack_plan.cpp", "cpu/simd.cpp", "cpu/kernels_scalar.cpp",
         "cpu/pack_scalar.cpp", "cpu/pack.cpp", "cpu/optim_scalar.cpp", "cpu/optim.cpp", "cpu/reduce.cpp")
 LEVELS = {"x86_64": ("avx2", "avx512"), "aarch64": ("neon", "sve")}
-HARNESS = ("harness_main.cpp", "check_kernels.cpp", "check_optim.cpp")
+# The programs: the SIMD harness, and the channel's collectives between two forked processes.
+PROGRAMS = {"simd_harness": ("harness_main.cpp", "check_kernels.cpp", "check_optim.cpp"),
+            "shm_harness": ("shm_main.cpp",)}
+SHM = ("transport/shm_calls.cpp", "transport/shm_channel.cpp", "transport/shm_collectives.cpp",
+       "transport/shm_segment.cpp")
 CXX = {"x86_64": "g++", "aarch64": "aarch64-linux-gnu-g++"}
 CXXFLAGS = ["-std=c++17", "-O2", "-fopenmp", "-ffp-contract=off", "-Wall", "-Wextra", "-Wno-unused-parameter",
             "-Werror"]
@@ -37,12 +42,14 @@ def host_arch():
     return {"amd64": "x86_64", "arm64": "aarch64"}.get(m, m)
 
 
-def sources(arch):
+def sources(arch, program):
     csrc = ROOT / "csrc"
     out = [csrc / s for s in CORE]
     for level in LEVELS[arch]:
         out += [csrc / "cpu" / f"{fam}_{level}.cpp" for fam in ("kernels", "pack", "optim")]
-    return out + [HERE / h for h in HARNESS]
+    if program == "shm_harness":
+        out += [csrc / s for s in SHM]
+    return out + [HERE / h for h in PROGRAMS[program]]
 
 
 def find_cxx(arch):
@@ -61,7 +68,7 @@ def _digest(*parts):
     return h.hexdigest()[:20]
 
 
-def build(cache, arch="aarch64", defines=(), jobs=2, nice=True):
+def build(cache, arch="aarch64", defines=(), jobs=2, nice=True, program="simd_harness"):
     """Compiles what changed, links, returns the harness executable's path. defines: -D names for the
     ISA level files only (what a planted defect in a lane type needs; the rest stays cached)."""
     cxx = find_cxx(arch)
@@ -92,11 +99,11 @@ def build(cache, arch="aarch64", defines=(), jobs=2, nice=True):
         return obj
 
     with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
-        objects = list(pool.map(compile_one, sources(arch)))
-    exe = cache / ("bin-" + _digest(arch, *[o.name for o in objects])) / "simd_harness"
+        objects = list(pool.map(compile_one, sources(arch, program)))
+    exe = cache / ("bin-" + _digest(arch, *[o.name for o in objects])) / program
     if not exe.exists():
         exe.parent.mkdir(parents=True, exist_ok=True)
-        link = [cxx, "-fopenmp", *[str(o) for o in objects], "-o", str(exe) + ".tmp"]
+        link = [cxx, "-fopenmp", *[str(o) for o in objects], "-lrt", "-o", str(exe) + ".tmp"]
         if arch == "aarch64":
             link.insert(1, "-static")
         r = subprocess.run(link, capture_output=True, text=True)
@@ -128,10 +135,11 @@ def main():
     ap.add_argument("--cpu", default=None, help="qemu -cpu model, e.g. max,sve256=on or cortex-a72")
     ap.add_argument("--level", default=None, help="NCCLAVG_SIMD for the run")
     ap.add_argument("--define", action="append", default=[])
+    ap.add_argument("--program", default="simd_harness", choices=sorted(PROGRAMS))
     ap.add_argument("--cache", default=str(Path(tempfile.gettempdir()) / "ncclavg-native-harness"))
     ap.add_argument("args", nargs="*")
     a = ap.parse_args()
-    exe = build(a.cache, a.arch, a.define)
+    exe = build(a.cache, a.arch, a.define, program=a.program)
     r = run(exe, a.arch, a.cpu, a.level, a.args)
     sys.stdout.write(r.stdout + r.stderr)
     return r.returncode
