@@ -1,7 +1,7 @@
 // SVE instance of the CPU kernels, vector-length agnostic. See Note [Run-time ISA dispatch], Note [SVE
 // kernels without a compile-time width] (sve_impl.h) and Note [Internal linkage in ISA translation
 // units]: standard headers come before the target pragma.
-#include <arm_neon.h>
+#include <arm_sve.h>
 
 #include <cstdint>
 

@@ -1,6 +1,7 @@
 // SVE instance of the pack kernel, vector-length agnostic. See Note [Run-time ISA dispatch] and Note
 // [SVE kernels without a compile-time width] (sve_impl.h): standard headers come before the target pragma.
 #include <arm_neon.h>
+#include <arm_sve.h>
 
 #include <cstdint>
 #include <vector>

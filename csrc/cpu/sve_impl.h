@@ -5,13 +5,12 @@
 // Note [SVE kernels without a compile-time width]
 // SVE's vector length is a property of the CPU (128 to 2048 bits), read at run time (svcntw()). Its
 // types (svfloat32_t, svbool_t) are sizeless: no struct members, no arrays, no sizeof. The lane-type
-// templates need all three (L::W as a constant, `typename L::V mean[K]`, a lane type with static
-// members returning V is fine but the blocks of 16 elements are not), so these families are written
-// here once more, as loops of svwhilelt predicates over [begin, end): the last, partial vector is the
-// same code with fewer active lanes, so there is no scalar tail. Each element sees exactly the scalar
-// level's operations in the same order (loads and roundings as ScalarLane's, fp32 sums over the buffers
-// in order, one division; no FMA: -ffp-contract=off and no svmla), so every vector length gives the
-// scalar level's bits. The optimizer family keeps its 16-element blocks (its norm accumulators are laid
+// templates need a constant L::W and arrays of L::V (kernels_impl.h's staging buffer in sum_step, the
+// optimizer's blocks of 16 elements), so these families are written here once more, as loops of
+// svwhilelt predicates over [begin, end): the last, partial vector is the same code with fewer active
+// lanes, so there is no scalar tail. Each element sees exactly the scalar level's operations in the same
+// order (loads and roundings as ScalarLane's, fp32 sums over the buffers in order, one division; no
+// FMA: -ffp-contract=off and no svmla), so every vector length gives the scalar level's bits. The optimizer family keeps its 16-element blocks (its norm accumulators are laid
 // out by them, Note [Norm reduction independent of the SIMD level]): at this level it runs the NEON
 // lanes (optim_sve.cpp). Making the impl headers take a run-time width would let it use SVE too.
 #pragma once
