@@ -37,8 +37,11 @@ needs_x86 = pytest.mark.skipif(HOST != "x86_64" or native.find_cxx("x86_64") is 
 
 # qemu CPU models: `max` has SVE unless told otherwise; cortex-a72 is ARMv8-A with NEON only.
 NO_SVE = "max,sve=off"
+# qemu runs the SVE kernels ~10x slower than NEON (~10 s a run on an idle 2-core machine): 128 bits
+# (Grace) and 256 (Graviton3) in the quick suite, 512 with the slow tests.
 ARM_RUNS = [("scalar", NO_SVE), ("neon", NO_SVE), ("neon", "cortex-a72"), ("sve", "max,sve128=on"),
-            ("sve", "max,sve256=on"), ("sve", "max,sve512=on")]
+            ("sve", "max,sve256=on"), pytest.param("sve", "max,sve512=on", marks=pytest.mark.slow)]
+ARM_IDS = ["scalar-nosve", "neon-nosve", "neon-cortex-a72", "sve128", "sve256", "sve512"]
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +82,7 @@ def test_harness_builds_every_level_file_of_each_architecture():
 
 
 @needs_arm
-@pytest.mark.parametrize("level,cpu", ARM_RUNS, ids=[f"{lv}-{cpu}" for lv, cpu in ARM_RUNS])
+@pytest.mark.parametrize("level,cpu", ARM_RUNS, ids=ARM_IDS)
 def test_aarch64_level_matches_scalar_and_float64(arm_harness, level, cpu):
     proc = native.run(arm_harness, "aarch64", cpu, level, ["--quick"], timeout=300)
     _assert_passes(proc, level)
@@ -92,9 +95,11 @@ def test_aarch64_level_matches_scalar_and_float64(arm_harness, level, cpu):
 @pytest.mark.parametrize("cpu,supported,best", [(NO_SVE, "scalar neon", "neon"), ("cortex-a72", "scalar neon", "neon"),
                                                 ("max,sve256=on", "scalar neon sve", "sve")])
 def test_aarch64_levels_follow_the_hardware(arm_harness, cpu, supported, best):
-    proc = native.run(arm_harness, "aarch64", cpu, None, ["--quick"], timeout=300)
+    proc = native.run(arm_harness, "aarch64", cpu, None, ["--info"], timeout=120)
+    assert proc.returncode == 0, proc.stdout[-2000:]
     assert re.search(rf"^supported: {supported}$", proc.stdout, re.M), proc.stdout[:500]
-    _assert_passes(proc, best)  # NCCLAVG_SIMD unset: the best level the CPU has
+    # NCCLAVG_SIMD unset: the best level the CPU has
+    assert re.search(rf"^best: {best}$", proc.stdout, re.M) and re.search(rf"^level: {best}$", proc.stdout, re.M)
 
 
 @needs_arm
@@ -143,6 +148,6 @@ def test_x86_level_matches_scalar_and_float64(x86_harness, level):
 # where the code differs most.
 @pytest.mark.slow
 @needs_arm
-@pytest.mark.parametrize("level,cpu", [("neon", NO_SVE), ("sve", "max,sve256=on"), ("sve", "max,sve512=on")])
+@pytest.mark.parametrize("level,cpu", [("neon", NO_SVE), ("sve", "max,sve256=on")])
 def test_aarch64_full_sizes(arm_harness, level, cpu):
     _assert_passes(native.run(arm_harness, "aarch64", cpu, level, [], timeout=600), level)

@@ -5,7 +5,9 @@
 //
 //   harness [--quick]      prints the levels, one line per family, and
 //                          RESULT: ok|FAIL level=L cases=N checks=N failures=N; exit 0 when ok
+//   harness --info         only the levels: supported, the best, the one chosen
 // Exit 1: a check failed; 3: the level could not be chosen (its message is printed as ERROR: ...).
+#include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <exception>
@@ -28,6 +30,7 @@ Tally& tally() {
 int main(int argc, char** argv) {
   using namespace ncclavg::cpu;
   const bool quick = argc > 1 && std::strcmp(argv[1], "--quick") == 0;
+  const bool info = argc > 1 && std::strcmp(argv[1], "--info") == 0;
   std::string supported;
   for (SimdLevel l : simd_levels_of_arch()) {
     if (simd_level_supported(l)) supported += std::string(supported.empty() ? "" : " ") + simd_level_name(l);
@@ -44,6 +47,7 @@ int main(int argc, char** argv) {
 #if defined(__aarch64__) && defined(PR_SVE_GET_VL)
   if (level == SimdLevel::kSve) std::printf("sve vector bits: %d\n", (prctl(PR_SVE_GET_VL) & PR_SVE_VL_LEN_MASK) * 8);
 #endif
+  if (info) return 0;
   struct Family {
     const char* name;
     void (*run)(bool);
@@ -53,10 +57,13 @@ int main(int argc, char** argv) {
                              {"optim", harness::check_optim}};
   for (const Family& f : families) {
     const harness::Tally before = harness::tally();
+    const auto t0 = std::chrono::steady_clock::now();
     f.run(quick);
+    const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     const harness::Tally& t = harness::tally();
-    std::printf("%-12s cases=%lld checks=%lld failures=%lld\n", f.name, static_cast<long long>(t.cases - before.cases),
-                static_cast<long long>(t.checks - before.checks), static_cast<long long>(t.failures - before.failures));
+    std::printf("%-12s cases=%lld checks=%lld failures=%lld seconds=%.1f\n", f.name,
+                static_cast<long long>(t.cases - before.cases), static_cast<long long>(t.checks - before.checks),
+                static_cast<long long>(t.failures - before.failures), secs);
   }
   const harness::Tally& t = harness::tally();
   std::printf("RESULT: %s level=%s cases=%lld checks=%lld failures=%lld\n", t.failures ? "FAIL" : "ok",
