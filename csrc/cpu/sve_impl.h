@@ -10,9 +10,10 @@
 // svwhilelt predicates over [begin, end): the last, partial vector is the same code with fewer active
 // lanes, so there is no scalar tail. Each element sees exactly the scalar level's operations in the same
 // order (loads and roundings as ScalarLane's, fp32 sums over the buffers in order, one division; no
-// FMA: -ffp-contract=off and no svmla), so every vector length gives the scalar level's bits. The optimizer family keeps its 16-element blocks (its norm accumulators are laid
-// out by them, Note [Norm reduction independent of the SIMD level]): at this level it runs the NEON
-// lanes (optim_sve.cpp). Making the impl headers take a run-time width would let it use SVE too.
+// FMA: -ffp-contract=off and no svmla), so every vector length gives the scalar level's bits. The
+// optimizer family keeps its 16-element blocks, by which its norm accumulators are laid out
+// (Note [Norm reduction independent of the SIMD level]): at this level it runs the NEON lanes
+// (optim_sve.cpp). Making the impl headers take a run-time width would let it use SVE too.
 #pragma once
 #include <arm_sve.h>
 
