@@ -20,6 +20,7 @@ sanitizers), NCCLAVG_BUILD_JOBS.
 import hashlib
 import json
 import os
+import platform
 import re
 import shlex
 import shutil
@@ -208,7 +209,9 @@ class BuildExt(build_ext):
         include = [str(ROOT / "csrc"), *ext.include_dirs, sysconfig.get_paths()["include"]]
         defines = [f'-DNCCLAVG_VERSION="{VERSION}"']
         cxx_flags = ["-std=c++17", "-O3", "-fPIC", "-fopenmp", "-fvisibility=hidden",
-                     # Same rounding at every SIMD level and on the GPU: no silent FMA contraction.
+                     # Same rounding at every SIMD level and on the GPU: no silent FMA contraction
+                     # (x86 GCC contracts only where the target has FMA, aarch64 GCC everywhere,
+                     # scalar code included: a*b+c in one rounding would change the bits).
                      "-ffp-contract=off", "-Wall", "-Wextra", "-Wno-unused-parameter"]
         cxx_flags += shlex.split(os.environ.get("NCCLAVG_CXXFLAGS", ""))
         link_flags = ["-fopenmp", "-lrt"] + shlex.split(os.environ.get("NCCLAVG_LDFLAGS", ""))
@@ -285,6 +288,21 @@ def deps(src):
     return [ROOT / src, *(ROOT / "csrc").rglob("*.h")]
 
 
-ext = Pybind11Extension("ncclavg._C", sources("", "bindings.cpp") + sources("common", "*.cpp") + sources("cpu", "*.cpp") + sources("transport", "*.cpp")
+# The ISA level files of each architecture (Note [Run-time ISA dispatch] in csrc/cpu/simd.h): a build
+# compiles its own architecture's and none of the others' (their pragmas and intrinsics do not exist).
+ISA_LEVELS = {"x86_64": ("avx2", "avx512"), "aarch64": ("neon", "sve")}
+
+
+def target_machine():
+    machine = platform.machine().lower()
+    return {"amd64": "x86_64", "arm64": "aarch64"}.get(machine, machine)
+
+
+def cpu_sources(machine):
+    foreign = {lvl for arch, lvls in ISA_LEVELS.items() if arch != machine for lvl in lvls}
+    return [src for src in sources("cpu", "*.cpp") if Path(src).stem.rsplit("_", 1)[-1] not in foreign]
+
+
+ext = Pybind11Extension("ncclavg._C", sources("", "bindings.cpp") + sources("common", "*.cpp") + cpu_sources(target_machine()) + sources("transport", "*.cpp")
                         + sources("python", "*.cpp"))
 setup(version=VERSION, ext_modules=[ext], cmdclass={"build_ext": BuildExt})

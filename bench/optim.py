@@ -27,7 +27,7 @@ Cases, per size:
       same threads, timed in the same interleaved rounds as the steps), to a plain read of as many bytes
       (torch.sum, ncclavg grad_stats) and to a STREAM triad (torch.add(b, c, alpha, out=a)), the last two
       measured right after.
-  --simd all runs ncclavg's contenders once per SIMD level the CPU has (scalar, avx2, avx512), switched
+  --simd all runs ncclavg's contenders once per SIMD level the CPU has (scalar, avx2, avx512; scalar, neon, sve on aarch64), switched
   call by call inside the same interleaved rounds, so each level's ratios come from the same run; every
   row names its level.
 """

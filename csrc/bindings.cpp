@@ -206,10 +206,11 @@ PYBIND11_MODULE(_C, m) {
 
   m.def("simd_level", [] { return cpu::simd_level_name(cpu::current_simd_level()); });
   m.def("set_simd_level", &cpu::set_simd_level, py::arg("level"),
-        "Force the CPU kernel ISA: auto, scalar, avx2 or avx512 (must be supported by this CPU).");
+        "Force the CPU kernel ISA: auto, scalar, avx2 or avx512 on x86-64, auto, scalar, neon or sve on aarch64 "
+        "(must be supported by this CPU).");
   m.def("simd_levels_supported", [] {
     std::vector<std::string> out;
-    for (auto l : {cpu::SimdLevel::kScalar, cpu::SimdLevel::kAvx2, cpu::SimdLevel::kAvx512})
+    for (auto l : cpu::simd_levels_of_arch())
       if (cpu::simd_level_supported(l)) out.emplace_back(cpu::simd_level_name(l));
     return out;
   });

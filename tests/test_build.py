@@ -176,3 +176,31 @@ def test_an_arch_below_sm70_builds_the_small_pack_table_only(tmp_path, archs, sm
     out = r.stdout + r.stderr
     assert r.returncode != 0 and "-fno-such-flag" in out and "-DNCCLAVG_WITH_CUDA" in out, out[-3000:]
     assert ("-DNCCLAVG_PACK_SMALL_TABLE_ONLY" in out) == small_only, out[-3000:]
+
+
+def _setup_functions(*names):
+    """Functions and constants of setup.py, without running it (it calls setup() at import)."""
+    import ast
+    import platform
+
+    tree = ast.parse((ROOT / "setup.py").read_text())
+    keep = [n for n in tree.body if (isinstance(n, ast.FunctionDef) and n.name in names) or
+            (isinstance(n, ast.Assign) and any(getattr(t, "id", None) in names for t in n.targets))]
+    ns = {"Path": Path, "ROOT": ROOT, "platform": platform}
+    exec(compile(ast.Module(body=keep, type_ignores=[]), "setup.py", "exec"), ns)
+    return ns
+
+
+def test_each_architecture_compiles_only_its_own_isa_files():
+    """Note [Run-time ISA dispatch]: x86 pragmas and intrinsics do not exist on aarch64, nor the reverse."""
+    ns = _setup_functions("ISA_LEVELS", "sources", "cpu_sources")
+    x86, arm = ns["cpu_sources"]("x86_64"), ns["cpu_sources"]("aarch64")
+    for fam in ("kernels", "pack", "optim"):
+        assert f"csrc/cpu/{fam}_scalar.cpp" in x86 and f"csrc/cpu/{fam}_scalar.cpp" in arm
+        for lvl in ("avx2", "avx512"):
+            assert f"csrc/cpu/{fam}_{lvl}.cpp" in x86 and f"csrc/cpu/{fam}_{lvl}.cpp" not in arm
+        for lvl in ("neon", "sve"):
+            assert f"csrc/cpu/{fam}_{lvl}.cpp" in arm and f"csrc/cpu/{fam}_{lvl}.cpp" not in x86
+    assert "csrc/cpu/simd.cpp" in arm and "csrc/cpu/optim.cpp" in arm
+    # Any other architecture gets the scalar level alone.
+    assert not [s for s in ns["cpu_sources"]("riscv64") if s.rsplit("_", 1)[-1][:-4] in ("avx2", "avx512", "neon", "sve")]

@@ -18,8 +18,13 @@ namespace cpu {
 
 const OptimKernelTable& optim_kernels() {
   switch (current_simd_level()) {
+#if defined(__x86_64__)
     case SimdLevel::kAvx512: return kAvx512OptimKernels;
     case SimdLevel::kAvx2: return kAvx2OptimKernels;
+#elif defined(__aarch64__)
+    case SimdLevel::kSve: return kSveOptimKernels;
+    case SimdLevel::kNeon: return kNeonOptimKernels;
+#endif
     default: return kScalarOptimKernels;
   }
 }

@@ -61,8 +61,13 @@ struct OptimKernelTable {
 };
 
 extern const OptimKernelTable kScalarOptimKernels;
+#if defined(__x86_64__)
 extern const OptimKernelTable kAvx2OptimKernels;
 extern const OptimKernelTable kAvx512OptimKernels;
+#elif defined(__aarch64__)
+extern const OptimKernelTable kNeonOptimKernels;
+extern const OptimKernelTable kSveOptimKernels;
+#endif
 
 // The table of the current SIMD level (NCCLAVG_SIMD / set_simd_level, as for the average kernels).
 const OptimKernelTable& optim_kernels();

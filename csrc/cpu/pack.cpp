@@ -12,8 +12,13 @@ namespace cpu {
 
 const PackKernelTable& pack_kernels() {
   switch (current_simd_level()) {
+#if defined(__x86_64__)
     case SimdLevel::kAvx512: return kAvx512PackKernels;
     case SimdLevel::kAvx2: return kAvx2PackKernels;
+#elif defined(__aarch64__)
+    case SimdLevel::kSve: return kSvePackKernels;
+    case SimdLevel::kNeon: return kNeonPackKernels;
+#endif
     default: return kScalarPackKernels;
   }
 }

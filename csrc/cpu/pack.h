@@ -22,8 +22,13 @@ struct PackKernelTable {
 };
 
 extern const PackKernelTable kScalarPackKernels;
+#if defined(__x86_64__)
 extern const PackKernelTable kAvx2PackKernels;
 extern const PackKernelTable kAvx512PackKernels;
+#elif defined(__aarch64__)
+extern const PackKernelTable kNeonPackKernels;
+extern const PackKernelTable kSvePackKernels;
+#endif
 
 // The table of the SIMD level in use (follows set_simd_level / NCCLAVG_SIMD like the other kernels).
 const PackKernelTable& pack_kernels();

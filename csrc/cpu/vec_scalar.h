@@ -10,6 +10,15 @@ namespace ncclavg {
 namespace cpu {
 namespace {
 
+// IEEE binary16 as a C++ type: GCC 12 accepts _Float16 in C++ on x86 only; on aarch64 its __fp16 is the
+// same format (AHP, the alternative format, is off unless FPCR asks for it) as a storage-only type whose
+// conversions to and from float are single instructions.
+#if defined(__aarch64__)
+using Half = __fp16;
+#else
+using Half = _Float16;
+#endif
+
 struct ScalarLane {
   using V = float;
   static constexpr int W = 1;
@@ -19,9 +28,10 @@ struct ScalarLane {
   static void store_f32(float* p, V v) { *p = v; }
   static V load_bf16(const uint16_t* p) { return ew::bf16_bits_to_float(*p); }
   static void store_bf16(uint16_t* p, V v) { *p = ew::float_to_bf16_bits(v); }
-  // _Float16 conversions are correctly rounded (F16C when the TU's target has it, libgcc otherwise).
-  static V load_f16(const uint16_t* p) { return static_cast<float>(*reinterpret_cast<const _Float16*>(p)); }
-  static void store_f16(uint16_t* p, V v) { *reinterpret_cast<_Float16*>(p) = static_cast<_Float16>(v); }
+  // Half conversions are correctly rounded (F16C when the TU's target has it, libgcc otherwise; on
+  // aarch64 one fcvt, rounding as FPCR says: to nearest even unless someone changed it).
+  static V load_f16(const uint16_t* p) { return static_cast<float>(*reinterpret_cast<const Half*>(p)); }
+  static void store_f16(uint16_t* p, V v) { *reinterpret_cast<Half*>(p) = static_cast<Half>(v); }
   // "Some lane was not finite", accumulated in registers (Note [Finiteness from the pass that writes]):
   // nonfinite(v, limit) marks the lanes whose value rounds to an inf/NaN in a type with that overflow limit.
   // On the bits, as ew::written_nonfinite on the values (|x| < limit orders like the sign-cleared
