@@ -25,7 +25,6 @@ import os
 import platform
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -33,18 +32,10 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from _common import median_seconds  # noqa: E402
 from ncclavg import _C  # noqa: E402
 
 SIZES = {"1M": 1 << 20, "16M": 16 << 20, "128M": 128 << 20}
-
-
-def _median_time(fn, rounds: int) -> float:
-    times = []
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def digest_rows(sizes, rounds: int) -> list:
@@ -65,7 +56,7 @@ def digest_rows(sizes, rounds: int) -> list:
         times = {k: [] for k in contenders}
         for _ in range(rounds):   # interleaved: every contender once per round
             for k, fn in contenders.items():
-                times[k].append(_median_time(fn, 1))
+                times[k].append(median_seconds(fn, reps=1, warmup=0))
         med = {k: statistics.median(v) for k, v in times.items()}
         read_gbs = nbytes / med["read (torch.sum)"] / 1e9
         for k, t in med.items():
@@ -96,7 +87,7 @@ def training_row(steps: int) -> dict:
         if i >= 5:   # warm-up
             step_s.append(rec["step_s"])
     check_tower_replicas(tr)
-    check_s = _median_time(lambda: check_tower_replicas(tr), 50)
+    check_s = median_seconds(lambda: check_tower_replicas(tr), reps=50, warmup=0)
     param_bytes = sum(p.numel() * p.element_size() for tower in tr.tower_params for p in tower)
     param_bytes += sum(f.numel() * f.element_size() for f in tr.engine.master.flat)
     step = statistics.median(step_s)
