@@ -92,7 +92,7 @@ class GlooCommunicator(Communicator):
         self._runner.recorder = flight.for_group(f"communicator-{self.backend}", self.rank, self.world_size,
                                                  dist.get_rank(), self.transport)
         if self._runner.recorder is not None and stragglers.host_channel(transport) is not None:
-            self._runner.recorder.stragglers = lambda: self.straggler_report().as_dict()
+            self._runner.recorder.stragglers = stragglers.dump_source(transport)
         # Note [Division in the channel]
         # With one host's channel over every process, an average's division by the number of towers runs
         # in the channel's sum (the same bits as the unpack scale after it), one pass less. Which

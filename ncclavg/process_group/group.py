@@ -82,7 +82,7 @@ class ProcessGroupNcclavg(CallChecks, dist.ProcessGroup):
         self._flight = flight.for_group(self._name, rank, size, self.global_ranks[rank], self.transport)
         self._runner.recorder = self._flight
         if self._flight is not None and stragglers.host_channel(self._runner.transport) is not None:
-            self._flight.stragglers = lambda: self.straggler_report().as_dict()
+            self._flight.stragglers = stragglers.dump_source(self._runner.transport)
         native = native_allreduce(self, self._fast, self._flight, self._timeout, UNSET_TIMEOUT)
         if native is not None:   # shadows the method below for this group: the general path is _allreduce
             self.allreduce = native

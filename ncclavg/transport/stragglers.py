@@ -25,8 +25,9 @@ other hosts are not in it).
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
-from typing import Any, List, Optional
+from typing import Any, Callable, List, Optional
 
 import torch
 
@@ -80,6 +81,19 @@ class StragglerReport:
 def host_channel(transport: Any) -> Any:
     """The channel of this process's host under `transport`, or None (alone on its host, or no transport)."""
     return getattr(transport, "host_channel", None) if transport is not None else None
+
+
+def dump_source(transport: Any) -> Callable[[], Optional[dict]]:
+    """What a flight record asks for its `stragglers` (flight.Recorder.stragglers): the report over every
+    call `transport`'s host channel keeps, as a dict; it holds the transport weakly, so that a group or
+    communicator and its recorder are not kept alive by each other."""
+    ref = weakref.ref(transport)
+
+    def source() -> Optional[dict]:
+        channel = host_channel(ref())
+        return None if channel is None else report(channel).as_dict()
+
+    return source
 
 
 def arrivals(channel: Any, calls: int = -1) -> tuple:
