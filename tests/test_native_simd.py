@@ -38,9 +38,10 @@ needs_x86 = pytest.mark.skipif(HOST != "x86_64" or native.find_cxx("x86_64") is 
 # qemu CPU models: `max` has SVE unless told otherwise; cortex-a72 is ARMv8-A with NEON only.
 NO_SVE = "max,sve=off"
 # qemu runs the SVE kernels slowly above 128 bits (a 256- or 512-bit run takes ~10 s, a NEON or 128-bit
-# one ~1.5 s): 128 bits (Grace) and 256 (Graviton3) in the quick suite, 512 with the slow tests.
+# one ~1.5 s): 128 bits (Grace) in the quick suite, 256 (Graviton3) and 512 with the slow tests.
 ARM_RUNS = [("scalar", NO_SVE), ("neon", NO_SVE), ("neon", "cortex-a72"), ("sve", "max,sve128=on"),
-            ("sve", "max,sve256=on"), pytest.param("sve", "max,sve512=on", marks=pytest.mark.slow)]
+            pytest.param("sve", "max,sve256=on", marks=pytest.mark.slow),
+            pytest.param("sve", "max,sve512=on", marks=pytest.mark.slow)]
 ARM_IDS = ["scalar-nosve", "neon-nosve", "neon-cortex-a72", "sve128", "sve256", "sve512"]
 
 
@@ -114,6 +115,7 @@ def test_aarch64_forcing_an_unsupported_level_is_a_clear_error(arm_harness, leve
 
 
 @needs_arm
+@pytest.mark.slow   # a build of its own
 def test_a_wrong_neon_lane_fails_the_harness(cache):
     """NCCLAVG_PLANT_NEON_DEFECT puts one ulp into lane 2 of every NEON float32 store."""
     exe = native.build(cache, "aarch64", defines=["NCCLAVG_PLANT_NEON_DEFECT"])
@@ -126,7 +128,7 @@ def test_a_wrong_neon_lane_fails_the_harness(cache):
 
 
 # On x86-64 the Python suite drives the channel already (tests/transport): the native run is slow-only.
-@pytest.mark.parametrize("arch", [pytest.param("aarch64", marks=needs_arm),
+@pytest.mark.parametrize("arch", [pytest.param("aarch64", marks=[needs_arm, pytest.mark.slow]),
                                   pytest.param("x86_64", marks=[needs_x86, pytest.mark.slow])])
 def test_shm_channel_collectives_between_two_processes(cache, arch):
     exe = native.build(cache, arch, program="shm_harness")
@@ -138,6 +140,7 @@ def test_shm_channel_collectives_between_two_processes(cache, arch):
 
 
 @needs_x86
+@pytest.mark.slow   # the Python suite runs the x86 levels already; this is the harness's own check, a build of its own
 @pytest.mark.parametrize("level", ["scalar", "avx2", "avx512"])
 def test_x86_level_matches_scalar_and_float64(x86_harness, level):
     proc = native.run(x86_harness, "x86_64", None, level, ["--quick"], timeout=300)
