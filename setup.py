@@ -20,7 +20,6 @@ sanitizers), NCCLAVG_BUILD_JOBS.
 import hashlib
 import json
 import os
-import platform
 import re
 import shlex
 import shutil
@@ -37,6 +36,7 @@ from setuptools.command.build_ext import build_ext
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT / "build_backend"))
 from build_messages import BuildDecision, CpuOnlyBuild, tell_user  # noqa: E402
+from isa_levels import foreign, target_machine  # noqa: E402
 from ncclavg_build import PYPI_TOOLKIT, pypi_major, pypi_toolkit_requirements  # noqa: E402
 VERSION = re.search(r'__version__ = "([^"]+)"', (ROOT / "ncclavg" / "_version.py").read_text()).group(1)
 
@@ -288,19 +288,9 @@ def deps(src):
     return [ROOT / src, *(ROOT / "csrc").rglob("*.h")]
 
 
-# The ISA level files of each architecture (Note [Run-time ISA dispatch] in csrc/cpu/simd.h): a build
-# compiles its own architecture's and none of the others' (their pragmas and intrinsics do not exist).
-ISA_LEVELS = {"x86_64": ("avx2", "avx512"), "aarch64": ("neon", "sve")}
-
-
-def target_machine():
-    machine = platform.machine().lower()
-    return {"amd64": "x86_64", "arm64": "aarch64"}.get(machine, machine)
-
-
 def cpu_sources(machine):
-    foreign = {lvl for arch, lvls in ISA_LEVELS.items() if arch != machine for lvl in lvls}
-    return [src for src in sources("cpu", "*.cpp") if Path(src).stem.rsplit("_", 1)[-1] not in foreign]
+    """csrc/cpu's sources for `machine`: its own SIMD level files, none of another architecture's."""
+    return [src for src in sources("cpu", "*.cpp") if not foreign(src, machine)]
 
 
 ext = Pybind11Extension("ncclavg._C", sources("", "bindings.cpp") + sources("common", "*.cpp") + cpu_sources(target_machine()) + sources("transport", "*.cpp")

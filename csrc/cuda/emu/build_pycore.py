@@ -24,7 +24,9 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "build_backend"))
 import build_host  # noqa: E402  (the toolchain, the stand-in's sources, the link step)
+from isa_levels import foreign, target_machine  # noqa: E402  (this architecture's SIMD level files only)
 
 # setup.py's sources: these folders of csrc/, not recursing (emu/ stays out), plus bindings.cpp.
 CORE_FOLDERS = ("common", "cpu", "transport", "python", "cuda")
@@ -66,6 +68,8 @@ def build(root, cache, jobs=2, log=None, api=build_host.DEFAULT_API):
     jobs_list = [tc.job("bindings.cpp")]
     for folder in CORE_FOLDERS:
         for p in sorted((tc.csrc / folder).glob("*.cpp")):
+            if folder == "cpu" and foreign(p, target_machine()):
+                continue
             jobs_list.append(tc.job(f"{folder}/{p.name}"))
     for p in sorted((tc.csrc / "cuda").glob("*.cu")):
         jobs_list.append(tc.kernel_job(f"cuda/{p.name}"))

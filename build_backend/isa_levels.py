@@ -1,0 +1,22 @@
+"""The SIMD level files of csrc/cpu each architecture compiles (Note [Run-time ISA dispatch] in
+csrc/cpu/simd.h): a build compiles its own architecture's and none of the others' (their pragmas and
+intrinsics do not exist there). Used by setup.py and by the emulated-CUDA build of the whole core
+(csrc/cuda/emu/build_pycore.py)."""
+from __future__ import annotations
+
+import platform
+from pathlib import Path
+
+# architecture -> its level files' suffixes (kernels_<level>.cpp, pack_<level>.cpp, optim_<level>.cpp)
+ISA_LEVELS = {"x86_64": ("avx2", "avx512"), "aarch64": ("neon", "sve")}
+
+
+def target_machine() -> str:
+    machine = platform.machine().lower()
+    return {"amd64": "x86_64", "arm64": "aarch64"}.get(machine, machine)
+
+
+def foreign(path: str | Path, machine: str) -> bool:
+    """Is `path` a level file of an architecture other than `machine`?"""
+    others = {lvl for arch, lvls in ISA_LEVELS.items() if arch != machine for lvl in lvls}
+    return Path(path).stem.rsplit("_", 1)[-1] in others
