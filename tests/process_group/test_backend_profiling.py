@@ -53,10 +53,19 @@ def test_ddp_steps_show_one_allreduce_per_bucket(tmp_path, all_threads):
             assert not any(e["main"] for e in steps_seen), steps_seen   # on the worker, not the caller
         else:
             assert steps_seen == [], steps_seen
+        # each channel collective's last rank (Note [Profiler ranges of a Python backend]), recorded where
+        # the call completes: the runner's worker
+        last = [e for e in events if e["name"].startswith("ncclavg:last_rank:")]
+        if all_threads:
+            assert len(last) == 1 + 2 * steps, last   # the broadcast and every bucket's all-reduce
+            assert not any(e["main"] for e in last), last
+        else:
+            assert last == [], last
         # nothing else of the backend
         known = {"c10d::allreduce_", "ncclavg:all_reduce", "c10d::broadcast_", "ncclavg:broadcast", p2p,
                  dispatched}
-        assert {e["name"] for e in events if not e["name"].startswith("ncclavg:shm:")} == known, events
+        assert {e["name"] for e in events if not e["name"].startswith(("ncclavg:shm:", "ncclavg:last_rank:"))} \
+            == known, events
 
 
 @pytest.mark.slow   # ~15 s: a recv waits out its group's timeout
