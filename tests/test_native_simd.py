@@ -37,8 +37,9 @@ needs_x86 = pytest.mark.skipif(HOST != "x86_64" or native.find_cxx("x86_64") is 
 
 # qemu CPU models: `max` has SVE unless told otherwise; cortex-a72 is ARMv8-A with NEON only.
 NO_SVE = "max,sve=off"
-# qemu runs the SVE kernels slowly above 128 bits (a 256- or 512-bit run takes ~10 s, a NEON or 128-bit
-# one ~1.5 s): 128 bits (Grace) in the quick suite, 256 (Graviton3) and 512 with the slow tests.
+# The aarch64 build (the core's CPU sources at -O3, cross-compiled: about a minute on 2 cores) and its runs
+# under qemu are with the slow tests, which .ci/run runs too; the quick suite keeps the file checks. qemu
+# runs the SVE kernels slowly above 128 bits (a 256- or 512-bit run takes ~10 s, a NEON or 128-bit one ~1.5 s).
 ARM_RUNS = [("scalar", NO_SVE), ("neon", NO_SVE), ("neon", "cortex-a72"), ("sve", "max,sve128=on"),
             pytest.param("sve", "max,sve256=on", marks=pytest.mark.slow),
             pytest.param("sve", "max,sve512=on", marks=pytest.mark.slow)]
@@ -83,6 +84,7 @@ def test_harness_builds_every_level_file_of_each_architecture():
 
 
 @needs_arm
+@pytest.mark.slow
 @pytest.mark.parametrize("level,cpu", ARM_RUNS, ids=ARM_IDS)
 def test_aarch64_level_matches_scalar_and_float64(arm_harness, level, cpu):
     proc = native.run(arm_harness, "aarch64", cpu, level, ["--quick"], timeout=300)
@@ -93,6 +95,7 @@ def test_aarch64_level_matches_scalar_and_float64(arm_harness, level, cpu):
 
 
 @needs_arm
+@pytest.mark.slow
 @pytest.mark.parametrize("cpu,supported,best", [(NO_SVE, "scalar neon", "neon"), ("cortex-a72", "scalar neon", "neon"),
                                                 ("max,sve256=on", "scalar neon sve", "sve")])
 def test_aarch64_levels_follow_the_hardware(arm_harness, cpu, supported, best):
@@ -104,6 +107,7 @@ def test_aarch64_levels_follow_the_hardware(arm_harness, cpu, supported, best):
 
 
 @needs_arm
+@pytest.mark.slow
 @pytest.mark.parametrize("level,cpu,why", [("sve", "cortex-a72", "this CPU does not support 'sve'"),
                                            ("sve", NO_SVE, "this CPU does not support 'sve'"),
                                            ("avx2", NO_SVE, "unknown SIMD level 'avx2'; use auto, scalar, neon or sve")])
