@@ -44,6 +44,7 @@ import torch
 from torch import nn
 
 from .amp import DynamicLossScale, autocast_context
+from ..transport.stragglers import DEFAULT_THRESHOLD_S
 from .distributed import check_tower_replicas, processes_communicator
 from .engines import CpuMasterEngine, DeviceMasterEngine, OptimConfig
 from .fit import FitLoop
@@ -331,7 +332,7 @@ class TowerTrainer(FitLoop, TrainerState):
             return loss.detach().float() * n, correct, n
 
     def straggler_report(self, calls: int | None = None, seconds: float | None = None,
-                         threshold_s: float = 5e-3, since: int | None = None) -> Any:
+                         threshold_s: float = DEFAULT_THRESHOLD_S, since: int | None = None) -> Any:
         """Which rank held the others back (Note [The straggler report] in ncclavg/transport/stragglers.py)
         in the recent collectives of this process's host, over the window the arguments choose (as
         Communicator.straggler_report); None with one process, or one process on this host."""

@@ -9,9 +9,7 @@ so a second build after no change compiles nothing. Compiler flags are setup.py'
 -ffp-contract=off) plus -Werror; aarch64 links -static (qemu then needs no sysroot) with OpenMP.
 """
 import argparse
-import hashlib
 import os
-import platform
 import shutil
 import subprocess
 import sys
@@ -21,11 +19,14 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(ROOT / "build_backend"))
+sys.path.insert(0, str(ROOT / "csrc" / "cuda" / "emu"))
+from build_emu import _digest  # noqa: E402  (a cache key from the command, sources and headers)
+from isa_levels import ISA_LEVELS as LEVELS, target_machine as host_arch  # noqa: E402  (setup.py's rule)
 
 # The CPU core: the common code, the dispatchers and the scalar level; LEVELS adds each architecture's.
 CORE = ("common/buffer.cpp", "common/pack_plan.cpp", "cpu/simd.cpp", "cpu/kernels_scalar.cpp",
         "cpu/pack_scalar.cpp", "cpu/pack.cpp", "cpu/optim_scalar.cpp", "cpu/optim.cpp", "cpu/reduce.cpp")
-LEVELS = {"x86_64": ("avx2", "avx512"), "aarch64": ("neon", "sve")}
 # The programs: the SIMD harness, and the channel's collectives between two forked processes.
 PROGRAMS = {"simd_harness": ("harness_main.cpp", "check_kernels.cpp", "check_optim.cpp"),
             "shm_harness": ("shm_main.cpp",)}
@@ -37,11 +38,6 @@ CXXFLAGS = ["-std=c++17", "-fopenmp", "-ffp-contract=off", "-Wall", "-Wextra", "
 # (it compiles in half the time, and runs long enough only under qemu's SVE).
 OPT_CORE, OPT_HARNESS = "-O3", "-O1"
 QEMU = "qemu-aarch64"
-
-
-def host_arch():
-    m = platform.machine().lower()
-    return {"amd64": "x86_64", "arm64": "aarch64"}.get(m, m)
 
 
 def sources(arch, program):
@@ -60,14 +56,6 @@ def find_cxx(arch):
 
 def needs_qemu(arch):
     return arch != host_arch()
-
-
-def _digest(*parts):
-    h = hashlib.sha256()
-    for p in parts:
-        h.update(p if isinstance(p, bytes) else str(p).encode())
-        h.update(b"\0")
-    return h.hexdigest()[:20]
 
 
 def build(cache, arch="aarch64", defines=(), jobs=2, nice=True, program="simd_harness"):
