@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# Makes (once, cached) an arm64 Debian root file system with PACKAGES and what they depend on unpacked,
-# and prints its directory, $NCCLAVG_WHEELS_CACHE/aarch64/SUITE. For the aarch64 wheel: bullseye's is
-# the cross compiler's --sysroot (scripts/build_wheels.sh --arch aarch64, Note [The aarch64 wheel]
-# there); bookworm's has CPython 3.11 for aarch64, whose headers and sysconfigdata the cross build
-# uses and whose interpreter scripts/test_wheel_qemu.sh runs under qemu-aarch64.
+# Makes (once, cached) an arm64 Debian root file system and prints its directory,
+# $NCCLAVG_WHEELS_CACHE/aarch64/SUITE. For the aarch64 wheel:
+#   bullseye  g++, libc6-dev and what they depend on: the cross compiler's --sysroot
+#             (scripts/build_wheels.sh --arch aarch64, Note [The aarch64 wheel] there)
+#   bookworm  CPython 3.11 (python3.11-minimal, libpython3.11-stdlib, libpython3.11-dev): its headers
+#             and sysconfigdata for the cross build, its interpreter for scripts/test_wheel_qemu.sh
 #
-#   scripts/arm64_root.sh SUITE PACKAGE...
+#   scripts/arm64_root.sh bullseye|bookworm
 #
 # Note [Foreign roots, never run]
 # debootstrap --foreign --arch arm64 resolves the dependencies, downloads the packages and checks them
@@ -16,8 +17,12 @@
 # symlinks are made relative (from outside a chroot they point into this host). Needs root and the
 # Debian mirror the first time (~20 s per suite); the .debs are cached too ($CACHE/aarch64/debs).
 set -euo pipefail
-[ $# -ge 2 ] || { sed -n '2,8p' "$0" >&2; exit 2; }
-SUITE=$1; shift
+SUITE=${1:-}
+case "$SUITE" in
+  bullseye) set -- g++ libc6-dev ;;
+  bookworm) set -- python3.11-minimal libpython3.11-stdlib libpython3.11-dev ;;
+  *) sed -n '2,9p' "$0" >&2; exit 2 ;;
+esac
 CACHE=${NCCLAVG_WHEELS_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/ncclavg-wheels}
 MIRROR=${DEBIAN_MIRROR:-http://deb.debian.org/debian}
 ROOTFS="$CACHE/aarch64/$SUITE"

@@ -106,9 +106,13 @@ if [ "$ARCH" = aarch64 ]; then
   # See Note [The aarch64 wheel].
   A=aarch64-linux-gnu
   PLAT=manylinux_2_31_aarch64
-  SYSROOT=$(NCCLAVG_WHEELS_CACHE="$CACHE" DEBIAN_MIRROR="$MIRROR" scripts/arm64_root.sh bullseye g++ libc6-dev)
-  PYROOT=$(NCCLAVG_WHEELS_CACHE="$CACHE" DEBIAN_MIRROR="$MIRROR" scripts/arm64_root.sh bookworm python3.11-minimal libpython3.11-stdlib libpython3.11-dev)
-  say "sysroot: Debian 11 arm64 ($(ls "$SYSROOT"/lib/$A/libc-*.so | sed 's/.*libc-\(.*\)\.so/glibc \1/'), libstdc++ headers of gcc $(ls "$SYSROOT/usr/include/c++")); compiler: $A-g++ $GXX_MAJOR; CPython $(sed -n 's/^#define PY_VERSION "\(.*\)"/\1/p' "$PYROOT/usr/include/python3.11/patchlevel.h") arm64 headers"
+  # auditwheel's --plat accepts this machine's architecture's names only; the repair itself takes the
+  # architecture from the wheel. So `auto` (the most compatible tag the symbol versions allow), and
+  # the result must be $PLAT, checked below.
+  REPAIR_PLAT=auto
+  SYSROOT=$(NCCLAVG_WHEELS_CACHE="$CACHE" DEBIAN_MIRROR="$MIRROR" scripts/arm64_root.sh bullseye)
+  PYROOT=$(NCCLAVG_WHEELS_CACHE="$CACHE" DEBIAN_MIRROR="$MIRROR" scripts/arm64_root.sh bookworm)
+  say "sysroot: Debian 11 arm64 ($(ls "$SYSROOT"/lib/$A/libc-*.so | sed 's/.*libc-\(.*\)\.so/glibc \1/'), libstdc++ headers of gcc $(ls "$SYSROOT/usr/include/c++")); compiler: $A-g++ $GXX_MAJOR; CPython $(sed -n 's/^#define PY_VERSION *"\(.*\)"/\1/p' "$PYROOT/usr/include/python3.11/patchlevel.h") arm64 headers"
   # The target interpreter's headers (pyconfig.h: aarch64's, not Debian's per-architecture switch) and
   # its sysconfigdata, alone: the rest of bookworm's /usr/include and stdlib must not reach the build.
   CROSSPY="$CACHE/aarch64/cp311"
@@ -136,6 +140,7 @@ PYTHONS=${PYTHONS:-3.11 3.12}
 VARIANTS=${VARIANTS:-cu13}
 SYSROOT="$CACHE/bullseye"
 PLAT=manylinux_2_31_x86_64
+REPAIR_PLAT=$PLAT
 [ "$(id -u)" = 0 ] || [ -e "$SYSROOT/.ncclavg-ready" ] || { echo "build_wheels.sh: debootstrap needs root (once; the sysroot is cached)" >&2; exit 2; }
 GXX_MAJOR=$(g++ -dumpversion | cut -d. -f1)
 [ "$GXX_MAJOR" -ge 12 ] || { echo "build_wheels.sh: needs g++ >= 12 on PATH (_Float16), found $GXX_MAJOR" >&2; exit 2; }
@@ -263,10 +268,11 @@ for variant in $VARIANTS; do
     # sysroot's libc must not reach this host's interpreter).
     mkdir -p "$WORK/gomp" && ln -sf "$GOMP" "$WORK/gomp/"
     LD_LIBRARY_PATH="$WORK/gomp" PATH="$TOOLS/bin:$PATH" nice -n 19 "$TOOLS/bin/auditwheel" repair \
-      --plat "$PLAT" -w "$OUT" "$whl" > "$WORK/repair.log" 2>&1 \
+      --plat "$REPAIR_PLAT" -w "$OUT" "$whl" > "$WORK/repair.log" 2>&1 \
       || { cat "$WORK/repair.log"; LD_LIBRARY_PATH="$WORK/gomp" "$TOOLS/bin/auditwheel" show "$whl"; exit 1; }
     fixed=$(sed -n 's/.*Fixed-up wheel written to \(.*\.whl\).*/\1/p' "$WORK/repair.log" | tail -1)
     [ -n "$fixed" ] || { cat "$WORK/repair.log"; exit 1; }
+    case "$fixed" in *"-$PLAT.whl") ;; *) cat "$WORK/repair.log"; echo "build_wheels.sh: repaired to $(basename "$fixed"), not $PLAT" >&2; exit 1 ;; esac
     "$TOOLS/bin/auditwheel" show "$fixed" | tr '\n' ' ' | grep -o 'is consistent with the following platform tag: "[^"]*"' || true
     printf 'WHEEL %s  tag=%s  size=%s\n' "$(basename "$fixed")" \
       "$(basename "$fixed" .whl | cut -d- -f3-)" "$(du -h "$fixed" | cut -f1)"
