@@ -17,7 +17,7 @@
 # Needs g++ >= 12, and on the first run root and debootstrap (a Debian 11 root file system, the
 # sysroot), the Debian mirror and PyPI. Everything downloaded is cached under NCCLAVG_WHEELS_CACHE
 # (default ${XDG_CACHE_HOME:-~/.cache}/ncclavg-wheels): the sysroot, the tools venv, pip's cache, the
-# CUDA 12 tree.
+# CUDA 12 tree, the arm64 roots (aarch64/).
 # Prints one line per wheel: file, tag, size.
 #
 # Note [Wheels against bullseye]

@@ -207,3 +207,34 @@ def test_each_architecture_compiles_only_its_own_isa_files():
     assert "csrc/cpu/simd.cpp" in arm and "csrc/cpu/optim.cpp" in arm
     # Any other architecture gets the scalar level alone.
     assert not [s for s in ns["cpu_sources"]("riscv64") if s.rsplit("_", 1)[-1][:-4] in ("avx2", "avx512", "neon", "sve")]
+
+
+@pytest.mark.parametrize("host,want", [(None, None), ("linux-aarch64", "aarch64"), ("linux-x86_64", "x86_64"),
+                                       ("macosx-11.0-arm64", "aarch64")])
+def test_target_machine_follows_python_host_platform(monkeypatch, host, want):
+    """A cross build (scripts/build_wheels.sh --arch aarch64) names its target in _PYTHON_HOST_PLATFORM,
+    as setuptools' wheel tag reads it: the level files follow the same variable."""
+    import platform
+
+    sys.path.insert(0, str(ROOT / "build_backend"))
+    from isa_levels import target_machine
+
+    if host is None:
+        monkeypatch.delenv("_PYTHON_HOST_PLATFORM", raising=False)
+        want = {"amd64": "x86_64", "arm64": "aarch64"}.get(platform.machine().lower(), platform.machine().lower())
+    else:
+        monkeypatch.setenv("_PYTHON_HOST_PLATFORM", host)
+    assert target_machine() == want
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--arch", "aarch64", "--variants", "cu13"], "cpu variant only; cu13 would need NVIDIA's CUDA toolkit for aarch64 (sbsa)"),
+    (["--arch", "aarch64", "--pythons", "3.12"], "CPython 3.11 only"),
+    (["--arch", "riscv64"], "--arch must be x86_64 or aarch64"),
+])
+def test_build_wheels_refusals(tmp_path, args, needle):
+    """scripts/build_wheels.sh refuses what it cannot build before touching the network or the cache."""
+    r = subprocess.run(["bash", str(ROOT / "scripts" / "build_wheels.sh"), *args, "--out", str(tmp_path / "w")],
+                       capture_output=True, text=True, timeout=60,
+                       env={**os.environ, "NCCLAVG_WHEELS_CACHE": str(tmp_path / "cache")})
+    assert r.returncode == 2 and needle in r.stderr, r.stdout + r.stderr
