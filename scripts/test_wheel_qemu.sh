@@ -10,12 +10,14 @@
 # first use of the level); at each of
 # scalar, neon and sve forced (NCCLAVG_SIMD), ops.average_ (float32 and float16) and ops.pack_ /
 # unpack_ on numpy arrays, equal bit for bit to the same arithmetic done by numpy, and the same bits at
-# every level; `python -m ncclavg info` (it needs no torch); the OpenMP runtime loaded is the wheel's.
+# every level; `python -m ncclavg info` (it needs no torch); the OpenMP runtime loaded is the wheel's;
+# the extension's libraries and symbol versions resolve with Debian 11's arm64 loader (glibc 2.31).
 # Not checked: anything that needs torch (no torch under qemu here), speed (qemu emulates).
 # Needs qemu-aarch64 (Debian: qemu-user); root and the Debian mirror once for the bookworm root, PyPI
 # once for numpy (both cached under NCCLAVG_WHEELS_CACHE, as scripts/build_wheels.sh's).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+REPO=$(pwd)
 [ $# -eq 1 ] && [ -f "$1" ] || { sed -n '2,6p' "$0" >&2; exit 2; }
 WHEEL=$(realpath "$1")
 case "$(basename "$WHEEL")" in
@@ -131,6 +133,18 @@ gomp = sorted({l.split()[-1] for l in open("/proc/self/maps") if "libgomp" in l}
 assert len(gomp) == 1 and "ncclavg.libs" in gomp[0], gomp
 print("  OpenMP runtime: the wheel'"'"'s own,", gomp[0].rsplit("/", 2)[-2] + "/" + gomp[0].rsplit("/", 1)[-1])
 ' || { echo "FAILED: the wheel's libgomp" >&2; fail=1; }
+
+say "the extension's needs on glibc 2.31 and gcc 10's libstdc++ (bullseye's arm64 loader, --list)"
+# The interpreter above is bookworm's (glibc 2.36; bullseye has no CPython 3.11): the manylinux_2_31
+# claim is checked by the oldest loader itself, which reports any symbol version its libraries lack.
+OLDROOT=$(NCCLAVG_WHEELS_CACHE="$CACHE" "$REPO/scripts/arm64_root.sh" bullseye)
+so=$(ls "$WORK"/site/ncclavg/_C.*.so)
+if deps=$("$QEMU" -L "$OLDROOT" "$OLDROOT/lib/ld-linux-aarch64.so.1" \
+                --library-path "$OLDROOT/lib/aarch64-linux-gnu:$OLDROOT/usr/lib/aarch64-linux-gnu" --list "$so" 2>&1) && ! grep -q 'not found' <<< "$deps"; then
+  sed -n 's|^\s*\(\S*\) => .*/\([^/]*/[^/]*\) (0x.*|  \1 => .../\2|p' <<< "$deps"
+else
+  echo "$deps"; echo "FAILED: the extension does not load on bullseye's glibc and libstdc++" >&2; fail=1
+fi
 
 [ "$fail" = 0 ] || { say "FAILED: $(basename "$WHEEL")"; exit 1; }
 say "ok: $(basename "$WHEEL") under $QEMU"
