@@ -134,7 +134,7 @@ if [ "$ARCH" = aarch64 ]; then
   done
   LIBGCC=$($A-g++ -print-libgcc-file-name)
   GOMP="$SYSROOT/usr/lib/$A/libgomp.so.1"
-else
+else  # x86_64: the sysroot and the wrappers of the host's gcc (steps 1 and 2)
 [ "$ARCH" = x86_64 ] || { echo "build_wheels.sh: --arch must be x86_64 or aarch64, got $ARCH" >&2; exit 2; }
 PYTHONS=${PYTHONS:-3.11 3.12}
 VARIANTS=${VARIANTS:-cu13}
@@ -254,7 +254,7 @@ for variant in $VARIANTS; do
       say "$dist for CPython $v, aarch64: pip wheel (cross, no build isolation, ${envs[*]})"
       t1=$SECONDS
       env -u CUDA_HOME -u CUDA_PATH "${envs[@]}" NCCLAVG_BUILD_JOBS="$JOBS" TMPDIR="$WORK/tmp" \
-        NCCLAVG_LDFLAGS="$LIBGCC" NCCLAVG_CXXFLAGS="-I$CROSSPY/include/python3.11" \
+        NCCLAVG_LDFLAGS="$LIBGCC" NCCLAVG_CXXFLAGS="-I$CROSSPY/include/python3.11 ${NCCLAVG_CXXFLAGS:-}" \
         _PYTHON_HOST_PLATFORM=linux-aarch64 _PYTHON_SYSCONFIGDATA_NAME="_sysconfigdata__linux_$A" \
         PYTHONPATH="$CROSSPY/lib" PIP_CACHE_DIR="$CACHE/pip" PATH="$WRAPPERS:$venv/bin:/usr/bin:/bin" \
         nice -n 19 "$venv/bin/pip" wheel --no-deps --no-build-isolation -w "$WORK/raw/$variant-$v" "$src" \
