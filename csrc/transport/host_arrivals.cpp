@@ -86,7 +86,10 @@ void HostArrivals::begin_call() {
 LaneHello HostArrivals::hello_to(int peer) const {
   const HostArrival& a = heard_[host_];
   LaneHello h{};
-  h.min_delay_ns = peers_[peer].d_in;
+  {
+    std::lock_guard<std::mutex> lock(delays_mu_);
+    h.min_delay_ns = peers_[peer].d_in;
+  }
   h.first_ns = a.first_ns;
   h.last_ns = a.last_ns;
   h.late_sum_ns = a.late_sum_ns;
@@ -103,8 +106,11 @@ void HostArrivals::heard(int peer, int host, const LaneHello& h, int64_t receive
   int64_t least = kUnknown;
   for (int64_t d : p.delays)
     if (d != kUnknown && (least == kUnknown || d < least)) least = d;
-  p.d_in = least;
-  if (h.min_delay_ns != kUnknown) p.d_out = h.min_delay_ns;
+  {
+    std::lock_guard<std::mutex> lock(delays_mu_);
+    p.d_in = least;
+    if (h.min_delay_ns != kUnknown) p.d_out = h.min_delay_ns;
+  }
   if (heard_from_[host] < 0 && h.first_ns != kUnknown) {
     heard_from_[host] = peer;
     HostArrival& a = heard_[host];
@@ -117,6 +123,7 @@ void HostArrivals::heard(int peer, int host, const LaneHello& h, int64_t receive
 }
 
 int64_t HostArrivals::offset_of(int peer) const {
+  std::lock_guard<std::mutex> lock(delays_mu_);
   const Peer& p = peers_[peer];
   if (p.d_in == kUnknown || p.d_out == kUnknown) return kUnknown;
   return (p.d_in - p.d_out) / 2;

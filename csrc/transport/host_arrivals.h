@@ -30,6 +30,7 @@
 #include <chrono>
 #include <cstdint>
 #include <limits>
+#include <mutex>
 #include <vector>
 
 #include "shm_arrivals.h"
@@ -106,6 +107,7 @@ class HostArrivals {
   std::vector<int> labels_;            // the group's ranks, ascending: the log's columns
   std::vector<int> column_;            // group rank -> its column
   std::vector<Peer> peers_;            // by group rank
+  mutable std::mutex delays_mu_;       // peers_' d_in and d_out: offset_of is read from other threads too
   std::vector<HostArrival> heard_;     // per host, this call's, on the sender's clock
   std::vector<int> heard_from_;        // per host, the peer whose hello gave it (-1: none yet)
   ArrivalLog log_;
