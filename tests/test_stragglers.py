@@ -233,14 +233,18 @@ def _hosts_job(rank, world, port, layout, slow, out_dir, skew_ms=None):
                    "offsets": offsets, **rep.as_dict()}, f)
 
 
+def _hosts_reports(tmp_path, monkeypatch, lanes, layout, slow, skew_ms=None):
+    """Every rank's report of _hosts_job on pretend hosts (`layout`: each rank's host), the lanes on
+    `lanes` ("ucx" or "gloo")."""
+    monkeypatch.setenv("NCCLAVG_UCX", "auto" if lanes == "ucx" else "0")
+    run_ranks(_hosts_job, len(layout), args=(layout, slow, str(tmp_path), skew_ms), timeout_s=120)
+    return [json.loads((tmp_path / f"r{r}.json").read_text()) for r in range(len(layout))]
+
+
 def test_between_hosts_on_ucx_every_rank_names_the_slowed_rank_of_another_host(tmp_path, monkeypatch):
     """2 x 2 pretend hosts on UCX: the lanes' log covers every rank of every host (Note [Arrival times
     between hosts]), so host 0's ranks name host 1's slowed rank 3 too, each with its lateness."""
-    monkeypatch.setenv("NCCLAVG_UCX", "auto")
-    layout = [0, 0, 1, 1]
-    run_ranks(_hosts_job, 4, args=(layout, 3, str(tmp_path)), timeout_s=120)
-    for r in range(4):
-        rep = json.loads((tmp_path / f"r{r}.json").read_text())
+    for rep in _hosts_reports(tmp_path, monkeypatch, "ucx", [0, 0, 1, 1], 3):
         assert rep["transport"] == "shm+ucx", rep
         assert rep["calls"] == 1 + 8 * 2, rep   # the user's calls (the lanes' connect is not one)
         assert [x["rank"] for x in rep["ranks"]] == [0, 1, 2, 3], rep
@@ -253,11 +257,7 @@ def test_between_hosts_on_gloo_each_host_names_its_own_slowed_rank(tmp_path, mon
     """2 x 2 pretend hosts, gloo's lanes: rank 3's host-mate sees it late in the host's channel (each call's
     first step there; its later steps are not logged); host 0's ranks arrive together, and its report
     covers them only (Note [The straggler report])."""
-    monkeypatch.setenv("NCCLAVG_UCX", "0")
-    layout = [0, 0, 1, 1]
-    run_ranks(_hosts_job, 4, args=(layout, 3, str(tmp_path)), timeout_s=120)
-    for r in range(4):
-        rep = json.loads((tmp_path / f"r{r}.json").read_text())
+    for r, rep in enumerate(_hosts_reports(tmp_path, monkeypatch, "gloo", [0, 0, 1, 1], 3)):
         assert rep["transport"] == "shm+gloo", rep
         assert rep["calls"] == 1 + 8 * 2, rep
         assert [x["rank"] for x in rep["ranks"]] == ([0, 1] if r < 2 else [2, 3]), rep
@@ -277,11 +277,8 @@ def test_hosts_on_clocks_seconds_apart_name_the_slowed_rank(tmp_path, monkeypatc
     delays a receive): it must be under half the report's 5 ms threshold, which no verdict can then tell
     from a true clock; and the slowed rank is named with its lateness on every rank, the calls before it
     named nobody."""
-    monkeypatch.setenv("NCCLAVG_UCX", "auto")
     world = len(layout)
-    run_ranks(_hosts_job, world, args=(layout, slow, str(tmp_path), skew_ms), timeout_s=120)
-    for r in range(world):
-        rep = json.loads((tmp_path / f"r{r}.json").read_text())
+    for r, rep in enumerate(_hosts_reports(tmp_path, monkeypatch, "ucx", layout, slow, skew_ms)):
         assert rep["transport"] == ("ucx" if world == 2 else "shm+ucx"), rep
         assert [x["rank"] for x in rep["ranks"]] == list(range(world)), rep
         assert rep["named"] == [slow], rep
