@@ -47,6 +47,19 @@ cpu::ShmCallTag call_tag(uint64_t word, int64_t count) {
   return t;
 }
 
+// (calls ever logged, the last max_calls calls' earliest stamps, their ranks' lateness row by row), the
+// stamps and lateness as native int64 ns in bytes: a log's copy for ncclavg/transport/stragglers.py.
+py::tuple arrivals_of(const cpu::ArrivalLog& log, int64_t max_calls) {
+  std::vector<int64_t> starts, late;
+  uint64_t total;
+  {
+    py::gil_scoped_release nogil;
+    total = log.copy(max_calls, starts, late);
+  }
+  return py::make_tuple(total, py::bytes(reinterpret_cast<const char*>(starts.data()), starts.size() * 8),
+                        py::bytes(reinterpret_cast<const char*>(late.data()), late.size() * 8));
+}
+
 bool cuda_built() {
 #ifdef NCCLAVG_WITH_CUDA
   return true;
@@ -459,17 +472,7 @@ PYBIND11_MODULE(_C, m) {
              "arrivals (Note [Arrival times] in csrc/transport/shm_arrivals.h).")
         .def("end_one_call", &ShmChannel::end_one_call)
         .def(
-            "arrivals",
-            [](const ShmChannel& c, int64_t max_calls) {
-              std::vector<int64_t> starts, late;
-              uint64_t total;
-              {
-                py::gil_scoped_release nogil;
-                total = c.arrivals().copy(max_calls, starts, late);
-              }
-              return py::make_tuple(total, py::bytes(reinterpret_cast<const char*>(starts.data()), starts.size() * 8),
-                                    py::bytes(reinterpret_cast<const char*>(late.data()), late.size() * 8));
-            },
+            "arrivals", [](const ShmChannel& c, int64_t max_calls) { return arrivals_of(c.arrivals(), max_calls); },
             py::arg("max_calls") = -1,
             "(calls ever logged, the last max_calls calls' earliest start stamps, their ranks' lateness), the "
             "stamps and lateness as native int64 ns in bytes, lateness row by row (Note [Arrival times] in "
@@ -553,7 +556,30 @@ PYBIND11_MODULE(_C, m) {
         .def_property_readonly("calls", &cpu::HostLanes::calls)
         .def_property_readonly("messages_sent", &cpu::HostLanes::messages_sent)
         .def_property_readonly("chunk_bytes", &cpu::HostLanes::chunk_bytes)
-        .def_property_readonly("depth", &cpu::HostLanes::depth);
+        .def_property_readonly("depth", &cpu::HostLanes::depth)
+        .def_property_readonly("labels", [](const cpu::HostLanes& h) { return h.arrivals().labels(); })
+        .def("begin_one_call", &cpu::HostLanes::begin_one_call,
+             "The calls between hosts until end_one_call() serve one user call: only the first logs its "
+             "arrivals (Note [Arrival times between hosts] in csrc/transport/host_arrivals.h).")
+        .def("end_one_call", &cpu::HostLanes::end_one_call)
+        .def(
+            "arrivals",
+            [](const cpu::HostLanes& h, int64_t max_calls) { return arrivals_of(h.arrivals().log(), max_calls); },
+            py::arg("max_calls") = -1,
+            "As ShmChannel.arrivals, over every rank of every host, on this process's clock (Note [Arrival "
+            "times between hosts] in csrc/transport/host_arrivals.h).")
+        .def(
+            "clock_offset",
+            [](const cpu::HostLanes& h, int peer) {
+              NCCLAVG_CHECK_ARG(peer >= 0 && peer < static_cast<int>(h.arrivals().labels().size()) &&
+                                    h.layout().host != h.layout().host_of(peer),
+                                "peer", "must be a rank of another host, got ", peer);
+              const int64_t off = h.arrivals().offset_of(peer);
+              return off == cpu::LaneHello::kUnknown ? py::object(py::none()) : py::object(py::int_(off));
+            },
+            py::arg("peer"),
+            "The estimate of peer's clock to this process's in ns (add it to a stamp of theirs), None before "
+            "there is one: Note [Arrival times between hosts].");
     m.def("dtype_codes", [] {
       static_assert(static_cast<int>(cpu::ShmType::kFloat32) == static_cast<int>(DType::kFloat32) &&
                         static_cast<int>(cpu::ShmType::kFloat16) == static_cast<int>(DType::kFloat16) &&

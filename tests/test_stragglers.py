@@ -2,7 +2,8 @@
 in csrc/transport/shm_arrivals.h): its verdicts on made-up arrival logs, then real runs: a rank slowed by
 a sleep of known length in its step is named, with its lateness within 20% of the sleep, through the
 public API (2 and 4 processes), stock DDP over the ncclavg backend, TowerTrainer's epoch records and
-summary, and 2 x 2 pretend hosts; a balanced run names nobody."""
+summary, and pretend hosts (2 x 2, 2 x 1 and 3 + 1 with their clocks seconds apart); a balanced run names
+nobody."""
 import json
 import os
 import time
@@ -206,41 +207,86 @@ def test_the_trainer_reports_stragglers_per_epoch_and_in_its_summary(tmp_path):
         assert got["summary"]["calls"] == sum(e["calls"] for e in got["epochs"])
 
 
-def _hosts_job(rank, world, port, layout, slow, out_dir):
+def _hosts_job(rank, world, port, layout, slow, out_dir, skew_ms=None):
     import torch.distributed as dist
 
     import ncclavg.ddp
     from process_group._process_group_workers import init_backend
 
+    if skew_ms is not None:   # this pretend host's clock between the hosts: Note [Arrival times between hosts]
+        os.environ["NCCLAVG_TEST_CLOCK_SKEW_MS"] = str(skew_ms[layout[rank]])
     init_backend(rank, world, port, layout=layout)
     t = torch.zeros(100_000)
     dist.all_reduce(t)
+    balanced = ncclavg.ddp.straggler_report()
     for _ in range(8):
         if rank == slow:
             time.sleep(SLEEP_S)
-        dist.all_reduce(t)
-        dist.all_reduce(torch.zeros(16))
+        dist.all_reduce(t)                   # the native path between hosts (one call into the lanes)
+        dist.broadcast(torch.zeros(16), 0)   # the runner's job around one call between hosts
     rep = ncclavg.ddp.straggler_report()
+    transport = dist.group.WORLD._runner.transport
+    lanes = getattr(transport, "arrival_source", None)
+    offsets = {} if lanes is None else {p: lanes.clock_offset(p) for p in lanes.peers()}
     with open(os.path.join(out_dir, f"r{rank}.json"), "w") as f:
-        json.dump({"transport": dist.group.WORLD.transport, **rep.as_dict()}, f)
+        json.dump({"transport": dist.group.WORLD.transport, "balanced": balanced and balanced.as_dict(),
+                   "offsets": offsets, **rep.as_dict()}, f)
 
 
-@pytest.mark.parametrize("lanes", ["ucx", pytest.param("gloo", marks=pytest.mark.slow)])
-def test_between_hosts_each_host_names_its_own_slowed_rank(tmp_path, monkeypatch, lanes):
-    """2 x 2 pretend hosts, the lanes on UCX or gloo: rank 3's host-mate sees it late in the host's channel
-    (each call's first step there; its later steps are not logged); host 0's ranks arrive together, and its
-    report covers them only (Note [The straggler report])."""
+def _hosts_reports(tmp_path, monkeypatch, lanes, layout, slow, skew_ms=None):
+    """Every rank's report of _hosts_job on pretend hosts (`layout`: each rank's host), the lanes on
+    `lanes` ("ucx" or "gloo")."""
     monkeypatch.setenv("NCCLAVG_UCX", "auto" if lanes == "ucx" else "0")
-    layout = [0, 0, 1, 1]
-    run_ranks(_hosts_job, 4, args=(layout, 3, str(tmp_path)), timeout_s=120)
-    for r in range(4):
-        rep = json.loads((tmp_path / f"r{r}.json").read_text())
-        assert rep["transport"] == f"shm+{lanes}", rep
-        assert rep["calls"] == 1 + 8 * 2, rep   # the user's calls: one logged step each
+    run_ranks(_hosts_job, len(layout), args=(layout, slow, str(tmp_path), skew_ms), timeout_s=120)
+    return [json.loads((tmp_path / f"r{r}.json").read_text()) for r in range(len(layout))]
+
+
+def test_between_hosts_on_ucx_every_rank_names_the_slowed_rank_of_another_host(tmp_path, monkeypatch):
+    """2 x 2 pretend hosts on UCX: the lanes' log covers every rank of every host (Note [Arrival times
+    between hosts]), so host 0's ranks name host 1's slowed rank 3 too, each with its lateness."""
+    for rep in _hosts_reports(tmp_path, monkeypatch, "ucx", [0, 0, 1, 1], 3):
+        assert rep["transport"] == "shm+ucx", rep
+        assert rep["calls"] == 1 + 8 * 2, rep   # the user's calls (the lanes' connect is not one)
+        assert [x["rank"] for x in rep["ranks"]] == [0, 1, 2, 3], rep
+        assert rep["named"] == [3], rep
+        assert rep["ranks"][3]["median_s"] == pytest.approx(SLEEP_S, rel=0.2), rep
+
+
+@pytest.mark.slow
+def test_between_hosts_on_gloo_each_host_names_its_own_slowed_rank(tmp_path, monkeypatch):
+    """2 x 2 pretend hosts, gloo's lanes: rank 3's host-mate sees it late in the host's channel (each call's
+    first step there; its later steps are not logged); host 0's ranks arrive together, and its report
+    covers them only (Note [The straggler report])."""
+    for r, rep in enumerate(_hosts_reports(tmp_path, monkeypatch, "gloo", [0, 0, 1, 1], 3)):
+        assert rep["transport"] == "shm+gloo", rep
+        assert rep["calls"] == 1 + 8 * 2, rep
         assert [x["rank"] for x in rep["ranks"]] == ([0, 1] if r < 2 else [2, 3]), rep
         assert rep["named"] == ([] if r < 2 else [3]), rep
         if r >= 2:
             assert rep["ranks"][1]["median_s"] == pytest.approx(SLEEP_S, rel=0.2), rep
+
+
+# (layout, slowed rank, each pretend host's clock moved by ms): one process per host, where no host's
+# channel sees anything; three ranks on one host, whose middle rank the other host knows by its mean
+@pytest.mark.parametrize("layout,slow,skew_ms", [([0, 1], 1, [0, 10_000]), ([0, 0, 0, 1], 1, [-5_000, 0])])
+def test_hosts_on_clocks_seconds_apart_name_the_slowed_rank(tmp_path, monkeypatch, layout, slow, skew_ms):
+    """The offset between two hosts' clocks comes from the lanes' hellos (Note [Arrival times between
+    hosts]): here each pretend host's clock is moved by seconds, so a report that used the stamps as they
+    are would name the host behind. The estimate's error is half the difference of the two directions'
+    least hello delays (tens of microseconds on loopback, up to a few hundred where a busy 2-core machine
+    delays a receive): it must be under half the report's 5 ms threshold, which no verdict can then tell
+    from a true clock; and the slowed rank is named with its lateness on every rank, the calls before it
+    named nobody."""
+    world = len(layout)
+    for r, rep in enumerate(_hosts_reports(tmp_path, monkeypatch, "ucx", layout, slow, skew_ms)):
+        assert rep["transport"] == ("ucx" if world == 2 else "shm+ucx"), rep
+        assert [x["rank"] for x in rep["ranks"]] == list(range(world)), rep
+        assert rep["named"] == [slow], rep
+        assert rep["ranks"][slow]["median_s"] == pytest.approx(SLEEP_S, rel=0.2), rep
+        assert rep["balanced"]["named"] == [] and rep["balanced"]["calls"] == 1, rep
+        for peer, off in rep["offsets"].items():   # my clock minus theirs
+            want = (skew_ms[layout[r]] - skew_ms[layout[int(peer)]]) * 1e6
+            assert off is not None and abs(off - want) < 2.5e6, (r, peer, off, want)
 
 
 def _dump_job(rank, world, port, slow, out_dir):
@@ -264,7 +310,7 @@ def test_a_flight_record_carries_the_report_and_ncclavg_trace_says_it(tmp_path):
     run_ranks(_dump_job, 2, args=(1, str(tmp_path)), timeout_s=120)
     dumps = load([str(tmp_path)])
     assert len(dumps) == 2 and all(d["stragglers"]["named"] == [1] for d in dumps), dumps
-    lines = [x for x in table(dumps) if "stragglers on this host" in x]
+    lines = [x for x in table(dumps) if "stragglers among ranks 0,1:" in x]
     assert len(lines) == 2 and all("rank 1 was last in 6 of 6 calls that waited, late by " in x for x in lines), lines
 
 

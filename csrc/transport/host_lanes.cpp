@@ -84,8 +84,11 @@ void on_send(void*, ucs_status_t status, void* user) {
   r->status = status;
   r->done = true;
 }
+int64_t steady_ns() { return std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now().time_since_epoch()).count(); }
+
 void on_recv(void*, ucs_status_t status, const ucp_tag_recv_info_t* info, void* user) {
   auto* r = static_cast<LaneRequest*>(user);
+  r->done_ns = steady_ns();
   r->status = status;
   r->length = info != nullptr ? info->length : 0;
   r->done = true;
@@ -129,6 +132,12 @@ std::vector<int> LaneLayout::lanes_of(int l) const {
   return out;
 }
 
+int LaneLayout::host_of(int r) const {
+  for (int h = 0; h < nhosts(); ++h)
+    if (std::find(hosts[h].begin(), hosts[h].end(), r) != hosts[h].end()) return h;
+  return -1;
+}
+
 std::vector<int> LaneLayout::peers() const {
   std::vector<int> out;
   for (int k : lanes_of(local))
@@ -142,13 +151,17 @@ std::vector<int> LaneLayout::peers() const {
 // ---------------------------------------------------------------------- setup
 HostLanes::HostLanes(std::vector<std::vector<int>> hosts, int rank, ShmChannel* channel, const std::string& tls,
                      const std::string& devices, int64_t chunk_bytes, int depth)
-    : layout_(std::move(hosts), rank), channel_(channel), chunk_bytes_(chunk_bytes), depth_(depth), pid_(getpid()) {
+    : layout_(std::move(hosts), rank), channel_(channel), arrivals_(layout_.hosts, layout_.host), chunk_bytes_(chunk_bytes),
+      depth_(depth), pid_(getpid()) {
   NCCLAVG_CHECK_ARG(chunk_bytes >= 4096 && chunk_bytes % 64 == 0, "chunk_bytes",
                     "must be a multiple of 64 of at least 4096, got ", chunk_bytes);
   NCCLAVG_CHECK_ARG(depth >= 1 && depth <= 64, "depth", "must be in [1, 64], got ", depth);
   NCCLAVG_CHECK_ARG((channel == nullptr) == (layout_.local_size() == 1), "channel",
                     "a host of ", layout_.local_size(), " processes ", layout_.local_size() == 1 ? "has no" : "needs a",
                     " channel");
+  // its ranks in this host's order: the hellos tell the other hosts their arrival (Note [Arrival times between hosts])
+  NCCLAVG_CHECK_ARG(channel == nullptr || channel->labels() == layout_.hosts[layout_.host], "channel",
+                    "its ranks must be this host's group ranks, ascending: ", join(layout_.hosts[layout_.host]));
   const ucx::Api& u = ucx::api();
   ucp_config_t* config = nullptr;
   check_ucx(u.config_read(nullptr, nullptr, &config), "ucp_config_read");
@@ -245,8 +258,7 @@ void HostLanes::connect(const std::vector<std::string>& addresses, double timeou
                       "has no address for rank ", r);
     auto p = std::make_unique<LanePeer>();
     p->rank = r;
-    for (int h = 0; h < layout_.nhosts(); ++h)
-      if (std::find(layout_.hosts[h].begin(), layout_.hosts[h].end(), r) != layout_.hosts[h].end()) p->host = h;
+    p->host = layout_.host_of(r);
     ucp_ep_params_t ep{};
     ep.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
                     UCP_EP_PARAM_FIELD_ERR_HANDLER;
@@ -287,9 +299,12 @@ LaneHeader HostLanes::header_of(const LaneCall& c, int64_t chunk, int64_t bytes)
 
 LaneRequest* HostLanes::post_send(LaneCall& c, int peer, int lane, int kind, int64_t chunk, const void* data,
                                   int64_t bytes) {
+  return send_request(c, c.make_request(peer, lane, kind, chunk, false), data, bytes);
+}
+
+LaneRequest* HostLanes::send_request(LaneCall& c, LaneRequest* r, const void* data, int64_t bytes) {
   const ucx::Api& u = ucx::api();
-  LaneRequest* r = c.make_request(peer, lane, kind, chunk, false);
-  r->head = header_of(c, chunk, bytes);
+  r->head = header_of(c, r->chunk, bytes);
   r->iov[0] = {&r->head, sizeof(LaneHeader)};
   r->iov[1] = {const_cast<void*>(data), static_cast<size_t>(bytes)};
   ucp_request_param_t prm{};
@@ -297,8 +312,8 @@ LaneRequest* HostLanes::post_send(LaneCall& c, int peer, int lane, int kind, int
   prm.cb.send = on_send;
   prm.user_data = r;
   prm.datatype = UCP_DATATYPE_IOV;
-  ucs_status_ptr_t req = u.tag_send_nbx(peers_[peer]->ep, r->iov, bytes > 0 ? 2 : 1,
-                                        tag_of(c.seq, kind, lane, layout_.host), &prm);
+  ucs_status_ptr_t req = u.tag_send_nbx(peers_[r->peer]->ep, r->iov, bytes > 0 ? 2 : 1,
+                                        tag_of(c.seq, r->kind, r->lane, layout_.host), &prm);
   ++sent_;
   settle(r, req);
   return r;
@@ -306,8 +321,17 @@ LaneRequest* HostLanes::post_send(LaneCall& c, int peer, int lane, int kind, int
 
 LaneRequest* HostLanes::post_recv(LaneCall& c, int peer, int lane, int kind, int64_t chunk, void* into,
                                   int64_t bytes) {
+  return recv_request(c, c.make_request(peer, lane, kind, chunk, true), into, bytes);
+}
+
+// A hello's receive: its payload lands in the request (Note [Arrival times between hosts]).
+LaneRequest* HostLanes::post_hello_recv(LaneCall& c, int peer, int lane) {
+  LaneRequest* r = c.make_request(peer, lane, kKindHello, -1, true);
+  return recv_request(c, r, &r->hello, sizeof(LaneHello));
+}
+
+LaneRequest* HostLanes::recv_request(LaneCall& c, LaneRequest* r, void* into, int64_t bytes) {
   const ucx::Api& u = ucx::api();
-  LaneRequest* r = c.make_request(peer, lane, kind, chunk, true);
   r->expect = bytes;
   r->iov[0] = {&r->head, sizeof(LaneHeader)};
   r->iov[1] = {into, static_cast<size_t>(bytes)};
@@ -317,15 +341,16 @@ LaneRequest* HostLanes::post_recv(LaneCall& c, int peer, int lane, int kind, int
   prm.user_data = r;
   prm.datatype = UCP_DATATYPE_IOV;
   ucs_status_ptr_t req = u.tag_recv_nbx(worker_, r->iov, bytes > 0 ? 2 : 1,
-                                        tag_of(c.seq, kind, lane, peers_[peer]->host), ~uint64_t{0}, &prm);
+                                        tag_of(c.seq, r->kind, r->lane, peers_[r->peer]->host), ~uint64_t{0}, &prm);
   settle(r, req);
   return r;
 }
 
 void HostLanes::settle(LaneRequest* r, ucs_status_ptr_t req) {
-  if (req == nullptr) {   // done at once (a send whose data went out, or was copied)
+  if (req == nullptr) {   // done at once (a send whose data went out, or was copied; a message already in)
     r->done = true;
     r->status = UCS_OK;
+    r->done_ns = steady_ns();
   } else if (ucx::ptr_is_err(req)) {
     r->done = true;
     r->status = ucx::ptr_status(req);
@@ -476,7 +501,10 @@ void HostLanes::check_header(LaneCall& c, LaneRequest* r) {
   const bool same_call = h.magic == kMagic && h.op == mine.op && h.type == mine.type && h.seq == mine.seq &&
                          h.word == mine.word && h.count == mine.count && h.user_count == mine.user_count &&
                          h.root == mine.root;
-  if (same_call && h.chunk == mine.chunk && h.bytes == mine.bytes && h.sender == r->peer) return;
+  if (same_call && h.chunk == mine.chunk && h.bytes == mine.bytes && h.sender == r->peer) {
+    if (r->kind == kKindHello) arrivals_.heard(r->peer, peers_[r->peer]->host, r->hello, r->done_ns + arrivals_.skew());
+    return;
+  }
   std::ostringstream os;
   if (h.magic != kMagic || h.sender != r->peer) {
     os << "between the hosts: " << c.what() << ": rank " << r->peer << " sent a message that is not ncclavg's "
@@ -572,7 +600,7 @@ void HostLanes::abort(const std::string& why) {
 // ---------------------------------------------------------------------- one call
 LaneCall::LaneCall(HostLanes& e, LaneOp op_in, int type_in, int64_t count_in, int root_in, double timeout,
                    ShmCallTag tag_in)
-    : engine(e), one_call(e.channel_), op(op_in), type(type_in), count(count_in), root(root_in), timeout_s(timeout), tag(tag_in) {
+    : engine(e), one_call(e.channel_), scope(e.arrivals_), op(op_in), type(type_in), count(count_in), root(root_in), timeout_s(timeout), tag(tag_in) {
   NCCLAVG_CHECK_ARG(timeout > 0 && timeout < 1e9, "timeout_s", "must be > 0, got ", timeout);
   NCCLAVG_CHECK_ARG(count >= 0, "count", "must be >= 0, got ", count);
   if (op != LaneOp::kCheck) check_call_tag(tag, "tag");
@@ -624,10 +652,26 @@ void HostLanes::release(LaneCall& c) {
 
 // This process's hellos of call `c`, once: after its host's first channel round of the call, so that a
 // hello says the whole host agrees with the call (Note [Lanes between hosts]).
+// Each hello says when this host arrived at the call (Note [Arrival times between hosts]): its ranks'
+// stamps in the channel's first round of the call, or, alone on its host, when the call began.
 void HostLanes::say_hello(LaneCall& c) {
   if (c.hello_said) return;
   c.hello_said = true;
-  for (LaneRequest* h : c.hellos) c.sends.push_back(post_send(c, h->peer, h->lane, kKindHello, -1, nullptr, 0));
+  const std::vector<int>& mine = layout_.hosts[layout_.host];
+  if (channel_ == nullptr) {
+    const int64_t at = arrivals_.scope_started();
+    arrivals_.set_own(HostArrival::of(mine, &at));
+  } else if (const int64_t* stamps = channel_->scope_arrivals()) {
+    HostArrival a = HostArrival::of(mine, stamps);
+    a.first_ns += arrivals_.skew();
+    a.last_ns += arrivals_.skew();
+    arrivals_.set_own(a);
+  }
+  for (LaneRequest* h : c.hellos) {
+    LaneRequest* r = c.make_request(h->peer, h->lane, kKindHello, -1, false);
+    r->hello = arrivals_.hello_to(h->peer);
+    c.sends.push_back(send_request(c, r, &r->hello, sizeof(LaneHello)));
+  }
 }
 
 // Runs one call: refuses it after a failure, sends and receives the hellos around `body`, and makes any
@@ -638,16 +682,18 @@ void HostLanes::run_checked(LaneCall& c, const std::function<void()>& body) {
     throw std::runtime_error("between the hosts: pid " + std::to_string(getpid()) + " is not the process that made "
                              "these lanes (pid " + std::to_string(pid_) + "): a forked child cannot use its parent's");
   c.seq = ++seq_;
+  arrivals_.begin_call();
   try {
     // the hellos: one each way per lane and peer (Note [Lanes between hosts])
     for (int k : layout_.lanes_of(layout_.local))
       for (int h = 0; h < layout_.nhosts(); ++h)
-        if (h != layout_.host) c.hellos.push_back(post_recv(c, layout_.carrier(h, k), k, kKindHello, -1, nullptr, 0));
+        if (h != layout_.host) c.hellos.push_back(post_hello_recv(c, layout_.carrier(h, k), k));
     if (channel_ == nullptr) say_hello(c);   // alone on its host: nobody here to agree with first
     body();
     say_hello(c);
     for (LaneRequest* r : c.hellos) wait(c, r);
     for (LaneRequest* r : c.sends) wait(c, r);
+    arrivals_.end_call(channel_ != nullptr ? channel_->scope_arrivals() : nullptr);
   } catch (const ShmMismatchError& e) {
     if (!c.failed) fail_from_channel(c, e.what(), kFailMismatch);
     release(c);

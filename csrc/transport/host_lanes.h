@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "host_arrivals.h"
 #include "shm_calls.h"
 #include "shm_channel.h"
 #include "ucx_api.h"
@@ -35,6 +36,8 @@ struct LaneLayout {
   std::vector<int> lanes_of(int l) const;
   // The rank whose slice lane k carries from host h (its local rank k), or -1 where host h has none.
   int slice_owner(int h, int k) const { return k < static_cast<int>(hosts[h].size()) ? hosts[h][k] : -1; }
+  // The host of group rank r, or -1.
+  int host_of(int r) const;
   // Every rank this process exchanges with: its lanes' carriers on the other hosts, ascending.
   std::vector<int> peers() const;
 };
@@ -104,6 +107,11 @@ class HostLanes {
   int depth() const { return depth_; }
   // The UCX settings the engine gave its context (name without "UCX_" -> value), beside the environment's.
   const std::map<std::string, std::string>& ucx_settings() const { return ucx_settings_; }
+  // When every rank of every host arrived at the recent calls, on this process's clock (Note [Arrival
+  // times between hosts] in host_arrivals.h); the runner's scope around one user call's calls.
+  const HostArrivals& arrivals() const { return arrivals_; }
+  void begin_one_call() { arrivals_.begin_one_call(); }
+  void end_one_call() { arrivals_.end_one_call(); }
 
  private:
   friend struct LaneCall;
@@ -114,6 +122,9 @@ class HostLanes {
   LaneHeader header_of(const LaneCall& c, int64_t chunk, int64_t bytes) const;
   LaneRequest* post_send(LaneCall& c, int peer, int lane, int kind, int64_t chunk, const void* data, int64_t bytes);
   LaneRequest* post_recv(LaneCall& c, int peer, int lane, int kind, int64_t chunk, void* into, int64_t bytes);
+  LaneRequest* send_request(LaneCall& c, LaneRequest* r, const void* data, int64_t bytes);
+  LaneRequest* recv_request(LaneCall& c, LaneRequest* r, void* into, int64_t bytes);
+  LaneRequest* post_hello_recv(LaneCall& c, int peer, int lane);
   void settle(LaneRequest* r, ucs_status_ptr_t req);
   void wait(LaneCall& c, LaneRequest* r);
   void step(LaneCall& c, int waited);
@@ -135,6 +146,7 @@ class HostLanes {
 
   LaneLayout layout_;
   ShmChannel* channel_;
+  HostArrivals arrivals_;
   int64_t chunk_bytes_;
   int depth_;
   std::map<std::string, std::string> ucx_settings_;

@@ -24,6 +24,8 @@ struct LaneRequest {
   size_t length = 0;            // a receive: the sender's message length
   int peer = -1, lane = 0, kind = 0;
   int64_t chunk = -1, expect = 0;
+  int64_t done_ns = 0;          // a receive: when it completed (the steady clock), for a hello's delay
+  LaneHello hello{};            // a hello's payload, sent or received (Note [Arrival times between hosts])
   LaneHeader head{};            // a send's header, a receive's landing place for the sender's
   ucp_dt_iov_t iov[2]{};
 };
@@ -43,8 +45,18 @@ struct LaneCall {
   std::string what() const;
   double deadline_left() const;   // seconds to the deadline, at least 1 ms (a channel step's limit)
 
+  // The lanes' scope of one user call (as ShmChannel::OneCall): Note [Arrival times between hosts].
+  struct Scope {
+    explicit Scope(HostArrivals& a) : a_(a) { a_.begin_one_call(); }
+    ~Scope() { a_.end_one_call(); }
+    Scope(const Scope&) = delete;
+    Scope& operator=(const Scope&) = delete;
+    HostArrivals& a_;
+  };
+
   HostLanes& engine;
   ShmChannel::OneCall one_call;   // the host's channel logs the call's first step only (Note [Arrival times])
+  Scope scope;
   LaneOp op;
   int type;
   int64_t count;

@@ -505,6 +505,7 @@ void ShmChannel::note_arrivals(uint64_t seq) {
   int64_t* stamps = nranks_ <= kInline ? inline_stamps : (heap.resize(nranks_), heap.data());
   for (int r = 0; r < nranks_; ++r) stamps[r] = line(r).arrived_ns[seq & 1].load(std::memory_order_relaxed);
   arrivals_.add(stamps);
+  if (call_depth_ > 0) scope_stamps_.assign(stamps, stamps + nranks_);
 }
 
 uint64_t ShmChannel::post_round(Call& call, ShmFill fill) {

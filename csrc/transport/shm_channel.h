@@ -190,6 +190,9 @@ class ShmChannel {
   void end_one_call() {
     if (call_depth_ > 0) --call_depth_;
   }
+  // Inside a OneCall scope whose first collective has run: its ranks' start stamps (by channel rank), as
+  // logged; else nullptr. The lanes tell the other hosts from them (Note [Arrival times between hosts]).
+  const int64_t* scope_arrivals() const { return call_depth_ > 0 && call_logged_ ? scope_stamps_.data() : nullptr; }
 
  private:
   struct Call;
@@ -223,6 +226,7 @@ class ShmChannel {
   ArrivalLog arrivals_;
   int call_depth_ = 0;         // OneCall scopes open
   bool call_logged_ = false;   // the scope's first collective has logged its arrivals
+  std::vector<int64_t> scope_stamps_;   // and their stamps
   std::atomic<bool> local_abort_{false};
   std::atomic<int> waiting_on_{-1};
   bool failed_ = false;

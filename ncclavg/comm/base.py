@@ -261,13 +261,14 @@ class Communicator:
                          threshold_s: float = stragglers.DEFAULT_THRESHOLD_S,
                          since: Optional[int] = None) -> Optional[stragglers.StragglerReport]:
         """Which rank held the others back in this process's recent collectives, and by how much (Note [The
-        straggler report] in ncclavg/transport/stragglers.py): over the last `calls` calls its host's channel
-        logged (default: all it keeps, up to 4096), or those of the last `seconds`, or those after the first
-        `since` it logged (an earlier report's `logged`). Local: no collective;
-        it covers the processes of this host. None when no channel serves this communicator (one process
-        on its host, the local and NCCL backends)."""
-        channel = stragglers.host_channel(self._runner.transport)
-        return None if channel is None else stragglers.report(channel, calls, seconds, threshold_s, since)
+        straggler report] in ncclavg/transport/stragglers.py): over the last `calls` calls it logged
+        (default: all it keeps, up to 4096), or those of the last `seconds`, or those after the first
+        `since` it logged (an earlier report's `logged`). Local: no collective. It covers the processes of
+        this host, or, between hosts on UCX, every rank of every host. None when nothing logs this
+        communicator's arrivals (one process alone on its host with gloo between the hosts, the local and
+        NCCL backends)."""
+        log = stragglers.arrival_source(self._runner.transport)
+        return None if log is None else stragglers.report(log, calls, seconds, threshold_s, since)
 
     # ------------------------------------------------------------------ failure state
     @property

@@ -91,7 +91,7 @@ class GlooCommunicator(Communicator):
         self._paths = Paths(transport, c10d, self.rank, self.world_size, compare=False)
         self._runner.recorder = flight.for_group(f"communicator-{self.backend}", self.rank, self.world_size,
                                                  dist.get_rank(), self.transport)
-        if self._runner.recorder is not None and stragglers.host_channel(transport) is not None:
+        if self._runner.recorder is not None and stragglers.arrival_source(transport) is not None:
             self._runner.recorder.stragglers = stragglers.dump_source(transport)
         # Note [Division in the channel]
         # With one host's channel over every process, an average's division by the number of towers runs

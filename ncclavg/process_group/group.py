@@ -81,7 +81,7 @@ class ProcessGroupNcclavg(CallChecks, dist.ProcessGroup):
         # Note [What a job records] in face.py; the fast paths record with Recorder.done
         self._flight = flight.for_group(self._name, rank, size, self.global_ranks[rank], self.transport)
         self._runner.recorder = self._flight
-        if self._flight is not None and stragglers.host_channel(self._runner.transport) is not None:
+        if self._flight is not None and stragglers.arrival_source(self._runner.transport) is not None:
             self._flight.stragglers = stragglers.dump_source(self._runner.transport)
         native = native_allreduce(self, self._fast, self._flight, self._timeout, UNSET_TIMEOUT)
         if native is not None:   # shadows the method below for this group: the general path is _allreduce
@@ -158,10 +158,11 @@ class ProcessGroupNcclavg(CallChecks, dist.ProcessGroup):
     def straggler_report(self, calls: Optional[int] = None, seconds: Optional[float] = None,
                          threshold_s: float = stragglers.DEFAULT_THRESHOLD_S,
                          since: Optional[int] = None) -> Optional[stragglers.StragglerReport]:
-        """Note [The straggler report] over this group's recent collectives on its host's channel; None when
-        this process is alone on its host (ncclavg.ddp.straggler_report finds the group's backend)."""
-        channel = stragglers.host_channel(self._runner.transport)
-        return None if channel is None else stragglers.report(channel, calls, seconds, threshold_s, since)
+        """Note [The straggler report] over this group's recent collectives (its host's channel's log, or
+        between hosts on UCX the lanes', every rank of every host); None when nothing logs them here (alone
+        on its host with gloo between the hosts). ncclavg.ddp.straggler_report finds the group's backend."""
+        log = stragglers.arrival_source(self._runner.transport)
+        return None if log is None else stragglers.report(log, calls, seconds, threshold_s, since)
 
     @property
     def cpu(self) -> CpuCollectives:

@@ -61,9 +61,10 @@ def _parts(model: Any, buffers: bool) -> tuple:
 def straggler_report(group: Any = None, *, calls: Optional[int] = None, seconds: Optional[float] = None,
                      threshold_s: float = stragglers.DEFAULT_THRESHOLD_S) -> Optional[stragglers.StragglerReport]:
     """The straggler report of `group` (default: the world), a group of the ncclavg backend: over the last
-    `calls` collectives its host's channel logged (default: every one it keeps, up to 4096), or those of
-    the last `seconds`. Local (no collective): it covers the ranks of this process's host. None when no
-    channel serves the group here (this process alone on its host). A group of another backend is refused."""
+    `calls` collectives it logged (default: every one it keeps, up to 4096), or those of the last
+    `seconds`. Local (no collective): it covers the ranks of this process's host, or, between hosts on
+    UCX, every rank of every host. None when nothing logs the group's arrivals here (this process alone on
+    its host with gloo between the hosts). A group of another backend is refused."""
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("straggler_report: torch.distributed is not initialized (call init_process_group first)")
     from .group import ProcessGroupNcclavg

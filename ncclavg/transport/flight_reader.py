@@ -149,15 +149,25 @@ def table(dumps: Sequence[Dict[str, Any]], last: int = 3) -> List[str]:
 
 
 def _straggler_lines(rep: Any) -> List[str]:
-    """The dump's straggler report (Note [The straggler report] in stragglers.py) in a line: the ranks of
-    this rank's host that held the others back in its recent collectives, if any did."""
+    """The dump's straggler report (Note [The straggler report] in stragglers.py) in a line: the ranks it
+    covers (this rank's host's, or between hosts on UCX every rank) that held the others back in its recent
+    collectives, if any did."""
     if not isinstance(rep, dict) or "ranks" not in rep:
         return []
     named = set(rep.get("named") or [])
+    ranks = [r["rank"] for r in rep["ranks"]]
+    among = f"among ranks {_span(ranks)}"
     if not named:
-        return [f"    stragglers on this host: none over its last {rep.get('calls')} calls"]
-    return [f"    stragglers on this host: rank {r['rank']} was last in {r['last']} of {rep.get('waited')} calls that "
+        return [f"    stragglers {among}: none over its last {rep.get('calls')} calls"]
+    return [f"    stragglers {among}: rank {r['rank']} was last in {r['last']} of {rep.get('waited')} calls that "
             f"waited, late by {r['median_s'] * 1e3:.1f} ms (median)" for r in rep["ranks"] if r["rank"] in named]
+
+
+def _span(ranks: List[int]) -> str:
+    """"0-3" for consecutive ranks, else "0,2,5"."""
+    if ranks and ranks == list(range(ranks[0], ranks[0] + len(ranks))) and len(ranks) > 2:
+        return f"{ranks[0]}-{ranks[-1]}"
+    return ",".join(str(r) for r in ranks)
 
 
 def main(paths: Sequence[str], last: int = 3) -> int:

@@ -108,12 +108,12 @@ def end(rf: Any) -> None:
 def note_arrival(runner: Any) -> None:
     """While a profiled collective's range is open: its `ncclavg:last_rank:<rank>` event when the host's
     channel logged a call since the runner last looked (Note [Profiler ranges of a Python backend])."""
-    from .stragglers import arrivals, host_channel
+    from .stragglers import arrival_source, arrivals
 
-    channel = host_channel(getattr(runner, "transport", None))
-    if channel is None:
+    log = arrival_source(getattr(runner, "transport", None))
+    if log is None:
         return
-    _, late, labels, logged = arrivals(channel, 1)
+    _, late, labels, logged = arrivals(log, 1)
     if logged == getattr(runner, "arrivals_seen", 0) or late.shape[0] == 0:
         return
     runner.arrivals_seen = logged

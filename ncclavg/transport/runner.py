@@ -63,6 +63,7 @@ from .._ext import _C
 from . import failure as F
 from . import flight, profiling
 from .liveness import DIAGNOSE_S
+from .stragglers import call_scopes
 from .work import JobWork
 
 # Every bound of a call is derived from its job's one deadline here (Note [One deadline per call]):
@@ -365,18 +366,19 @@ class Runner:
                 self._current = job
                 grad = torch.is_grad_enabled()   # off for the in-place steps on the user's tensors (an
                 torch._C._set_grad_enabled(False)  # nn.Parameter too); by hand: torch.no_grad() costs us
-                # a job is one user call, however many channel collectives it takes: the host's channel logs
-                # the ranks' arrival at its first (Note [Arrival times] in csrc/transport/shm_arrivals.h)
-                channel = getattr(self.transport, "host_channel", None)
-                if channel is not None:
-                    channel.begin_one_call()
+                # a job is one user call, however many collectives it takes: the host's channel and the lanes
+                # between hosts log the ranks' arrival at its first (Note [Arrival times] in
+                # csrc/transport/shm_arrivals.h, Note [Arrival times between hosts] in host_arrivals.h)
+                scopes = call_scopes(self.transport)
+                for scope in scopes:
+                    scope.begin_one_call()
                 try:
                     job.run()
                 except BaseException as e:   # noqa: BLE001 (handed to the waiter)
                     error = self.failed(job, e)
                 finally:
-                    if channel is not None:
-                        channel.end_one_call()
+                    for scope in scopes:
+                        scope.end_one_call()
                     torch._C._set_grad_enabled(grad)
                     self._current = None
         finally:

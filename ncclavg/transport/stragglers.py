@@ -1,5 +1,6 @@
-"""Which rank holds the others back: a report from the arrival times every collective of a host's channel
-logs (Note [Arrival times] in csrc/transport/shm_arrivals.h).
+"""Which rank holds the others back: a report from the arrival times every collective logs, in a host's
+channel (Note [Arrival times] in csrc/transport/shm_arrivals.h) and, for a group on several hosts, in the
+lanes between them (Note [Arrival times between hosts] in csrc/transport/host_arrivals.h).
 
 Note [The straggler report]
 A collective cannot finish before its last rank arrives, so the time the others wait in it is the last
@@ -20,8 +21,11 @@ a window of recent calls (the last `calls`, or those of the last `seconds`):
 - `named`: the ranks that were last in most calls that waited (share_last >= 2/3: where waits happen
   by chance, with two ranks each is last about half the time), and in at least 3 of them. On a balanced
   run nobody is.
-One host's channel sees its own ranks: between hosts each host's report covers its processes (ranks of
-other hosts are not in it).
+Which ranks a report covers: one host's channel, its own ranks; the lanes between hosts on UCX, every
+rank of every host, the other hosts' stamps moved onto this process's clock (their offset estimated from
+the lanes' hellos; its error, tens of microseconds on a LAN, is far under the threshold). Between hosts
+on gloo's lanes each host's report covers its own processes, and a process alone on its host there has
+none.
 """
 from __future__ import annotations
 
@@ -50,9 +54,10 @@ class RankLateness:
 
 @dataclass
 class StragglerReport:
-    """The straggler report of one host's channel over a window of calls (Note [The straggler report])."""
+    """The straggler report of one arrival log (a host's channel, the lanes between hosts) over a window of
+    calls (Note [The straggler report])."""
     calls: int                     # calls in the window
-    logged: int                    # calls the channel ever logged: a later window may start here (since=)
+    logged: int                    # calls the log ever logged: a later window may start here (since=)
     waited: int                    # of them, calls whose last rank came more than threshold_s after the first
     span_s: float                  # from the window's first arrival to its last
     threshold_s: float
@@ -83,33 +88,51 @@ def host_channel(transport: Any) -> Any:
     return getattr(transport, "host_channel", None) if transport is not None else None
 
 
+def arrival_source(transport: Any) -> Any:
+    """What logs the arrival times of `transport`'s calls: the lanes between hosts on UCX (every rank of
+    every host: Note [Arrival times between hosts] in csrc/transport/host_arrivals.h), else this host's
+    channel; None when neither does (one process alone, gloo's lanes with one process per host)."""
+    if transport is None:
+        return None
+    source = getattr(transport, "arrival_source", None)
+    return source if source is not None else host_channel(transport)
+
+
+def call_scopes(transport: Any) -> tuple:
+    """The logs that must know which of their calls serve one user call (begin_one_call/end_one_call)."""
+    if transport is None:
+        return ()
+    found = (host_channel(transport), getattr(transport, "arrival_source", None))
+    return tuple(x for i, x in enumerate(found) if x is not None and all(x is not y for y in found[:i]))
+
+
 def dump_source(transport: Any) -> Callable[[], Optional[dict]]:
     """What a flight record asks for its `stragglers` (flight.Recorder.stragglers): the report over every
-    call `transport`'s host channel keeps, as a dict; it holds the transport weakly, so that a group or
+    call `transport`'s arrival log keeps (arrival_source), as a dict; it holds the transport weakly, so that a group or
     communicator and its recorder are not kept alive by each other."""
     ref = weakref.ref(transport)
 
     def source() -> Optional[dict]:
-        channel = host_channel(ref())
-        return None if channel is None else report(channel).as_dict()
+        log = arrival_source(ref())
+        return None if log is None else report(log).as_dict()
 
     return source
 
 
-def arrivals(channel: Any, calls: int = -1) -> tuple:
+def arrivals(log: Any, calls: int = -1) -> tuple:
     """(starts [n] int64 ns, lateness [n, ranks] int64 ns, labels, calls ever logged) of the last `calls`
-    calls of `channel` (-1: every one kept)."""
-    total, starts, late = channel.arrivals(int(calls))
-    labels = list(channel.labels)
+    calls of `log`, a host's channel or the lanes between hosts (-1: every one kept)."""
+    total, starts, late = log.arrivals(int(calls))
+    labels = list(log.labels)
     s = torch.frombuffer(bytearray(starts), dtype=torch.int64) if starts else torch.zeros(0, dtype=torch.int64)
     lt = (torch.frombuffer(bytearray(late), dtype=torch.int64).view(-1, len(labels)) if late else
           torch.zeros(0, len(labels), dtype=torch.int64))
     return s, lt, labels, total
 
 
-def report(channel: Any, calls: Optional[int] = None, seconds: Optional[float] = None,
+def report(log: Any, calls: Optional[int] = None, seconds: Optional[float] = None,
            threshold_s: float = DEFAULT_THRESHOLD_S, since: Optional[int] = None) -> StragglerReport:
-    """Note [The straggler report] over `channel`'s last `calls` calls (default: every one it keeps), of
+    """Note [The straggler report] over `log`'s last `calls` calls (default: every one it keeps), of
     those only the ones that started in the last `seconds` and came after the first `since` it logged
     (an earlier report's `logged`), when given."""
     if calls is not None and (isinstance(calls, bool) or not isinstance(calls, int) or calls < 1):
@@ -120,7 +143,7 @@ def report(channel: Any, calls: Optional[int] = None, seconds: Optional[float] =
         raise ValueError(f"threshold_s: must be a positive number of seconds, got {threshold_s!r}")
     if since is not None and (isinstance(since, bool) or not isinstance(since, int) or since < 0):
         raise ValueError(f"since: must be a count of calls >= 0 (a report's `logged`), got {since!r}")
-    starts, late, labels, logged = arrivals(channel, -1 if calls is None else calls)
+    starts, late, labels, logged = arrivals(log, -1 if calls is None else calls)
     if since is not None:
         recent = min(max(0, logged - since), starts.numel())
         starts, late = starts[starts.numel() - recent:], late[late.shape[0] - recent:]

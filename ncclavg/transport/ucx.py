@@ -104,7 +104,9 @@ class UcxHostsTransport:
 
     def __init__(self, channel: Any, rank: int, world_size: int, hosts: List[List[int]], lanes: Any):
         self._channel, self.lanes = channel, lanes
-        self.host_channel = channel   # this host's, None when alone (stragglers.py reads it)
+        self.host_channel = channel   # this host's, None when alone
+        # the arrival times of every rank of every host, on this process's clock (stragglers.py reads them)
+        self.arrival_source = lanes
         self.fast_target = lanes   # the native fast all-reduce (comm/fast_average.py): one call into the lanes
         # "ucx": every process alone on its host (no channel anywhere)
         self.kind = "shm+ucx" if max(len(h) for h in hosts) > 1 else "ucx"
