@@ -12,13 +12,21 @@ from pathlib import Path
 ISA_LEVELS = {"x86_64": ("avx2", "avx512"), "aarch64": ("neon", "sve")}
 
 
+def host_machine() -> str:
+    """The architecture of the machine this runs on (whatever a cross build targets)."""
+    machine = platform.machine().lower()
+    return {"amd64": "x86_64", "arm64": "aarch64"}.get(machine, machine)
+
+
 def target_machine() -> str:
     """The architecture being built for: this machine's, unless _PYTHON_HOST_PLATFORM names another
     (the cross-build variable CPython's own build and setuptools' wheel platform tag honour, e.g.
     linux-aarch64; scripts/build_wheels.sh --arch aarch64 sets it), so that the level files and the
     wheel's tag cannot disagree."""
     host = os.environ.get("_PYTHON_HOST_PLATFORM", "").strip()
-    machine = (host.rsplit("-", 1)[-1] if host else platform.machine()).lower()
+    if not host:
+        return host_machine()
+    machine = host.rsplit("-", 1)[-1].lower()
     return {"amd64": "x86_64", "arm64": "aarch64"}.get(machine, machine)
 
 
