@@ -175,8 +175,12 @@ def _gloo_group_job(rank, world, port):
         ncclavg.ddp.straggler_report()
 
 
-def _trainer_job(rank, world, port, slow, out_dir):
+def _trainer_job(rank, world, port, slow, out_dir, layout=None):
     init_rank(rank, world, port)
+    if layout:   # pretend hosts for the trainer's communicator (comm/gloo.py asks each rank's host)
+        import ncclavg.comm.gloo as comm_gloo
+
+        comm_gloo.host_identity = lambda: f"test-host-{layout[rank]}"
     from ncclavg.train.callbacks import Callback
     from ncclavg.train.data import TensorLoader, load_digits
     from ncclavg.train.models import build_model
@@ -191,19 +195,25 @@ def _trainer_job(rank, world, port, slow, out_dir):
     tr = TowerTrainer(build_model("mlp", seed=0), devices=["cpu"], timeout=60)
     hist = tr.fit(TensorLoader(d.x_train[:128], d.y_train[:128], batch_size=32, seed=0), epochs=2,
                   callbacks=[Slow()], progress=None)
-    out = {"epochs": [h["stragglers"] for h in hist], "summary": tr.last_summary.stragglers.as_dict()}
+    out = {"epochs": [h["stragglers"] for h in hist], "summary": tr.last_summary.stragglers.as_dict(),
+           "transport": tr.comm.transport}
     with open(os.path.join(out_dir, f"r{rank}.json"), "w") as f:
         json.dump(out, f)
 
 
-def test_the_trainer_reports_stragglers_per_epoch_and_in_its_summary(tmp_path):
-    run_ranks(_trainer_job, 2, args=(0, str(tmp_path)), timeout_s=180)
+# one host (its channel), and two pretend hosts of one process each on UCX (the lanes' log: every rank)
+@pytest.mark.parametrize("layout,transport", [(None, "shm"), ([0, 1], "ucx")])
+def test_the_trainer_reports_stragglers_per_epoch_and_in_its_summary(tmp_path, monkeypatch, layout, transport):
+    monkeypatch.setenv("NCCLAVG_UCX", "auto")
+    slow = 1 if layout else 0
+    run_ranks(_trainer_job, 2, args=(slow, str(tmp_path), layout), timeout_s=180)
     for r in range(2):
         got = json.loads((tmp_path / f"r{r}.json").read_text())
+        assert got["transport"] == transport, got["transport"]
         for epoch in got["epochs"]:
-            assert epoch["named"] == [0], epoch
-            assert epoch["ranks"][0]["median_s"] == pytest.approx(TRAINER_SLEEP_S, rel=0.2), epoch
-        assert got["summary"]["named"] == [0]
+            assert epoch["named"] == [slow], epoch
+            assert epoch["ranks"][slow]["median_s"] == pytest.approx(TRAINER_SLEEP_S, rel=0.2), epoch
+        assert got["summary"]["named"] == [slow]
         assert got["summary"]["calls"] == sum(e["calls"] for e in got["epochs"])
 
 
