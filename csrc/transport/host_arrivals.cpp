@@ -148,8 +148,10 @@ void HostArrivals::end_call(const int64_t* own_stamps) {
     const int64_t middle = ranks.size() > 2 ? (a.late_sum_ns - (a.last_ns - a.first_ns)) /
                                                   static_cast<int64_t>(ranks.size() - 2)
                                             : 0;
-    for (int r : ranks)
-      stamps_[column_[r]] = shift + (r == a.last_rank ? a.last_ns : r == a.first_rank ? a.first_ns : a.first_ns + middle);
+    for (int r : ranks) {
+      const int64_t at = r == a.last_rank ? a.last_ns : r == a.first_rank ? a.first_ns : a.first_ns + middle;
+      stamps_[column_[r]] = shift + at;
+    }
   }
   log_.add(stamps_.data());
 }

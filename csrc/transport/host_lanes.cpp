@@ -84,7 +84,9 @@ void on_send(void*, ucs_status_t status, void* user) {
   r->status = status;
   r->done = true;
 }
-int64_t steady_ns() { return std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now().time_since_epoch()).count(); }
+int64_t steady_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now().time_since_epoch()).count();
+}
 
 void on_recv(void*, ucs_status_t status, const ucp_tag_recv_info_t* info, void* user) {
   auto* r = static_cast<LaneRequest*>(user);
@@ -151,15 +153,16 @@ std::vector<int> LaneLayout::peers() const {
 // ---------------------------------------------------------------------- setup
 HostLanes::HostLanes(std::vector<std::vector<int>> hosts, int rank, ShmChannel* channel, const std::string& tls,
                      const std::string& devices, int64_t chunk_bytes, int depth)
-    : layout_(std::move(hosts), rank), channel_(channel), arrivals_(layout_.hosts, layout_.host), chunk_bytes_(chunk_bytes),
-      depth_(depth), pid_(getpid()) {
+    : layout_(std::move(hosts), rank), channel_(channel), arrivals_(layout_.hosts, layout_.host),
+      chunk_bytes_(chunk_bytes), depth_(depth), pid_(getpid()) {
   NCCLAVG_CHECK_ARG(chunk_bytes >= 4096 && chunk_bytes % 64 == 0, "chunk_bytes",
                     "must be a multiple of 64 of at least 4096, got ", chunk_bytes);
   NCCLAVG_CHECK_ARG(depth >= 1 && depth <= 64, "depth", "must be in [1, 64], got ", depth);
   NCCLAVG_CHECK_ARG((channel == nullptr) == (layout_.local_size() == 1), "channel",
                     "a host of ", layout_.local_size(), " processes ", layout_.local_size() == 1 ? "has no" : "needs a",
                     " channel");
-  // its ranks in this host's order: the hellos tell the other hosts their arrival (Note [Arrival times between hosts])
+  // its ranks in this host's order: the hellos tell the other hosts their arrival (Note [Arrival times
+  // between hosts])
   NCCLAVG_CHECK_ARG(channel == nullptr || channel->labels() == layout_.hosts[layout_.host], "channel",
                     "its ranks must be this host's group ranks, ascending: ", join(layout_.hosts[layout_.host]));
   const ucx::Api& u = ucx::api();
@@ -502,7 +505,8 @@ void HostLanes::check_header(LaneCall& c, LaneRequest* r) {
                          h.word == mine.word && h.count == mine.count && h.user_count == mine.user_count &&
                          h.root == mine.root;
   if (same_call && h.chunk == mine.chunk && h.bytes == mine.bytes && h.sender == r->peer) {
-    if (r->kind == kKindHello) arrivals_.heard(r->peer, peers_[r->peer]->host, r->hello, r->done_ns + arrivals_.skew());
+    if (r->kind == kKindHello)
+      arrivals_.heard(r->peer, peers_[r->peer]->host, r->hello, r->done_ns + arrivals_.skew());
     return;
   }
   std::ostringstream os;
@@ -600,7 +604,8 @@ void HostLanes::abort(const std::string& why) {
 // ---------------------------------------------------------------------- one call
 LaneCall::LaneCall(HostLanes& e, LaneOp op_in, int type_in, int64_t count_in, int root_in, double timeout,
                    ShmCallTag tag_in)
-    : engine(e), one_call(e.channel_), scope(e.arrivals_), op(op_in), type(type_in), count(count_in), root(root_in), timeout_s(timeout), tag(tag_in) {
+    : engine(e), one_call(e.channel_), scope(e.arrivals_), op(op_in), type(type_in), count(count_in), root(root_in),
+      timeout_s(timeout), tag(tag_in) {
   NCCLAVG_CHECK_ARG(timeout > 0 && timeout < 1e9, "timeout_s", "must be > 0, got ", timeout);
   NCCLAVG_CHECK_ARG(count >= 0, "count", "must be >= 0, got ", count);
   if (op != LaneOp::kCheck) check_call_tag(tag, "tag");
