@@ -213,6 +213,10 @@ class BuildExt(build_ext):
                      # (x86 GCC contracts only where the target has FMA, aarch64 GCC everywhere,
                      # scalar code included: a*b+c in one rounding would change the bits).
                      "-ffp-contract=off", "-Wall", "-Wextra", "-Wno-unused-parameter"]
+        # The errors' [file:line] (csrc/common/check.h) relative to the source tree, not the build
+        # machine's path to it (a wheel's errors would name the builder's directories).
+        prefix_map = f"-ffile-prefix-map={ROOT}/="
+        cxx_flags.append(prefix_map)
         cxx_flags += shlex.split(os.environ.get("NCCLAVG_CXXFLAGS", ""))
         link_flags = ["-fopenmp", "-lrt"] + shlex.split(os.environ.get("NCCLAVG_LDFLAGS", ""))
         libs = []
@@ -248,7 +252,7 @@ class BuildExt(build_ext):
             newest = cuda["archs"][-1]
             gencode.append(f"-gencode=arch=compute_{newest},code=compute_{newest}")
             cmd = [cuda["nvcc"], "-std=c++17", "-O3", "--fmad=false", *gencode, *defines,
-                   "-Xcompiler", "-fPIC,-fvisibility=hidden", *[f"-I{i}" for i in include],
+                   "-Xcompiler", "-fPIC,-fvisibility=hidden", "-Xcompiler", prefix_map, *[f"-I{i}" for i in include],
                    "-c", str(ROOT / src), "-o", str(obj)]
             jobs.append((src, obj, cmd))
 

@@ -238,3 +238,14 @@ def test_build_wheels_refusals(tmp_path, args, needle):
                        capture_output=True, text=True, timeout=60,
                        env={**os.environ, "NCCLAVG_WHEELS_CACHE": str(tmp_path / "cache")})
     assert r.returncode == 2 and needle in r.stderr, r.stdout + r.stderr
+
+
+def test_core_errors_name_their_source_relative_to_the_tree():
+    """A check's [file:line] (csrc/common/check.h) is relative to the source tree (setup.py's
+    -ffile-prefix-map), so a wheel's errors do not carry the build machine's directories."""
+    from ncclavg import _C
+
+    with pytest.raises(ValueError) as e:
+        _C.digest([(0, -1)])
+    assert "[csrc/cpu/replica_hash.cpp:" in str(e.value), str(e.value)
+    assert str(ROOT) not in str(e.value)
