@@ -12,10 +12,15 @@ from pathlib import Path
 ISA_LEVELS = {"x86_64": ("avx2", "avx512"), "aarch64": ("neon", "sve")}
 
 
+def _canonical(machine: str) -> str:
+    """x86_64 / aarch64 whatever the platform calls them (amd64, arm64)."""
+    machine = machine.lower()
+    return {"amd64": "x86_64", "arm64": "aarch64"}.get(machine, machine)
+
+
 def host_machine() -> str:
     """The architecture of the machine this runs on (whatever a cross build targets)."""
-    machine = platform.machine().lower()
-    return {"amd64": "x86_64", "arm64": "aarch64"}.get(machine, machine)
+    return _canonical(platform.machine())
 
 
 def target_machine() -> str:
@@ -24,10 +29,7 @@ def target_machine() -> str:
     linux-aarch64; scripts/build_wheels.sh --arch aarch64 sets it), so that the level files and the
     wheel's tag cannot disagree."""
     host = os.environ.get("_PYTHON_HOST_PLATFORM", "").strip()
-    if not host:
-        return host_machine()
-    machine = host.rsplit("-", 1)[-1].lower()
-    return {"amd64": "x86_64", "arm64": "aarch64"}.get(machine, machine)
+    return _canonical(host.rsplit("-", 1)[-1]) if host else host_machine()
 
 
 def foreign(path: str | Path, machine: str) -> bool:

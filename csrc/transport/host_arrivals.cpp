@@ -70,7 +70,7 @@ int64_t HostArrivals::now() const {
 void HostArrivals::begin_one_call() {
   if (call_depth_++ == 0) {
     call_logged_ = false;
-    scope_started_ns_ = now();
+    scope_started_ns_ = now() - skew_ns_;
   }
 }
 
@@ -81,6 +81,13 @@ void HostArrivals::end_one_call() {
 void HostArrivals::begin_call() {
   std::fill(heard_.begin(), heard_.end(), HostArrival{});
   std::fill(heard_from_.begin(), heard_from_.end(), -1);
+}
+
+void HostArrivals::set_own(const int64_t* stamps) {
+  HostArrival a = HostArrival::of(hosts_[host_], stamps);
+  a.first_ns += skew_ns_;
+  a.last_ns += skew_ns_;
+  heard_[host_] = a;
 }
 
 LaneHello HostArrivals::hello_to(int peer) const {
@@ -138,12 +145,12 @@ void HostArrivals::end_call(const int64_t* own_stamps) {
   call_logged_ = true;
   for (size_t g = 0; g < hosts_.size(); ++g) {
     const std::vector<int>& ranks = hosts_[g];
-    if (static_cast<int>(g) == host_ && own_stamps != nullptr) {
+    if (static_cast<int>(g) == host_) {   // exact
       for (size_t i = 0; i < ranks.size(); ++i) stamps_[column_[ranks[i]]] = own_stamps[i] + skew_ns_;
       continue;
     }
     const HostArrival& a = heard_[g];
-    const int64_t shift = static_cast<int>(g) == host_ ? 0 : offset_of(heard_from_[g]);
+    const int64_t shift = offset_of(heard_from_[g]);
     // the ranks between the first and the last: their mean (Note [Arrival times between hosts])
     const int64_t middle = ranks.size() > 2 ? (a.late_sum_ns - (a.last_ns - a.first_ns)) /
                                                   static_cast<int64_t>(ranks.size() - 2)

@@ -74,19 +74,19 @@ class HostArrivals {
   // The runner's scope around one user call (as ShmChannel::OneCall): only its first call is logged.
   void begin_one_call();
   void end_one_call();
-  int64_t scope_started() const { return scope_started_ns_; }
+  // A process alone on its host: its arrival, the scope's start (the steady clock), as a host's stamps.
+  const int64_t* alone_stamps() const { return &scope_started_ns_; }
 
   // A call begins: no host's arrival known yet.
   void begin_call();
-  // This host's arrival at the call (what its hellos say).
-  void set_own(const HostArrival& a) { heard_[host_] = a; }
-  const HostArrival& own() const { return heard_[host_]; }
+  // This host's arrival at the call (what its hellos say): its ranks' stamps of the steady clock.
+  void set_own(const int64_t* stamps);
   // The hello to `peer` (its group rank).
   LaneHello hello_to(int peer) const;
   // A hello from `peer` (of host `host`), received at `received_ns` of this process's clock.
   void heard(int peer, int host, const LaneHello& h, int64_t received_ns);
   // A call ended well: logged when it is its scope's first and every host's arrival and offset is known.
-  // `own_stamps`: this host's ranks' exact stamps (nullptr: use the summary).
+  // `own_stamps`: this host's ranks' exact stamps, as set_own's.
   void end_call(const int64_t* own_stamps);
 
   // The offset of `peer`'s clock to this process's (add it to a stamp of theirs), or kUnknown.
@@ -113,7 +113,7 @@ class HostArrivals {
   ArrivalLog log_;
   int call_depth_ = 0;
   bool call_logged_ = false;
-  int64_t scope_started_ns_ = 0;
+  int64_t scope_started_ns_ = 0;       // the steady clock, without the skew
   std::vector<int64_t> stamps_;        // end_call's row
 };
 

@@ -662,21 +662,18 @@ void HostLanes::release(LaneCall& c) {
 void HostLanes::say_hello(LaneCall& c) {
   if (c.hello_said) return;
   c.hello_said = true;
-  const std::vector<int>& mine = layout_.hosts[layout_.host];
-  if (channel_ == nullptr) {
-    const int64_t at = arrivals_.scope_started();
-    arrivals_.set_own(HostArrival::of(mine, &at));
-  } else if (const int64_t* stamps = channel_->scope_arrivals()) {
-    HostArrival a = HostArrival::of(mine, stamps);
-    a.first_ns += arrivals_.skew();
-    a.last_ns += arrivals_.skew();
-    arrivals_.set_own(a);
-  }
+  if (const int64_t* stamps = own_stamps()) arrivals_.set_own(stamps);
   for (LaneRequest* h : c.hellos) {
     LaneRequest* r = c.make_request(h->peer, h->lane, kKindHello, -1, false);
     r->hello = arrivals_.hello_to(h->peer);
     c.sends.push_back(send_request(c, r, &r->hello, sizeof(LaneHello)));
   }
+}
+
+// This host's ranks' arrival at the call now running (the channel's stamps of its first round; alone on
+// the host, when the call began), or nullptr before the channel's first round.
+const int64_t* HostLanes::own_stamps() const {
+  return channel_ != nullptr ? channel_->scope_arrivals() : arrivals_.alone_stamps();
 }
 
 // Runs one call: refuses it after a failure, sends and receives the hellos around `body`, and makes any
@@ -698,7 +695,7 @@ void HostLanes::run_checked(LaneCall& c, const std::function<void()>& body) {
     say_hello(c);
     for (LaneRequest* r : c.hellos) wait(c, r);
     for (LaneRequest* r : c.sends) wait(c, r);
-    arrivals_.end_call(channel_ != nullptr ? channel_->scope_arrivals() : nullptr);
+    if (const int64_t* stamps = own_stamps()) arrivals_.end_call(stamps);
   } catch (const ShmMismatchError& e) {
     if (!c.failed) fail_from_channel(c, e.what(), kFailMismatch);
     release(c);

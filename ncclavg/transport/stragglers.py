@@ -103,7 +103,7 @@ def call_scopes(transport: Any) -> tuple:
     if transport is None:
         return ()
     found = (host_channel(transport), getattr(transport, "arrival_source", None))
-    return tuple(x for i, x in enumerate(found) if x is not None and all(x is not y for y in found[:i]))
+    return tuple(x for x in found if x is not None)
 
 
 def dump_source(transport: Any) -> Callable[[], Optional[dict]]:

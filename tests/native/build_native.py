@@ -22,7 +22,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT / "build_backend"))
 sys.path.insert(0, str(ROOT / "csrc" / "cuda" / "emu"))
 from build_emu import _digest  # noqa: E402  (a cache key from the command, sources and headers)
-from isa_levels import ISA_LEVELS as LEVELS, host_machine as host_arch  # noqa: E402  (this machine: foreign builds run under qemu)
+# (host_arch: this machine, where a foreign build runs under qemu)
+from isa_levels import ISA_LEVELS as LEVELS, host_machine as host_arch  # noqa: E402
 
 # The CPU core: the common code, the dispatchers and the scalar level; LEVELS adds each architecture's.
 CORE = ("common/buffer.cpp", "common/pack_plan.cpp", "cpu/simd.cpp", "cpu/kernels_scalar.cpp",
