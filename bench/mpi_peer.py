@@ -83,7 +83,9 @@ def worker(args: argparse.Namespace) -> None:
     rank, size = world.Get_rank(), world.Get_size()
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
-    port = world.bcast(_free_port() if rank == 0 else None, root=0)
+    from ncclavg.bench.launch import free_port
+
+    port = world.bcast(free_port() if rank == 0 else None, root=0)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
                             timeout=datetime.timedelta(seconds=120))
     import ncclavg
@@ -184,14 +186,6 @@ def worker(args: argparse.Namespace) -> None:
     dist.barrier()
     MPI.Finalize()   # Open MPI's launcher calls a rank that exits without it a failure (the MPICHs do not)
     end_process(0)   # no teardown of the gloo group: Note [Gloo teardown] in ncclavg/comm/dist.py
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # -------------------------------------------------------------------------------------------- launcher

@@ -262,13 +262,11 @@ def rank_fw_main(rank: int, world: int, port: int, backend: str, spec: dict, ord
 
 
 def _spawn(fn, world: int, args: tuple, timeout: float) -> dict:
-    import socket
-
     import torch.multiprocessing as mp
 
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from ncclavg.bench.launch import free_port
+
+    port = free_port()
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "rank0.json")
         ctx = mp.start_processes(fn, args=(world, port, *args, out), nprocs=world, join=False, start_method="spawn")

@@ -178,14 +178,13 @@ def _spawn_entry(rank: int, size: int, port: int, args: argparse.Namespace, out_
 
 
 def launch(procs: int, args: argparse.Namespace) -> list:
-    import socket
     import tempfile
 
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from ncclavg.bench.launch import free_port
+
+    port = free_port()
     with tempfile.TemporaryDirectory() as d:
         out = os.path.join(d, "rows.json")
         print(f"P={procs} ...", file=sys.stderr, flush=True)

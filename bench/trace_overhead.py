@@ -20,7 +20,6 @@ import argparse
 import datetime
 import json
 import os
-import socket
 import statistics
 import sys
 import time
@@ -113,9 +112,9 @@ def main() -> int:
 
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from ncclavg.bench.launch import free_port
+
+    port = free_port()
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory() as d:
         raw = os.path.join(d, "times.json")

@@ -1,16 +1,11 @@
 """Spawns torch.distributed (gloo, loopback) jobs for the tests, with bounded waits everywhere."""
 import datetime
 import os
-import socket
 import time
 
 import torch.multiprocessing as mp
 
-
-def free_port():
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from ncclavg.bench.launch import free_port  # noqa: F401  (the tests' one way to pick a port)
 
 
 def between_hosts(alone=False):

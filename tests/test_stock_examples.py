@@ -4,7 +4,6 @@ skipped with the reason when the framework is not installed; .ci/run installs th
 import importlib.util
 import os
 import re
-import socket
 import subprocess
 import sys
 
@@ -14,9 +13,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _torchrun(script, *args):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from ncclavg.bench.launch import free_port
+
+    port = free_port()
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
            "--master_port", str(port), os.path.join(ROOT, "examples", script), *args]

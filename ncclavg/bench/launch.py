@@ -7,6 +7,7 @@ torchrun rank take the same code path. Rank 0 prints and writes the files.
 from __future__ import annotations
 
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -42,9 +43,35 @@ def init_process_group(backend: str, local_rank: int, timeout: float) -> None:
                                 device_id=torch.device("cuda", local_rank))
 
 
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (Linux's default when it cannot be read)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
-    """A TCP port free on loopback right now (the OS picks it; the ranks bind it a moment later)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    """A TCP port free on loopback right now, which the ranks bind a moment later.
+
+    Taken from below the kernel's ephemeral range, not from bind(0): a port the OS picks lies in that
+    range, which every outgoing connection draws its local port from too, so between this call and the
+    rank's bind another job's connection (a gloo group opens one per pair) can take it and the rank's
+    store fails with EADDRINUSE. Only an explicit bind takes a port below the range; a random one of
+    thousands that binds now is free unless another launcher picks the same one in the same moment."""
+    low = _ephemeral_low()
+    first = max(10000, low - 20000)
+    rng = random.SystemRandom()
+    for _ in range(64) if low - first >= 1000 else ():
+        port = rng.randrange(first, low)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:   # no room below the range: the OS's pick
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 

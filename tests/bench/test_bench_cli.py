@@ -247,6 +247,26 @@ def test_launch_detection_and_nproc_mismatch(monkeypatch, capsys):
     assert rc == 2 and "WORLD_SIZE" in err and err.count("\n") == 1
 
 
+def test_free_port_is_below_the_ephemeral_range_and_binds(monkeypatch):
+    # A port from the ephemeral range can be taken by any outgoing connection (another job's gloo pairs)
+    # between the pick and the rank's bind; one below it only by an explicit bind.
+    import socket
+
+    low = bench_launch._ephemeral_low()
+    for _ in range(20):
+        port = bench_launch.free_port()
+        assert 1024 <= port < low or low - max(10000, low - 20000) < 1000
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))
+    # held ports are skipped: with the room below the range shrunk to one port that is taken, the OS picks
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        taken = held.getsockname()[1]
+        monkeypatch.setattr(bench_launch, "_ephemeral_low", lambda: 10000 + 1000)
+        monkeypatch.setattr(bench_launch.random.SystemRandom, "randrange", lambda self, a, b: taken)
+        assert bench_launch.free_port() not in (taken, 0)
+
+
 # --------------------------------------------------- several processes: every timed batch starts together
 
 class Logged(Contender):
