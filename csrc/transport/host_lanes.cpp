@@ -35,8 +35,9 @@ namespace cpu {
 // - A tag says which call (its number, the same on every rank), which kind of message, which lane and
 //   which host sent it, so that a receive matches only its message; messages of one tag from one sender
 //   are matched in the order they were sent (UCP's ordering, which MPI over UCX relies on too).
-// - Waiting polls the worker for kSpin, yielding the core between polls, then blocks on the worker's
-//   event fd (a late peer costs no CPU), with the call's deadline; abort() from another thread wakes it
+// - Waiting polls the worker for spin_ (kSpinUs unless NCCLAVG_HOSTS_SPIN_US says otherwise), yielding
+//   the core between polls, then blocks on the worker's event fd (a late peer costs no CPU), with the
+//   call's deadline; abort() from another thread wakes it
 //   through ucp_worker_signal. The yield: a rank that only spins holds a core that its host's other
 //   ranks need for their channel steps and their own wire work whenever a machine runs more processes
 //   than cores (measured with 2 emulated hosts x 2 processes on 2 cores, a 4 KiB all-reduce through the
@@ -46,6 +47,14 @@ namespace cpu {
 //   4 KiB 0.80-0.88 ms before, 0.75-0.81 after). A yield costs nothing when no one else wants the core,
 //   and the longer window keeps a rank off the event fd, whose wakeup costs tens of microseconds, for
 //   about one round trip of a fast link.
+//   The window's price is CPU where the link is slow: a pipelined call's waits are each a chunk's time on
+//   the wire, and polling through them holds a core (bench/hosts.py, 2500 Mbit/s + 0.1 ms, 2 launches x 10
+//   calls, two runs each, CPU ms per call of all ranks, 300 us -> 50 us: 2 x 1 at 4 MiB 22.7 / 22.3 ->
+//   12.1 / 10.8 and at 32 MiB 154 / 151 -> 81 / 81, the same time; 2 x 2 at 32 MiB 164 / 163 -> 148 / 150).
+//   50 us costs elsewhere (2 x 1 at 4 KiB 0.26 / 0.24 ms -> 0.30 / 0.40; unshaped veth 2 x 1 at 4 MiB
+//   1.53 / 1.26 ms -> 2.03 / 1.69), so 300 us stays the default and NCCLAVG_HOSTS_SPIN_US is the user's
+//   (lower it where other work wants the cores while the lanes wait on a slow link; stock DDP on 2 x 2,
+//   whose backward shares the cores, trained no faster at 0 us: 1.09-1.12x gloo against 1.13-1.14x).
 // - The first failure of a process (a broken endpoint, a mismatch, a failed channel step, an abort; not a
 //   timeout: Note [A timeout between the hosts]) is sent to every peer in an abort message and put into
 //   this host's channel, so that every rank of every host fails at once, naming it; the engine then
@@ -67,7 +76,6 @@ namespace cpu {
 namespace {
 using Clock = std::chrono::steady_clock;
 constexpr uint32_t kMagic = 0x6e63616c;   // "ncal"
-constexpr auto kSpin = std::chrono::microseconds(300);   // Note above: polling, yielding, before blocking
 
 // Note [TCP's receive segment]
 // UCX's tcp transport receives a message of the eager protocol in segments of UCX_TCP_RX_SEG_SIZE (64 KiB
@@ -152,9 +160,10 @@ std::vector<int> LaneLayout::peers() const {
 
 // ---------------------------------------------------------------------- setup
 HostLanes::HostLanes(std::vector<std::vector<int>> hosts, int rank, ShmChannel* channel, const std::string& tls,
-                     const std::string& devices, int64_t chunk_bytes, int depth)
+                     const std::string& devices, int64_t chunk_bytes, int depth, int64_t spin_us)
     : layout_(std::move(hosts), rank), channel_(channel), arrivals_(layout_.hosts, layout_.host),
-      chunk_bytes_(chunk_bytes), depth_(depth), pid_(getpid()) {
+      chunk_bytes_(chunk_bytes), depth_(depth), spin_(std::chrono::microseconds(spin_us)), pid_(getpid()) {
+  NCCLAVG_CHECK_ARG(spin_us >= 0 && spin_us <= 1000000, "spin_us", "must be in [0, 1000000], got ", spin_us);
   NCCLAVG_CHECK_ARG(chunk_bytes >= 4096 && chunk_bytes % 64 == 0, "chunk_bytes",
                     "must be a multiple of 64 of at least 4096, got ", chunk_bytes);
   NCCLAVG_CHECK_ARG(depth >= 1 && depth <= 64, "depth", "must be in [1, 64], got ", depth);
@@ -428,7 +437,7 @@ void HostLanes::step(LaneCall& c, int waited) {
     fail(c, os.str(), kFailTimeout);
   }
   if (c.idle_since == Clock::time_point{}) c.idle_since = now;
-  if (now - c.idle_since < kSpin) {
+  if (now - c.idle_since < spin_) {
     sched_yield();   // (the Note at the top: cores shared with the host's other ranks)
     return;
   }

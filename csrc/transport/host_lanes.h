@@ -67,10 +67,13 @@ class HostLanes {
  public:
   // An all-reduce or broadcast of at most this many bytes goes whole, in one exchange (WholePipe).
   static constexpr int64_t kWholeBytes = 16 << 10;
+  // How long a wait polls the worker, yielding the core between polls, before it blocks on the event fd
+  // (Note [Lanes between hosts] in host_lanes.cpp), in microseconds.
+  static constexpr int64_t kSpinUs = 300;
   // `channel`: this host's channel (nullptr when this process is alone on its host), kept alive by the
   // caller; `tls`, `devices`: UCX_TLS and UCX_NET_DEVICES for this process's context ("" : UCX's own).
   HostLanes(std::vector<std::vector<int>> hosts, int rank, ShmChannel* channel, const std::string& tls,
-            const std::string& devices, int64_t chunk_bytes, int depth);
+            const std::string& devices, int64_t chunk_bytes, int depth, int64_t spin_us = kSpinUs);
   ~HostLanes();
   HostLanes(const HostLanes&) = delete;
   HostLanes& operator=(const HostLanes&) = delete;
@@ -105,6 +108,7 @@ class HostLanes {
   uint64_t messages_sent() const { return sent_; }
   int64_t chunk_bytes() const { return chunk_bytes_; }
   int depth() const { return depth_; }
+  int64_t spin_us() const { return std::chrono::duration_cast<std::chrono::microseconds>(spin_).count(); }
   // The UCX settings the engine gave its context (name without "UCX_" -> value), beside the environment's.
   const std::map<std::string, std::string>& ucx_settings() const { return ucx_settings_; }
   // When every rank of every host arrived at the recent calls, on this process's clock (Note [Arrival
@@ -150,6 +154,7 @@ class HostLanes {
   HostArrivals arrivals_;
   int64_t chunk_bytes_;
   int depth_;
+  std::chrono::steady_clock::duration spin_;
   std::map<std::string, std::string> ucx_settings_;
   int pid_;   // the process that made the lanes: the only one that may use them
   ucp_context_h context_ = nullptr;

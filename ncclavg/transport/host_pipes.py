@@ -33,7 +33,9 @@ CHUNK_BYTES = 2 << 20
 DEPTH = 2
 
 
-def _env_int(name: str, default: int, lo: int) -> int:
+def env_int(name: str, default: int, lo: int, hi: int | None = None) -> int:
+    """The integer setting `name` of the environment in [lo, hi], else `default` when it is unset; a
+    ValueError naming it otherwise."""
     raw = os.environ.get(name, "").strip()
     if not raw:
         return default
@@ -41,14 +43,15 @@ def _env_int(name: str, default: int, lo: int) -> int:
         value = int(raw)
     except ValueError:
         value = lo - 1
-    if value < lo:
-        raise ValueError(f"{name} must be an integer >= {lo}, got '{raw}'")
+    if value < lo or (hi is not None and value > hi):
+        bound = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+        raise ValueError(f"{name} must be an integer {bound}, got '{raw}'")
     return value
 
 
 def chunk_bytes(default: int = CHUNK_BYTES) -> int:
     """NCCLAVG_HOSTS_CHUNK_KB, else `default` (gloo's lanes': CHUNK_BYTES; UCX's: ucx.CHUNK_BYTES)."""
-    return _env_int("NCCLAVG_HOSTS_CHUNK_KB", default >> 10, 1) << 10
+    return env_int("NCCLAVG_HOSTS_CHUNK_KB", default >> 10, 1) << 10
 
 
 def chunk_plan(nbytes: int, lanes: int) -> List[int]:
@@ -60,7 +63,7 @@ def chunk_plan(nbytes: int, lanes: int) -> List[int]:
 
 
 def depth(default: int = DEPTH) -> int:
-    return _env_int("NCCLAVG_HOSTS_DEPTH", default, 1)
+    return env_int("NCCLAVG_HOSTS_DEPTH", default, 1)
 
 
 class ShardLayout:

@@ -26,7 +26,7 @@ from ..buffers import channel_type_code
 from ..errors import CommError
 from .._ext import devices_for, hosts_interfaces, ucx_load, ucx_setting, ucx_transports
 from .host_layout import HostsLayout
-from .host_pipes import chunk_bytes, depth
+from .host_pipes import env_int, chunk_bytes, depth
 from .shm import tag
 
 _warned: set = set()
@@ -50,6 +50,12 @@ CHUNK_BYTES = 512 << 10
 DEPTH = 4
 
 
+def spin_us() -> int:
+    """NCCLAVG_HOSTS_SPIN_US, else the engine's own: how long a wait between hosts polls, yielding the core
+    between polls, before it sleeps on UCX's event fd (Note [Lanes between hosts] in host_lanes.cpp)."""
+    return env_int("NCCLAVG_HOSTS_SPIN_US", _C.HostLanes.SPIN_US, 0, 1000000)
+
+
 def say_once(text: str) -> None:
     if text not in _warned:
         _warned.add(text)
@@ -63,6 +69,7 @@ def start(hosts: List[List[int]], rank: int, channel: Any, exchange: Callable[[A
     then every rank's outcome of connecting (its hello with each peer)."""
     mode = ucx_setting()   # (a setting that is wrong raises here, on every rank alike)
     tls, nics, chunk, ahead = ucx_transports(), hosts_interfaces(), chunk_bytes(CHUNK_BYTES), depth(DEPTH)
+    spin = spin_us()
     if mode == "off":   # (the setting is the job's: every rank returns here)
         return None
     lanes, error = None, ""
@@ -72,7 +79,7 @@ def start(hosts: List[List[int]], rank: int, channel: Any, exchange: Callable[[A
             raise RuntimeError(found["error"])
         layout = HostsLayout(hosts, rank)
         mine = layout.lanes_of[layout.local]
-        lanes = _C.HostLanes(hosts, rank, channel, tls, devices_for(mine, nics), chunk, ahead)
+        lanes = _C.HostLanes(hosts, rank, channel, tls, devices_for(mine, nics), chunk, ahead, spin)
     except (RuntimeError, ValueError) as e:
         error = f"rank {rank}: {e}"
     offers = exchange((lanes.address if lanes is not None else b"", error))

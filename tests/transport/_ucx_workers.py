@@ -85,7 +85,8 @@ def messages_job(rank, world, port, layout, outdir, chunk_kb):
         assert torch.equal(t, torch.full((n,), float(world)))
         sent[n] = lanes.messages_sent - before
     _report(outdir, rank, {"sent": sent, "peers": list(lanes.peers()), "depth": lanes.depth,
-                           "chunk_bytes": lanes.chunk_bytes, "ucx": dict(lanes.ucx_settings)})
+                           "chunk_bytes": lanes.chunk_bytes, "ucx": dict(lanes.ucx_settings),
+                           "spin_us": lanes.spin_us})
     dist.barrier()
 
 

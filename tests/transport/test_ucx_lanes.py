@@ -19,6 +19,15 @@ def test_small_calls_go_whole_and_exact_around_their_edge(layout):
     run_ranks(W.whole_edge_job, len(layout), args=(layout,), timeout_s=240)
 
 
+def test_waits_that_block_at_once_are_exact(tmp_path, monkeypatch):
+    # NCCLAVG_HOSTS_SPIN_US=0: every wait between the hosts that finds nothing to progress sleeps on UCX's
+    # event fd at once (the path a long wait takes), whole calls and chunked ones alike
+    monkeypatch.setenv("NCCLAVG_HOSTS_SPIN_US", "0")
+    run_ranks(W.whole_edge_job, 4, args=((0, 0, 1, 1),), timeout_s=240)
+    run_ranks(W.messages_job, 2, args=((0, 1), str(tmp_path), 64), timeout_s=120)
+    assert all(res["spin_us"] == 0 for res in _reports(tmp_path, 2))
+
+
 def _reports(tmp_path, world):
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
 
@@ -92,6 +101,7 @@ def test_the_lanes_say_which_ucx_settings_they_chose(tmp_path, monkeypatch, user
     for res in _reports(tmp_path, len(layout)):
         assert res["ucx"]["TLS"] == "tcp", res
         assert res["ucx"].get("TCP_RX_SEG_SIZE") == (None if user_segment else "256K"), res
+        assert res["spin_us"] == ucx_lib._C.HostLanes.SPIN_US, res   # the engine's own when unset
 
 
 @pytest.mark.parametrize("strict", [False, True])
@@ -110,11 +120,25 @@ def test_ucx_that_does_not_start_leaves_gloo_in_charge(tmp_path, monkeypatch, st
 
 
 @pytest.mark.parametrize("name, value", [("NCCLAVG_UCX", "maybe"), ("NCCLAVG_UCX_TLS", "tcp,posix"),
-                                         ("NCCLAVG_UCX_TLS", "sm"), ("NCCLAVG_UCX_TLS", " ")])
+                                         ("NCCLAVG_UCX_TLS", "sm"), ("NCCLAVG_UCX_TLS", " "),
+                                         ("NCCLAVG_HOSTS_SPIN_US", "-1"), ("NCCLAVG_HOSTS_SPIN_US", "x"),
+                                         ("NCCLAVG_HOSTS_SPIN_US", "1000001")])
 def test_bad_settings_name_the_variable(monkeypatch, name, value):
+    from ncclavg.transport import ucx
+
     monkeypatch.setenv(name, value)
     with pytest.raises(ValueError, match=name):
-        ucx_lib.ucx_setting() if name == "NCCLAVG_UCX" else ucx_lib.ucx_transports()
+        if name == "NCCLAVG_UCX":
+            ucx_lib.ucx_setting()
+        elif name == "NCCLAVG_UCX_TLS":
+            ucx_lib.ucx_transports()
+        else:
+            ucx.spin_us()
+
+
+def test_the_engine_checks_its_spin_window():
+    with pytest.raises(ValueError, match="spin_us"):
+        ucx_lib._C.HostLanes([[0], [1]], 0, None, "tcp", "", 1 << 19, 4, -5)
 
 
 def test_each_lane_goes_over_its_interface():
