@@ -507,14 +507,18 @@ PYBIND11_MODULE(_C, m) {
         .def("peers", &cpu::LaneLayout::peers);
     py::class_<cpu::HostLanes>(m, "HostLanes")
         .def(py::init<std::vector<std::vector<int>>, int, ShmChannel*, const std::string&, const std::string&, int64_t,
-                      int, int64_t>(),
+                      int, int64_t, int64_t>(),
              py::arg("hosts"), py::arg("rank"), py::arg("channel"), py::arg("tls"), py::arg("devices"),
              py::arg("chunk_bytes"), py::arg("depth"), py::arg("spin_us") = cpu::HostLanes::kSpinUs,
-             py::keep_alive<1, 4>(), Release())
+             py::arg("slow_chunk_us") = cpu::HostLanes::kSlowChunkUs, py::keep_alive<1, 4>(), Release())
         .def_property_readonly("address", [](const cpu::HostLanes& h) { return py::bytes(h.address()); })
         .def_property_readonly("ucx_settings", &cpu::HostLanes::ucx_settings)
         .def_property_readonly("spin_us", &cpu::HostLanes::spin_us)
+        .def_property_readonly("chunk_us", &cpu::HostLanes::chunk_us)
+        .def_property_readonly("wait_window_us", &cpu::HostLanes::wait_window_us)
         .def_readonly_static("SPIN_US", &cpu::HostLanes::kSpinUs)
+        .def_readonly_static("SLOW_SPIN_US", &cpu::HostLanes::kSlowSpinUs)
+        .def_readonly_static("SLOW_CHUNK_US", &cpu::HostLanes::kSlowChunkUs)
         .def("peers", [](const cpu::HostLanes& h) { return h.layout().peers(); })
         .def("connect",
              [](cpu::HostLanes& h, const std::vector<py::bytes>& addresses, double timeout_s) {

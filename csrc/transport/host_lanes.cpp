@@ -48,13 +48,21 @@ namespace cpu {
 //   and the longer window keeps a rank off the event fd, whose wakeup costs tens of microseconds, for
 //   about one round trip of a fast link.
 //   The window's price is CPU where the link is slow: a pipelined call's waits are each a chunk's time on
-//   the wire, and polling through them holds a core (bench/hosts.py, 2500 Mbit/s + 0.1 ms, 2 launches x 10
-//   calls, two runs each, CPU ms per call of all ranks, 300 us -> 50 us: 2 x 1 at 4 MiB 22.7 / 22.3 ->
-//   12.1 / 10.8 and at 32 MiB 154 / 151 -> 81 / 81, the same time; 2 x 2 at 32 MiB 164 / 163 -> 148 / 150).
-//   50 us costs elsewhere (2 x 1 at 4 KiB 0.26 / 0.24 ms -> 0.30 / 0.40; unshaped veth 2 x 1 at 4 MiB
-//   1.53 / 1.26 ms -> 2.03 / 1.69), so 300 us stays the default and NCCLAVG_HOSTS_SPIN_US is the user's
-//   (lower it where other work wants the cores while the lanes wait on a slow link; stock DDP on 2 x 2,
-//   whose backward shares the cores, trained no faster at 0 us: 1.09-1.12x gloo against 1.13-1.14x).
+//   the wire, and polling through them holds a core for nothing. A fixed shorter window is no answer
+//   (bench/hosts.py, NCCLAVG_HOSTS_SPIN_US 300 against 50, 2 launches x 10 calls, alternated twice: on
+//   2500 Mbit/s + 0.1 ms 2 x 1's CPU per call at 32 MiB 154 / 151 ms -> 81 / 81 at the same time, but 2 x 1
+//   at 4 KiB 0.26 / 0.24 ms -> 0.30 / 0.40 and the unshaped veth link's 2 x 1 at 4 MiB 1.53 / 1.26 ms ->
+//   2.03 / 1.69). So the chunks pace the waits: a pipelined call measures the time between two chunks'
+//   completions (a moving average kept across calls, chunk_us), and while it is above kSlowChunkUs (1 ms,
+//   twenty wake-ups from the event fd or more) the call's waits poll for kSlowSpinUs (50 us) at most; a
+//   whole call, whose wait is a round trip, and the chunks of a fast link keep the full window. Measured
+//   the same way, before (the fixed window) and after, alternated twice, ms and CPU ms per call of all
+//   ranks: 2500 Mbit/s 2 x 1 at 4 MiB 15.32 / 14.03 -> 14.44 / 14.47 (CPU 22.2 / 21.9 -> 11.1 / 11.6), at
+//   32 MiB 109.2 / 108.3 -> 108.8 / 108.7 (CPU 162 / 140 -> 84 / 83); 2 x 2 at 32 MiB 110.6 / 110.7 ->
+//   109.6 / 112.2 (CPU 162 / 167 -> 149 / 152); 4 KiB and 256 KiB (whole or one chunk) unchanged within the
+//   spread; 3 x 2 at 32 MiB 190.5 / 190.9 / 200.1 / 206.0 -> 196.2 / 201.3 / 200.4 / 207.5 (CPU unchanged:
+//   its cores are full). NCCLAVG_HOSTS_SPIN_US sets the full window (the slow one is the lesser of it and
+//   kSlowSpinUs).
 // - The first failure of a process (a broken endpoint, a mismatch, a failed channel step, an abort; not a
 //   timeout: Note [A timeout between the hosts]) is sent to every peer in an abort message and put into
 //   this host's channel, so that every rank of every host fails at once, naming it; the engine then
@@ -160,10 +168,13 @@ std::vector<int> LaneLayout::peers() const {
 
 // ---------------------------------------------------------------------- setup
 HostLanes::HostLanes(std::vector<std::vector<int>> hosts, int rank, ShmChannel* channel, const std::string& tls,
-                     const std::string& devices, int64_t chunk_bytes, int depth, int64_t spin_us)
+                     const std::string& devices, int64_t chunk_bytes, int depth, int64_t spin_us,
+                     int64_t slow_chunk_us)
     : layout_(std::move(hosts), rank), channel_(channel), arrivals_(layout_.hosts, layout_.host),
-      chunk_bytes_(chunk_bytes), depth_(depth), spin_(std::chrono::microseconds(spin_us)), pid_(getpid()) {
+      chunk_bytes_(chunk_bytes), depth_(depth), spin_(std::chrono::microseconds(spin_us)),
+      slow_chunk_ns_(static_cast<double>(slow_chunk_us) * 1e3), pid_(getpid()) {
   NCCLAVG_CHECK_ARG(spin_us >= 0 && spin_us <= 1000000, "spin_us", "must be in [0, 1000000], got ", spin_us);
+  NCCLAVG_CHECK_ARG(slow_chunk_us >= 0, "slow_chunk_us", "must be >= 0, got ", slow_chunk_us);
   NCCLAVG_CHECK_ARG(chunk_bytes >= 4096 && chunk_bytes % 64 == 0, "chunk_bytes",
                     "must be a multiple of 64 of at least 4096, got ", chunk_bytes);
   NCCLAVG_CHECK_ARG(depth >= 1 && depth <= 64, "depth", "must be in [1, 64], got ", depth);
@@ -437,7 +448,7 @@ void HostLanes::step(LaneCall& c, int waited) {
     fail(c, os.str(), kFailTimeout);
   }
   if (c.idle_since == Clock::time_point{}) c.idle_since = now;
-  if (now - c.idle_since < spin_) {
+  if (now - c.idle_since < c.spin) {
     sched_yield();   // (the Note at the top: cores shared with the host's other ranks)
     return;
   }
@@ -619,6 +630,8 @@ LaneCall::LaneCall(HostLanes& e, LaneOp op_in, int type_in, int64_t count_in, in
   NCCLAVG_CHECK_ARG(count >= 0, "count", "must be >= 0, got ", count);
   if (op != LaneOp::kCheck) check_call_tag(tag, "tag");
   deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(timeout));
+  spin = e.spin_;
+  e.wait_window_us_ = e.spin_us();
 }
 
 LaneRequest* LaneCall::make_request(int peer, int lane, int kind, int64_t chunk, bool recv) {

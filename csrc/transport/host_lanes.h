@@ -70,10 +70,16 @@ class HostLanes {
   // How long a wait polls the worker, yielding the core between polls, before it blocks on the event fd
   // (Note [Lanes between hosts] in host_lanes.cpp), in microseconds.
   static constexpr int64_t kSpinUs = 300;
+  // A pipelined call whose chunks have been taking longer than kSlowChunkUs each (a slow link) polls for
+  // at most kSlowSpinUs: its waits are a chunk's time on the wire, not a round trip (Note [Lanes between
+  // hosts] in host_lanes.cpp).
+  static constexpr int64_t kSlowChunkUs = 1000;
+  static constexpr int64_t kSlowSpinUs = 50;
   // `channel`: this host's channel (nullptr when this process is alone on its host), kept alive by the
   // caller; `tls`, `devices`: UCX_TLS and UCX_NET_DEVICES for this process's context ("" : UCX's own).
   HostLanes(std::vector<std::vector<int>> hosts, int rank, ShmChannel* channel, const std::string& tls,
-            const std::string& devices, int64_t chunk_bytes, int depth, int64_t spin_us = kSpinUs);
+            const std::string& devices, int64_t chunk_bytes, int depth, int64_t spin_us = kSpinUs,
+            int64_t slow_chunk_us = kSlowChunkUs);
   ~HostLanes();
   HostLanes(const HostLanes&) = delete;
   HostLanes& operator=(const HostLanes&) = delete;
@@ -109,6 +115,10 @@ class HostLanes {
   int64_t chunk_bytes() const { return chunk_bytes_; }
   int depth() const { return depth_; }
   int64_t spin_us() const { return std::chrono::duration_cast<std::chrono::microseconds>(spin_).count(); }
+  // The time between two chunks' completions of recent pipelined calls (a moving average; 0 before any).
+  double chunk_us() const { return chunk_ns_ / 1e3; }
+  // How long the latest call's waits polled before blocking (spin_us, or less on a slow link).
+  int64_t wait_window_us() const { return wait_window_us_; }
   // The UCX settings the engine gave its context (name without "UCX_" -> value), beside the environment's.
   const std::map<std::string, std::string>& ucx_settings() const { return ucx_settings_; }
   // When every rank of every host arrived at the recent calls, on this process's clock (Note [Arrival
@@ -155,6 +165,9 @@ class HostLanes {
   int64_t chunk_bytes_;
   int depth_;
   std::chrono::steady_clock::duration spin_;
+  double chunk_ns_ = 0;   // chunk_us()
+  double slow_chunk_ns_;
+  int64_t wait_window_us_ = 0;
   std::map<std::string, std::string> ucx_settings_;
   int pid_;   // the process that made the lanes: the only one that may use them
   ucp_context_h context_ = nullptr;

@@ -46,6 +46,7 @@ class LanePipeline {
       return;
     }
     const int64_t depth = std::min<int64_t>(e_.depth_, nchunks);
+    if (nchunks > 1) pace_waits();
     for (int64_t i = 0; i < depth; ++i) {
       start(i);
       if (i > 0) continue;
@@ -65,6 +66,9 @@ class LanePipeline {
         if (!advance(i, waited)) e_.step(c_, waited);
       }
       after(i);
+      const auto now = std::chrono::steady_clock::now();
+      if (i > 0) chunk_done(now - last_done_);
+      last_done_ = now;
       if (i + depth < nchunks) start(i + depth);
     }
   }
@@ -75,6 +79,21 @@ class LanePipeline {
   virtual void after(int64_t i) = 0;                // step (3)
   // Does start(0) run a channel round (then the hellos follow it)? Else run() adds one.
   virtual bool round_in_start() const = 0;
+
+  // The time between two chunks' completions, into the engine's moving average, and this call's waits
+  // paced by it (Note [Lanes between hosts] in host_lanes.cpp): a chunk slower than kSlowChunkUs is a slow
+  // link's, whose waits are worth polling for kSlowSpinUs at most.
+  void chunk_done(std::chrono::steady_clock::duration took) {
+    const double ns = static_cast<double>(std::chrono::duration_cast<std::chrono::nanoseconds>(took).count());
+    e_.chunk_ns_ = e_.chunk_ns_ == 0 ? ns : 0.75 * e_.chunk_ns_ + 0.25 * ns;
+    pace_waits();
+  }
+  void pace_waits() {
+    const bool slow = e_.chunk_ns_ > 0 && e_.chunk_ns_ > e_.slow_chunk_ns_;
+    c_.spin = slow ? std::min<std::chrono::steady_clock::duration>(e_.spin_, std::chrono::microseconds(HostLanes::kSlowSpinUs))
+                   : e_.spin_;
+    e_.wait_window_us_ = std::chrono::duration_cast<std::chrono::microseconds>(c_.spin).count();
+  }
 
   // this rank's pipeline buffers: chunk i's `which` (in its slot, i % depth), or one the chunks share
   static constexpr int kPerSlot = 256;
@@ -106,6 +125,7 @@ class LanePipeline {
   HostLanes& e_;
   LaneCall& c_;
   const LaneLayout& L_;
+  std::chrono::steady_clock::time_point last_done_{};
 };
 
 double LaneCall::deadline_left() const {

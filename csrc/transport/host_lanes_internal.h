@@ -67,6 +67,7 @@ struct LaneCall {
   bool failed = false;
   bool hello_said = false;
   std::chrono::steady_clock::time_point deadline, idle_since{};
+  std::chrono::steady_clock::duration spin{};   // how long this call's waits poll before they block
   std::vector<std::unique_ptr<LaneRequest>> requests;
   std::vector<LaneRequest*> hellos, sends;
 };

@@ -86,7 +86,7 @@ def messages_job(rank, world, port, layout, outdir, chunk_kb):
         sent[n] = lanes.messages_sent - before
     _report(outdir, rank, {"sent": sent, "peers": list(lanes.peers()), "depth": lanes.depth,
                            "chunk_bytes": lanes.chunk_bytes, "ucx": dict(lanes.ucx_settings),
-                           "spin_us": lanes.spin_us})
+                           "spin_us": lanes.spin_us, "chunk_us": lanes.chunk_us})
     dist.barrier()
 
 
@@ -170,6 +170,30 @@ def forked_child_job(rank, world, port, outdir):
     t = torch.full((1000,), float(rank + 1))
     lanes.all_reduce_sum(t.data_ptr(), t.numel(), 0, 30.0)
     res["sum_ok"] = bool((t == 3).all())
+    _report(outdir, rank, res)
+
+
+def paced_waits_job(rank, world, port, outdir, slow_chunk_us):
+    """The core's lanes alone (two processes, each its own host): a pipelined call's waits poll for the
+    whole window unless its chunks take longer than `slow_chunk_us`, then for HostLanes.SLOW_SPIN_US at
+    most; a whole call's always for the whole window. Every result exact."""
+    import datetime
+
+    from ncclavg import _C, _ext
+
+    assert _ext.ucx_load()["loaded"]
+    store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=datetime.timedelta(seconds=30))
+    lanes = _C.HostLanes([[0], [1]], rank, None, "tcp", "", 4096, 4, 300, slow_chunk_us)
+    store.set(f"addr{rank}", lanes.address)
+    lanes.connect([store.get(f"addr{r}") for r in range(world)], 30.0)
+    res = {"before": lanes.chunk_us}
+    n = 64 * 1024   # 256 KiB of float32 in 4 KiB chunks: 64 of them
+    t = torch.full((n,), float(rank + 1))
+    lanes.all_reduce_sum(t.data_ptr(), n, 0, 60.0)
+    res.update(sum_ok=bool((t == 3).all()), chunk_us=lanes.chunk_us, pipelined=lanes.wait_window_us)
+    t = torch.full((8,), float(rank + 1))
+    lanes.all_reduce_sum(t.data_ptr(), 8, 0, 60.0)
+    res.update(whole_ok=bool((t == 3).all()), whole=lanes.wait_window_us)
     _report(outdir, rank, res)
 
 

@@ -89,6 +89,8 @@ def test_one_call_is_a_hello_and_its_data_per_peer(tmp_path):
         assert res["sent"]["2"] == res["sent"]["1024"] == 2 * peers, res
         # 192 KiB in chunks of 64 KiB: three chunks, one data message each (3 + the hello)
         assert res["sent"][str((64 << 10) // 4 * 3)] == 4 * peers, res
+        # ... whose completions paced the waits: the time between two chunks, measured (a positive average)
+        assert res["chunk_us"] > 0, res
 
 
 # Note [TCP's receive segment] in csrc/transport/host_lanes.cpp: the lanes' own choice, unless the user set one
@@ -136,9 +138,26 @@ def test_bad_settings_name_the_variable(monkeypatch, name, value):
             ucx.spin_us()
 
 
+# Note [Lanes between hosts] in csrc/transport/host_lanes.cpp: a slow link's chunks pace the waits. The
+# threshold at 0 makes every chunk "slow" and at 10**9 none, whatever this machine's speed.
+@pytest.mark.parametrize("slow_chunk_us, pipelined", [(0, "slow"), (10**9, "full")])
+def test_a_slow_links_chunks_shorten_the_polling(tmp_path, slow_chunk_us, pipelined):
+    from ncclavg import _C
+
+    run_ranks(W.paced_waits_job, 2, args=(str(tmp_path), slow_chunk_us), timeout_s=120)
+    for res in _reports(tmp_path, 2):
+        assert res["sum_ok"] and res["whole_ok"], res
+        assert res["before"] == 0 and res["chunk_us"] > 0, res   # measured by the pipelined call
+        want = _C.HostLanes.SLOW_SPIN_US if pipelined == "slow" else _C.HostLanes.SPIN_US
+        assert res["pipelined"] == want, res
+        assert res["whole"] == _C.HostLanes.SPIN_US, res   # a whole call's wait is a round trip: polled
+
+
 def test_the_engine_checks_its_spin_window():
     with pytest.raises(ValueError, match="spin_us"):
         ucx_lib._C.HostLanes([[0], [1]], 0, None, "tcp", "", 1 << 19, 4, -5)
+    with pytest.raises(ValueError, match="slow_chunk_us"):
+        ucx_lib._C.HostLanes([[0], [1]], 0, None, "tcp", "", 1 << 19, 4, 300, -1)
 
 
 def test_each_lane_goes_over_its_interface():
