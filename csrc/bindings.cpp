@@ -517,6 +517,7 @@ PYBIND11_MODULE(_C, m) {
         .def_property_readonly("chunk_us", &cpu::HostLanes::chunk_us)
         .def_property_readonly("wait_window_us", &cpu::HostLanes::wait_window_us)
         .def_readonly_static("SPIN_US", &cpu::HostLanes::kSpinUs)
+        .def_readonly_static("MAX_SPIN_US", &cpu::HostLanes::kMaxSpinUs)
         .def_readonly_static("SLOW_SPIN_US", &cpu::HostLanes::kSlowSpinUs)
         .def_readonly_static("SLOW_CHUNK_US", &cpu::HostLanes::kSlowChunkUs)
         .def("peers", [](const cpu::HostLanes& h) { return h.layout().peers(); })

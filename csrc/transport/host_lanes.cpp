@@ -37,8 +37,7 @@ namespace cpu {
 //   are matched in the order they were sent (UCP's ordering, which MPI over UCX relies on too).
 // - Waiting polls the worker for spin_ (kSpinUs unless NCCLAVG_HOSTS_SPIN_US says otherwise), yielding
 //   the core between polls, then blocks on the worker's event fd (a late peer costs no CPU), with the
-//   call's deadline; abort() from another thread wakes it
-//   through ucp_worker_signal. The yield: a rank that only spins holds a core that its host's other
+//   call's deadline; abort() from another thread wakes it through ucp_worker_signal. The yield: a rank that only spins holds a core that its host's other
 //   ranks need for their channel steps and their own wire work whenever a machine runs more processes
 //   than cores (measured with 2 emulated hosts x 2 processes on 2 cores, a 4 KiB all-reduce through the
 //   torch face, calls back to back, median per call: 2500 Mbit/s + 0.1 ms 857 us spinning 50 us, 683
@@ -173,7 +172,8 @@ HostLanes::HostLanes(std::vector<std::vector<int>> hosts, int rank, ShmChannel* 
     : layout_(std::move(hosts), rank), channel_(channel), arrivals_(layout_.hosts, layout_.host),
       chunk_bytes_(chunk_bytes), depth_(depth), spin_(std::chrono::microseconds(spin_us)),
       slow_chunk_ns_(static_cast<double>(slow_chunk_us) * 1e3), pid_(getpid()) {
-  NCCLAVG_CHECK_ARG(spin_us >= 0 && spin_us <= 1000000, "spin_us", "must be in [0, 1000000], got ", spin_us);
+  NCCLAVG_CHECK_ARG(spin_us >= 0 && spin_us <= kMaxSpinUs, "spin_us", "must be in [0, ", kMaxSpinUs, "], got ",
+                    spin_us);
   NCCLAVG_CHECK_ARG(slow_chunk_us >= 0, "slow_chunk_us", "must be >= 0, got ", slow_chunk_us);
   NCCLAVG_CHECK_ARG(chunk_bytes >= 4096 && chunk_bytes % 64 == 0, "chunk_bytes",
                     "must be a multiple of 64 of at least 4096, got ", chunk_bytes);

@@ -69,7 +69,7 @@ class HostLanes {
   static constexpr int64_t kWholeBytes = 16 << 10;
   // How long a wait polls the worker, yielding the core between polls, before it blocks on the event fd
   // (Note [Lanes between hosts] in host_lanes.cpp), in microseconds.
-  static constexpr int64_t kSpinUs = 300;
+  static constexpr int64_t kSpinUs = 300, kMaxSpinUs = 1000000;
   // A pipelined call whose chunks have been taking longer than kSlowChunkUs each (a slow link) polls for
   // at most kSlowSpinUs: its waits are a chunk's time on the wire, not a round trip (Note [Lanes between
   // hosts] in host_lanes.cpp).

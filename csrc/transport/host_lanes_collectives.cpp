@@ -89,8 +89,9 @@ class LanePipeline {
     pace_waits();
   }
   void pace_waits() {
-    const bool slow = e_.chunk_ns_ > 0 && e_.chunk_ns_ > e_.slow_chunk_ns_;
-    c_.spin = slow ? std::min<std::chrono::steady_clock::duration>(e_.spin_, std::chrono::microseconds(HostLanes::kSlowSpinUs))
+    using std::chrono::microseconds;
+    const bool slow = e_.chunk_ns_ > e_.slow_chunk_ns_;   // (never before a measure: the threshold is >= 0)
+    c_.spin = slow ? std::min<std::chrono::steady_clock::duration>(e_.spin_, microseconds(HostLanes::kSlowSpinUs))
                    : e_.spin_;
     e_.wait_window_us_ = std::chrono::duration_cast<std::chrono::microseconds>(c_.spin).count();
   }

@@ -53,7 +53,7 @@ DEPTH = 4
 def spin_us() -> int:
     """NCCLAVG_HOSTS_SPIN_US, else the engine's own: how long a wait between hosts polls, yielding the core
     between polls, before it sleeps on UCX's event fd (Note [Lanes between hosts] in host_lanes.cpp)."""
-    return env_int("NCCLAVG_HOSTS_SPIN_US", _C.HostLanes.SPIN_US, 0, 1000000)
+    return env_int("NCCLAVG_HOSTS_SPIN_US", _C.HostLanes.SPIN_US, 0, _C.HostLanes.MAX_SPIN_US)
 
 
 def say_once(text: str) -> None:
